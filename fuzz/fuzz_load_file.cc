@@ -1,0 +1,41 @@
+// parse_load_history with format detection, then the invariants of a LoadHistory and a round
+// trip through eplb's writer.
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <string_view>
+
+#include "eplb/core/error.h"
+#include "eplb/stats/load_file.h"
+#include "fuzz_check.h"
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  using namespace eplb::stats;
+  const std::string_view content(reinterpret_cast<const char*>(data), size);
+  LoadHistory history;
+  try {
+    history = parse_load_history(content, {}, "<fuzz>");
+  } catch (const eplb::InvalidArgument&) {
+    return 0;
+  }
+  EPLB_FUZZ_ASSERT(history.steps > 0 && history.layers > 0 && history.experts > 0);
+  EPLB_FUZZ_ASSERT(history.format != LoadFormat::kAuto);
+  EPLB_FUZZ_ASSERT(history.values.size() ==
+                   static_cast<size_t>(history.steps * history.layers * history.experts));
+  for (const double v : history.values) EPLB_FUZZ_ASSERT(std::isfinite(v) && v >= 0);
+  const eplb::LoadMatrix sum = history.sum();
+  EPLB_FUZZ_ASSERT(sum.layers == history.layers && sum.experts == history.experts);
+
+  // Small histories only: a trace may legitimately expand into many dense values.
+  if (history.values.size() <= (size_t{1} << 16)) {
+    try {
+      const LoadHistory back = parse_load_history(format_load_eplb(history), {}, "<round trip>");
+      EPLB_FUZZ_ASSERT(back.steps == history.steps && back.layers == history.layers &&
+                       back.experts == history.experts && back.values == history.values);
+    } catch (const eplb::InvalidArgument&) {
+      EPLB_FUZZ_ASSERT(!"a written history did not read back");
+    }
+  }
+  return 0;
+}

@@ -1,0 +1,43 @@
+#pragma once
+// Metrics of a placement under a load (DESIGN.md): rank loads, balancedness, the lower bound,
+// moved slots. Replicas share their expert's load equally.
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "eplb/core/types.h"
+
+namespace eplb::placement {
+
+// Load of each rank of one layer: sum over its slots of w[e] / replica_count[e]. [ranks]
+std::vector<double> rank_loads(std::span<const double> load, std::span<const int32_t> phy2log,
+                               const Layout& layout);
+
+// Mean rank load / max rank load of one layer, in (0, 1]; 1 for an all-zero layer.
+double layer_balancedness(std::span<const double> load, std::span<const int32_t> phy2log,
+                          const Layout& layout);
+
+// The smallest max rank load any placement can reach on one layer:
+// max(total / G, min over replica counts summing to P of max_e w_e / r_e).
+double layer_lower_bound(std::span<const double> load, const Layout& layout);
+
+// Slots whose expert differs between two placements of the same shape (all layers).
+int64_t moved_slots(const Placement& before, const Placement& after);
+
+struct PlacementMetrics {
+  std::vector<double> balancedness;        // [layers]
+  std::vector<double> lower_bound_balancedness;  // [layers]: mean rank load / lower bound
+  std::vector<double> mean_rank_load;      // [layers]
+  std::vector<double> max_rank_load;       // [layers]
+  double balancedness_mean = 1;            // mean over layers
+  double balancedness_step = 1;            // sum_l mean_l / sum_l max_l
+  double lower_bound_mean = 1;             // mean over layers of lower_bound_balancedness
+  int64_t moved = -1;                      // vs previous, -1 when none given
+  std::vector<int64_t> moved_per_layer;    // [layers], empty when no previous
+};
+
+PlacementMetrics evaluate(const LoadMatrix& load, const Placement& placement, const Layout& layout,
+                          const Placement* previous = nullptr);
+
+}  // namespace eplb::placement

@@ -1,0 +1,13 @@
+#pragma once
+// `sticky`: migration-aware placement. Finds a placement whose balancedness is within
+// `tolerance` of balanced's on the same load while keeping as many slots as possible holding
+// the expert they hold in `previous`.
+
+#include "eplb/core/types.h"
+
+namespace eplb::placement {
+
+Placement sticky(const LoadMatrix& load, const Layout& layout, const Placement& previous,
+                 double tolerance, bool hierarchical);
+
+}  // namespace eplb::placement

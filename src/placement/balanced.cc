@@ -1,0 +1,352 @@
+// Placement: balanced. Per layer:
+//   Step 1 (hierarchical only): pack the groups' summed loads into nodes, groups/N per node.
+//   Step 2: replica counts that minimise the largest per-replica load w_e / r_e (greedy: each
+//           extra slot goes to the expert with the largest w_e / r_e; optimal for that max).
+//   Step 3: pack the replicas (load w_e / r_e each) into ranks of P/G slots, never two replicas
+//           of one expert on a rank: longest-processing-time first, then local search (swaps off
+//           the most loaded rank) until no swap lowers it or it is within 0.1% of the bound.
+//   Step 4: keep deepseek's layer instead where it is better and follows the same rules
+//           (happens only on tiny shapes).
+// Every rank is full after Step 3, so a "move" of a replica off the most loaded rank is always a
+// swap with a lighter replica of another rank; the swap search covers both.
+
+#include "eplb/placement/balanced.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <numeric>
+#include <queue>
+#include <span>
+#include <utility>
+#include <vector>
+
+#include "eplb/core/error.h"
+#include "eplb/placement/deepseek.h"
+#include "eplb/placement/metrics.h"
+
+namespace eplb::placement {
+namespace {
+
+// Relative margin below which a swap does not count as an improvement: keeps the local search
+// from cycling on rounding noise.
+constexpr double kMinGain = 1e-12;
+
+// The local search stops once the most loaded bin is within this fraction of the lower bound
+// max(total / bins, heaviest item): the last 0.1% would cost more rounds than all the rest.
+constexpr double kCloseEnough = 1e-3;
+
+// n items packed into `bins` bins of `capacity` items each (n == bins * capacity).
+// No bin holds two items of the same class (replicas of one expert share a class).
+struct Packing {
+  int64_t bins = 0;
+  int64_t capacity = 0;
+  std::vector<int32_t> item;   // [bins][capacity]: the item in each place
+  std::vector<double> load;    // [bins]: sum of the bin's item weights
+};
+
+// Step 2: replica counts for `slots` slots, at most `cap` replicas per expert (one per rank).
+// Each extra slot goes to the expert with the largest load per replica, lowest index on a tie.
+// [experts]
+std::vector<int32_t> replica_counts(std::span<const double> w, int64_t slots, int64_t cap) {
+  const int64_t n = static_cast<int64_t>(w.size());
+  std::vector<int32_t> count(w.size(), 1);
+  // Max-heap of (load per replica, -expert): the top is the expert served next.
+  std::vector<std::pair<double, int32_t>> heap;
+  heap.reserve(w.size());
+  for (int32_t e = 0; e < n; ++e) {
+    if (count[e] < cap) heap.emplace_back(w[e], -e);
+  }
+  std::make_heap(heap.begin(), heap.end());
+  for (int64_t extra = slots - n; extra > 0; --extra) {
+    EPLB_CHECK(!heap.empty(), "no expert can take another replica");
+    std::pop_heap(heap.begin(), heap.end());
+    const int32_t e = -heap.back().second;
+    heap.pop_back();
+    ++count[e];
+    if (count[e] < cap) {
+      heap.emplace_back(w[e] / count[e], -e);
+      std::push_heap(heap.begin(), heap.end());
+    }
+  }
+  return count;
+}
+
+// Step 3a: longest processing time first. Items by descending weight (index on a tie), each
+// into the lightest bin with room that holds no item of its class (lowest bin on a tie). When
+// every bin with room already holds the class, an item of another class moves from a full bin
+// into the bin with room, which frees a place for this one (always possible: the full bin holds
+// more distinct classes than the one with room).
+Packing pack_lpt(std::span<const double> weight, std::span<const int32_t> cls, int64_t classes,
+                 int64_t bins, int64_t capacity, std::vector<uint8_t>& holds) {
+  const int64_t n = static_cast<int64_t>(weight.size());
+  Packing pack{bins, capacity, std::vector<int32_t>(static_cast<size_t>(n), -1),
+               std::vector<double>(static_cast<size_t>(bins), 0.0)};
+  std::vector<int64_t> fill(static_cast<size_t>(bins), 0);
+  holds.assign(static_cast<size_t>(bins * classes), 0);
+  std::vector<std::pair<double, int32_t>> order(static_cast<size_t>(n));  // (-weight, item)
+  for (int32_t i = 0; i < n; ++i) order[i] = {-weight[i], i};
+  std::sort(order.begin(), order.end());
+  auto put = [&](int64_t b, int64_t pos, int32_t i) {
+    pack.item[b * capacity + pos] = i;
+    pack.load[b] += weight[i];
+    holds[b * classes + cls[i]] = 1;
+  };
+  // Bins with room, lightest first (lowest index on a tie).
+  auto heavier = [&](int64_t a, int64_t b) {
+    return pack.load[a] > pack.load[b] || (pack.load[a] == pack.load[b] && a > b);
+  };
+  std::vector<int64_t> open(static_cast<size_t>(bins));
+  std::iota(open.begin(), open.end(), 0);
+  std::vector<int64_t> skipped;
+  for (const auto& [unused, i] : order) {
+    int64_t best = -1;
+    while (!open.empty()) {
+      std::pop_heap(open.begin(), open.end(), heavier);
+      const int64_t b = open.back();
+      open.pop_back();
+      if (!holds[b * classes + cls[i]]) {
+        best = b;
+        break;
+      }
+      skipped.push_back(b);
+    }
+    if (best >= 0) {
+      put(best, fill[best]++, i);
+      if (fill[best] < capacity) skipped.push_back(best);
+    }
+    for (const int64_t b : skipped) {
+      open.push_back(b);
+      std::push_heap(open.begin(), open.end(), heavier);
+    }
+    skipped.clear();
+    if (best >= 0) continue;
+    // Repair: `room` has space but holds the class; `full` lacks it.
+    int64_t room = -1, full = -1;
+    for (int64_t b = 0; b < bins; ++b) {
+      if (fill[b] < capacity && (room < 0 || pack.load[b] < pack.load[room])) room = b;
+      if (!holds[b * classes + cls[i]] && (full < 0 || pack.load[b] < pack.load[full])) full = b;
+    }
+    EPLB_CHECK(room >= 0 && full >= 0, "no bin can take item ", i);
+    int64_t pos = 0;
+    while (pos < capacity && holds[room * classes + cls[pack.item[full * capacity + pos]]]) ++pos;
+    EPLB_CHECK_LT(pos, capacity, "no item can leave the full bin");
+    const int32_t moved = pack.item[full * capacity + pos];
+    pack.load[full] -= weight[moved];
+    holds[full * classes + cls[moved]] = 0;
+    put(room, fill[room]++, moved);
+    put(full, pos, i);
+    open.clear();  // two loads changed: rebuild the heap
+    for (int64_t b = 0; b < bins; ++b) {
+      if (fill[b] < capacity) open.push_back(b);
+    }
+    std::make_heap(open.begin(), open.end(), heavier);
+  }
+  return pack;
+}
+
+// Step 3b: while some swap of an item on the most loaded bin with a lighter item of another bin
+// lowers the larger of the two bins' loads below the old maximum, apply the best such swap.
+// Each step lowers the sorted vector of bin loads, so the search ends.
+void improve_by_swaps(Packing& pack, std::span<const double> weight,
+                      std::span<const int32_t> cls, int64_t classes,
+                      std::vector<uint8_t>& holds, double good_enough) {
+  const int64_t bins = pack.bins;
+  const int64_t cap = pack.capacity;
+  if (bins < 2) return;
+  std::vector<std::pair<double, int64_t>> lighter(static_cast<size_t>(bins));  // (load, bin)
+  for (int64_t round = 0; round < 64 * bins * cap; ++round) {
+    for (int64_t b = 0; b < bins; ++b) lighter[b] = {pack.load[b], b};
+    std::sort(lighter.begin(), lighter.end());
+    const int64_t g = lighter.back().second;
+    const double top = pack.load[g];
+    if (top <= good_enough) return;
+    double best = top - kMinGain * top;
+    int64_t best_a = -1, best_b = -1;
+    for (int64_t k = 0; k + 1 < bins; ++k) {
+      const auto [lh, h] = lighter[k];
+      // The best a swap with h can reach is the mean of the two loads; bins come lightest
+      // first, so no later bin can beat `best` either.
+      if (0.5 * (top + lh) >= best) break;
+      for (int64_t pa = g * cap; pa < (g + 1) * cap; ++pa) {
+        const int32_t ia = pack.item[pa];
+        if (holds[h * classes + cls[ia]]) continue;
+        const double wa = weight[ia];
+        for (int64_t pb = h * cap; pb < (h + 1) * cap; ++pb) {
+          const int32_t ib = pack.item[pb];
+          const double delta = wa - weight[ib];
+          if (delta <= 0 || holds[g * classes + cls[ib]]) continue;
+          const double peak = std::max(top - delta, lh + delta);
+          if (peak < best) {
+            best = peak;
+            best_a = pa;
+            best_b = pb;
+          }
+        }
+      }
+    }
+    if (best_a < 0) return;
+    const int64_t h = best_b / cap;
+    const int32_t ia = pack.item[best_a];
+    const int32_t ib = pack.item[best_b];
+    const double delta = weight[ia] - weight[ib];
+    pack.item[best_a] = ib;
+    pack.item[best_b] = ia;
+    pack.load[g] -= delta;
+    pack.load[h] += delta;
+    holds[g * classes + cls[ia]] = 0;
+    holds[h * classes + cls[ib]] = 0;
+    holds[g * classes + cls[ib]] = 1;
+    holds[h * classes + cls[ia]] = 1;
+  }
+}
+
+// Steps 3a and 3b together.
+Packing pack_balanced(std::span<const double> weight, std::span<const int32_t> cls,
+                      int64_t classes, int64_t bins, int64_t capacity) {
+  std::vector<uint8_t> holds;  // [bins][classes]
+  Packing pack = pack_lpt(weight, cls, classes, bins, capacity, holds);
+  double total = 0, heaviest = 0;
+  for (const double v : weight) {
+    total += v;
+    heaviest = std::max(heaviest, v);
+  }
+  const double bound = std::max(total / static_cast<double>(bins), heaviest);
+  improve_by_swaps(pack, weight, cls, classes, holds, bound * (1 + kCloseEnough));
+  return pack;
+}
+
+// Steps 2 and 3 for one set of experts on one set of ranks. `experts` lists the global ids;
+// writes phy2log[first_slot .. first_slot + ranks * slots_per_rank), each rank's experts in
+// ascending id order.
+void place_experts(std::span<const double> w, std::span<const int32_t> experts, int64_t ranks,
+                   int64_t slots_per_rank, int64_t first_slot, std::span<int32_t> phy2log) {
+  const int64_t n = static_cast<int64_t>(experts.size());
+  std::vector<double> local(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) local[i] = w[experts[i]];
+  const std::vector<int32_t> count = replica_counts(local, ranks * slots_per_rank, ranks);
+
+  // One item per replica: weight w_e / r_e, class e (local index).
+  std::vector<double> weight;
+  std::vector<int32_t> cls;
+  weight.reserve(static_cast<size_t>(ranks * slots_per_rank));
+  cls.reserve(weight.capacity());
+  for (int32_t i = 0; i < n; ++i) {
+    for (int32_t k = 0; k < count[i]; ++k) {
+      weight.push_back(local[i] / count[i]);
+      cls.push_back(i);
+    }
+  }
+  const Packing pack = pack_balanced(weight, cls, n, ranks, slots_per_rank);
+  std::vector<int32_t> rank_experts(static_cast<size_t>(slots_per_rank));
+  for (int64_t r = 0; r < ranks; ++r) {
+    for (int64_t k = 0; k < slots_per_rank; ++k) {
+      rank_experts[k] = experts[cls[pack.item[r * slots_per_rank + k]]];
+    }
+    std::sort(rank_experts.begin(), rank_experts.end());
+    std::copy(rank_experts.begin(), rank_experts.end(),
+              phy2log.begin() + first_slot + r * slots_per_rank);
+  }
+}
+
+// Step 1: the experts of each node, [nodes][E/N], ordered by (position of the group in the
+// node's pack, offset in the group) as deepseek orders them.
+std::vector<int32_t> experts_by_node(std::span<const double> w, const Layout& layout) {
+  const int64_t per_group = layout.experts / layout.groups;
+  std::vector<double> group_load(static_cast<size_t>(layout.groups), 0.0);
+  std::vector<int32_t> group_cls(static_cast<size_t>(layout.groups));
+  for (int64_t k = 0; k < layout.groups; ++k) {
+    group_cls[k] = static_cast<int32_t>(k);
+    for (int64_t j = 0; j < per_group; ++j) group_load[k] += w[k * per_group + j];
+  }
+  const int64_t per_node = layout.groups / layout.nodes;
+  const Packing pack = pack_balanced(group_load, group_cls, layout.groups, layout.nodes, per_node);
+  std::vector<int32_t> out;
+  out.reserve(static_cast<size_t>(layout.experts));
+  for (int64_t n = 0; n < layout.nodes; ++n) {
+    for (int64_t pos = 0; pos < per_node; ++pos) {
+      const int64_t k = pack.item[n * per_node + pos];
+      for (int64_t j = 0; j < per_group; ++j) out.push_back(static_cast<int32_t>(k * per_group + j));
+    }
+  }
+  return out;
+}
+
+// Step 4 helper: whether a layer's placement keeps at most one replica of an expert per rank.
+bool one_replica_per_rank(std::span<const int32_t> phy2log, int64_t slots_per_rank) {
+  std::vector<int32_t> rank(static_cast<size_t>(slots_per_rank));
+  for (size_t first = 0; first < phy2log.size(); first += slots_per_rank) {
+    std::copy(phy2log.begin() + first, phy2log.begin() + first + slots_per_rank, rank.begin());
+    std::sort(rank.begin(), rank.end());
+    if (std::adjacent_find(rank.begin(), rank.end()) != rank.end()) return false;
+  }
+  return true;
+}
+
+void check_balanced_inputs(const LoadMatrix& load, const Layout& layout, bool hierarchical) {
+  layout.validate();
+  load.validate();
+  if (load.experts != layout.experts) {
+    fail("the load has ", load.experts, " experts per layer but the layout has ", layout.experts);
+  }
+  if (hierarchical && layout.groups % layout.nodes != 0) {
+    fail("hierarchical placement needs groups ", layout.groups, " to be a multiple of nodes ",
+         layout.nodes, " (whole groups are packed onto nodes); drop --hierarchical or change "
+         "--groups");
+  }
+  const int64_t experts = hierarchical ? layout.experts / layout.nodes : layout.experts;
+  if (layout.slots_per_rank() > experts) {
+    fail("each rank holds ", layout.slots_per_rank(), " slots but only ", experts,
+         hierarchical ? " experts live on each node" : " experts exist",
+         ", so a rank would hold two replicas of one expert (need physical / ranks <= ",
+         experts, ")");
+  }
+}
+
+}  // namespace
+
+Placement balanced(const LoadMatrix& load, const Layout& layout, bool hierarchical) {
+  check_balanced_inputs(load, layout, hierarchical);
+  Placement out(load.layers, layout.experts, layout.physical);
+  const int64_t spr = layout.slots_per_rank();
+  std::vector<int32_t> all(static_cast<size_t>(layout.experts));
+  std::iota(all.begin(), all.end(), 0);
+  for (int64_t l = 0; l < load.layers; ++l) {
+    const std::span<const double> w = load.row(l);
+    const std::span<int32_t> phy2log = out.layer_phy2log(l);
+    if (!hierarchical) {
+      place_experts(w, all, layout.ranks, spr, 0, phy2log);
+      continue;
+    }
+    const std::vector<int32_t> node_experts = experts_by_node(w, layout);
+    const int64_t per_node = layout.experts / layout.nodes;
+    const int64_t rpn = layout.ranks_per_node();
+    for (int64_t n = 0; n < layout.nodes; ++n) {
+      place_experts(w, std::span<const int32_t>(node_experts).subspan(n * per_node, per_node), rpn,
+                    spr, n * rpn * spr, phy2log);
+    }
+  }
+  // Step 4: on small shapes (2-3 slots per rank) the local search can stop above deepseek's
+  // packing; where deepseek's layer is better and keeps the rules, take it (each rank's experts
+  // in ascending order). Where deepseek's better layer puts two replicas of an expert on one
+  // rank it cannot be taken; that happens only with 2-3 slots per rank.
+  // deepseek is hierarchical exactly when groups % nodes == 0, so its layers keep whole groups
+  // on one node whenever `hierarchical` is allowed.
+  const Placement reference = deepseek(load, layout);
+  for (int64_t l = 0; l < load.layers; ++l) {
+    const std::span<const int32_t> theirs = reference.layer_phy2log(l);
+    const std::span<int32_t> ours = out.layer_phy2log(l);
+    if (layer_balancedness(load.row(l), theirs, layout) <=
+            layer_balancedness(load.row(l), ours, layout) ||
+        !one_replica_per_rank(theirs, spr)) {
+      continue;
+    }
+    std::copy(theirs.begin(), theirs.end(), ours.begin());
+    for (int64_t r = 0; r < layout.ranks; ++r) {
+      std::sort(ours.begin() + r * spr, ours.begin() + (r + 1) * spr);
+    }
+  }
+  out.derive_from_phy2log();
+  return out;
+}
+
+}  // namespace eplb::placement

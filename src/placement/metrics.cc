@@ -1,0 +1,196 @@
+// Metrics of a placement under a load (DESIGN.md). Computed in double; replicas share their
+// expert's load equally.
+
+#include "eplb/placement/metrics.h"
+
+#include <algorithm>
+#include <limits>
+#include <queue>
+#include <utility>
+#include <vector>
+
+#include "eplb/core/error.h"
+
+namespace eplb::placement {
+namespace {
+
+void check_load(std::span<const double> load, const Layout& layout) {
+  if (static_cast<int64_t>(load.size()) != layout.experts) {
+    fail("the load of a layer has ", load.size(), " experts but the layout has ",
+         layout.experts);
+  }
+  for (size_t e = 0; e < load.size(); ++e) {
+    if (!(load[e] >= 0) || load[e] > std::numeric_limits<double>::max()) {
+      fail("load of expert ", e, " is ", load[e], " (loads must be finite and non-negative)");
+    }
+  }
+}
+
+// Replica count of each expert in one layer's phy2log, after checking its shape. [experts]
+std::vector<int32_t> count_replicas(std::span<const int32_t> phy2log, const Layout& layout) {
+  if (static_cast<int64_t>(phy2log.size()) != layout.physical) {
+    fail("phy2log of a layer has ", phy2log.size(), " slots but the layout has ",
+         layout.physical);
+  }
+  std::vector<int32_t> count(static_cast<size_t>(layout.experts), 0);
+  for (size_t p = 0; p < phy2log.size(); ++p) {
+    const int32_t e = phy2log[p];
+    if (e < 0 || e >= layout.experts) {
+      fail("slot ", p, " holds expert ", e, ", outside [0, ", layout.experts, ")");
+    }
+    ++count[e];
+  }
+  for (size_t e = 0; e < count.size(); ++e) {
+    if (count[e] == 0) fail("expert ", e, " has no slot (every expert needs a replica)");
+  }
+  return count;
+}
+
+std::vector<double> rank_loads_unchecked(std::span<const double> load,
+                                         std::span<const int32_t> phy2log,
+                                         std::span<const int32_t> count, const Layout& layout) {
+  std::vector<double> out(static_cast<size_t>(layout.ranks), 0.0);
+  const int64_t per_rank = layout.slots_per_rank();
+  for (int64_t p = 0; p < layout.physical; ++p) {
+    const int32_t e = phy2log[p];
+    out[p / per_rank] += load[e] / count[e];
+  }
+  return out;
+}
+
+double ratio_or_one(double num, double den) { return den > 0 ? num / den : 1.0; }
+
+}  // namespace
+
+std::vector<double> rank_loads(std::span<const double> load, std::span<const int32_t> phy2log,
+                               const Layout& layout) {
+  layout.validate();
+  check_load(load, layout);
+  const std::vector<int32_t> count = count_replicas(phy2log, layout);
+  return rank_loads_unchecked(load, phy2log, count, layout);
+}
+
+double layer_balancedness(std::span<const double> load, std::span<const int32_t> phy2log,
+                          const Layout& layout) {
+  const std::vector<double> ranks = rank_loads(load, phy2log, layout);
+  double total = 0, most = 0;
+  for (const double r : ranks) {
+    total += r;
+    most = std::max(most, r);
+  }
+  return ratio_or_one(total / static_cast<double>(ranks.size()), most);
+}
+
+double layer_lower_bound(std::span<const double> load, const Layout& layout) {
+  layout.validate();
+  check_load(load, layout);
+  // Step 1: the per-replica bound. Giving each further replica to the expert with the largest
+  // per-replica load is optimal for min over counts of max_e w_e / r_e (an exchange argument:
+  // any count vector reaching a smaller maximum must give each expert at least as many replicas
+  // as the greedy one has when it first reaches that maximum). Heap on (w / r, lowest e first).
+  double total = 0;
+  for (const double w : load) total += w;
+  using Entry = std::pair<double, int64_t>;  // (per-replica load, expert)
+  const auto lower_priority = [](const Entry& a, const Entry& b) {
+    return a.first < b.first || (a.first == b.first && a.second > b.second);
+  };
+  std::vector<Entry> entries;
+  entries.reserve(load.size());
+  for (size_t e = 0; e < load.size(); ++e) entries.emplace_back(load[e], static_cast<int64_t>(e));
+  std::priority_queue<Entry, std::vector<Entry>, decltype(lower_priority)> heap(
+      lower_priority, std::move(entries));
+  std::vector<int64_t> count(load.size(), 1);
+  for (int64_t extra = layout.redundant(); extra > 0; --extra) {
+    const int64_t e = heap.top().second;
+    heap.pop();
+    ++count[e];
+    heap.emplace(load[e] / static_cast<double>(count[e]), e);
+  }
+  const double per_replica = heap.top().first;
+  // Step 2: no rank can carry less than the mean.
+  return std::max(total / static_cast<double>(layout.ranks), per_replica);
+}
+
+int64_t moved_slots(const Placement& before, const Placement& after) {
+  if (before.layers != after.layers || before.physical != after.physical ||
+      before.phy2log.size() != after.phy2log.size()) {
+    fail("cannot compare placements of different shapes: ", before.layers, " layers x ",
+         before.physical, " slots vs ", after.layers, " layers x ", after.physical, " slots");
+  }
+  int64_t moved = 0;
+  for (size_t i = 0; i < before.phy2log.size(); ++i) {
+    moved += before.phy2log[i] != after.phy2log[i] ? 1 : 0;
+  }
+  return moved;
+}
+
+PlacementMetrics evaluate(const LoadMatrix& load, const Placement& placement, const Layout& layout,
+                          const Placement* previous) {
+  layout.validate();
+  load.validate();
+  if (load.experts != layout.experts) {
+    fail("the load has ", load.experts, " experts per layer but the layout has ", layout.experts);
+  }
+  if (placement.layers != load.layers || placement.experts != layout.experts ||
+      placement.physical != layout.physical) {
+    fail("the placement has ", placement.layers, " layers, ", placement.experts, " experts, ",
+         placement.physical, " physical slots; the load and layout need ", load.layers, ", ",
+         layout.experts, ", ", layout.physical);
+  }
+  if (placement.phy2log.size() != static_cast<size_t>(placement.layers * placement.physical)) {
+    fail("the placement's phy2log holds ", placement.phy2log.size(), " entries, expected ",
+         placement.layers, " x ", placement.physical);
+  }
+
+  PlacementMetrics m;
+  const size_t layers = static_cast<size_t>(load.layers);
+  m.balancedness.resize(layers);
+  m.lower_bound_balancedness.resize(layers);
+  m.mean_rank_load.resize(layers);
+  m.max_rank_load.resize(layers);
+  double sum_balancedness = 0, sum_bound = 0, sum_mean = 0, sum_max = 0;
+  for (int64_t l = 0; l < load.layers; ++l) {
+    const std::span<const double> w = load.row(l);
+    const std::span<const int32_t> phy2log = placement.layer_phy2log(l);
+    const std::vector<int32_t> count = count_replicas(phy2log, layout);
+    const std::vector<double> ranks = rank_loads_unchecked(w, phy2log, count, layout);
+    double total = 0, most = 0;
+    for (const double r : ranks) {
+      total += r;
+      most = std::max(most, r);
+    }
+    const double mean = total / static_cast<double>(layout.ranks);
+    m.mean_rank_load[l] = mean;
+    m.max_rank_load[l] = most;
+    m.balancedness[l] = ratio_or_one(mean, most);
+    m.lower_bound_balancedness[l] = ratio_or_one(mean, layer_lower_bound(w, layout));
+    sum_balancedness += m.balancedness[l];
+    sum_bound += m.lower_bound_balancedness[l];
+    sum_mean += mean;
+    sum_max += most;
+  }
+  m.balancedness_mean = sum_balancedness / static_cast<double>(layers);
+  m.lower_bound_mean = sum_bound / static_cast<double>(layers);
+  m.balancedness_step = ratio_or_one(sum_mean, sum_max);
+
+  if (previous != nullptr) {
+    if (previous->layers != placement.layers || previous->physical != placement.physical ||
+        previous->phy2log.size() != placement.phy2log.size()) {
+      fail("the previous placement has ", previous->layers, " layers x ", previous->physical,
+           " slots; the new one has ", placement.layers, " x ", placement.physical);
+    }
+    m.moved_per_layer.assign(layers, 0);
+    m.moved = 0;
+    for (int64_t l = 0; l < load.layers; ++l) {
+      const std::span<const int32_t> a = previous->layer_phy2log(l);
+      const std::span<const int32_t> b = placement.layer_phy2log(l);
+      int64_t moved = 0;
+      for (size_t p = 0; p < a.size(); ++p) moved += a[p] != b[p] ? 1 : 0;
+      m.moved_per_layer[l] = moved;
+      m.moved += moved;
+    }
+  }
+  return m;
+}
+
+}  // namespace eplb::placement

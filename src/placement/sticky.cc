@@ -1,0 +1,710 @@
+// Placement: sticky. Per layer:
+//   Step 1: the target. balanced's placement of the same load has balancedness b; any
+//           placement whose largest rank load is at most cap = mean rank load / (b - tolerance)
+//           is good enough (the mean does not depend on the placement).
+//   Step 2: the fallback: balanced's placement relabelled onto the previous one: its ranks
+//           matched to the previous ranks so that most experts stay on their rank (Hungarian
+//           assignment; nodes first when hierarchical), and each expert that stays keeps its
+//           old slot.
+//   Step 3: incremental: start from the previous placement, clear the slots that break the
+//           rules (a second replica on a rank; in hierarchical mode an expert on another node
+//           than its group's), fill them, then lower the most loaded rank with the cheapest
+//           action (in moved slots) until it is at most the cap:
+//             swap        two slots of different ranks trade experts
+//             replicate   a slot elsewhere takes a second replica of an expert of the top rank
+//             replace     a slot of the top rank gives up a redundant replica for another
+//                         expert
+//           In hierarchical mode, groups keep the node that holds most of their slots (or
+//           balanced's nodes, relabelled, when that assignment cannot reach the cap).
+//   Step 4: keep the candidate that reaches the target with the fewest moved slots. Step 3 runs
+//           first with a small budget (1/8 of the slots); only when that fails are Step 2 and
+//           the rest of Step 3 (budget: the fallback's moves) run.
+// The tolerance is per layer: every layer's balancedness is at least balanced's minus it, so
+// the mean over layers and the step-weighted figure are too.
+
+#include "eplb/placement/sticky.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <numeric>
+#include <optional>
+#include <span>
+#include <utility>
+#include <vector>
+
+#include "eplb/core/error.h"
+#include "eplb/placement/balanced.h"
+#include "eplb/placement/metrics.h"
+
+namespace eplb::placement {
+namespace {
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+// Relative margin an action must lower the top rank by: keeps the search off rounding noise.
+constexpr double kMinGain = 1e-12;
+// An incremental result moving at most 1/kFewMoved of the slots is kept without computing the
+// relabelled fallback: a fresh packing relabelled keeps far fewer slots than that.
+constexpr int64_t kFewMoved = 8;
+
+int64_t count_moved(std::span<const int32_t> before, std::span<const int32_t> after) {
+  int64_t moved = 0;
+  for (size_t p = 0; p < before.size(); ++p) moved += before[p] != after[p];
+  return moved;
+}
+
+// Minimum-cost perfect matching of an n x n matrix (Hungarian algorithm, O(n^3)).
+// cost: [n][n]. Returns match[row] = column. Deterministic: ties go to the lowest index.
+std::vector<int64_t> min_cost_matching(std::span<const int64_t> cost, int64_t n) {
+  constexpr int64_t kBig = std::numeric_limits<int64_t>::max() / 4;
+  std::vector<int64_t> u(n + 1, 0), v(n + 1, 0), col_row(n + 1, 0), way(n + 1, 0);
+  for (int64_t i = 1; i <= n; ++i) {
+    col_row[0] = i;
+    int64_t j0 = 0;
+    std::vector<int64_t> minv(n + 1, kBig);
+    std::vector<char> used(n + 1, 0);
+    do {
+      used[j0] = 1;
+      const int64_t i0 = col_row[j0];
+      int64_t delta = kBig, j1 = 0;
+      for (int64_t j = 1; j <= n; ++j) {
+        if (used[j]) continue;
+        const int64_t cur = cost[(i0 - 1) * n + (j - 1)] - u[i0] - v[j];
+        if (cur < minv[j]) {
+          minv[j] = cur;
+          way[j] = j0;
+        }
+        if (minv[j] < delta) {
+          delta = minv[j];
+          j1 = j;
+        }
+      }
+      for (int64_t j = 0; j <= n; ++j) {
+        if (used[j]) {
+          u[col_row[j]] += delta;
+          v[j] -= delta;
+        } else {
+          minv[j] -= delta;
+        }
+      }
+      j0 = j1;
+    } while (col_row[j0] != 0);
+    do {
+      const int64_t j1 = way[j0];
+      col_row[j0] = col_row[j1];
+      j0 = j1;
+    } while (j0 != 0);
+  }
+  std::vector<int64_t> match(n, -1);
+  for (int64_t j = 1; j <= n; ++j) match[col_row[j] - 1] = j - 1;
+  return match;
+}
+
+// Step 2 helper: writes the experts of new rank `from` (slots of `fresh`) into old rank `to`
+// of `out`, each expert the old rank held staying in its old slot, the others filling the free
+// slots in ascending expert order.
+void relabel_rank(std::span<const int32_t> fresh, std::span<const int32_t> prev, int64_t from,
+                  int64_t to, int64_t spr, std::span<int32_t> out) {
+  std::vector<int32_t> incoming(fresh.begin() + from * spr, fresh.begin() + (from + 1) * spr);
+  std::sort(incoming.begin(), incoming.end());
+  std::vector<char> placed(static_cast<size_t>(spr), 0);
+  for (int64_t k = 0; k < spr; ++k) {
+    const int32_t e = prev[to * spr + k];
+    const auto it = std::find(incoming.begin(), incoming.end(), e);
+    if (it != incoming.end() && !placed[it - incoming.begin()]) {
+      placed[it - incoming.begin()] = 1;
+      out[to * spr + k] = e;
+    } else {
+      out[to * spr + k] = -1;
+    }
+  }
+  int64_t next = 0;
+  for (int64_t k = 0; k < spr; ++k) {
+    if (out[to * spr + k] >= 0) continue;
+    while (placed[next]) ++next;
+    placed[next] = 1;
+    out[to * spr + k] = incoming[next];
+  }
+}
+
+// How many experts ranks `a` (of `fresh`) and `b` (of `prev`) hold in common.
+int64_t rank_overlap(std::span<const int32_t> fresh, std::span<const int32_t> prev, int64_t a,
+                     int64_t b, int64_t spr) {
+  int64_t common = 0;
+  for (int64_t i = 0; i < spr; ++i) {
+    const int32_t e = fresh[a * spr + i];
+    for (int64_t k = 0; k < spr; ++k) {
+      if (prev[b * spr + k] == e) {
+        ++common;
+        break;
+      }
+    }
+  }
+  return common;
+}
+
+// Step 2: `fresh` relabelled onto `prev`. Hierarchical: nodes are matched first (whole nodes
+// keep their groups together), then ranks within each matched pair of nodes.
+std::vector<int32_t> relabel(std::span<const int32_t> fresh, std::span<const int32_t> prev,
+                             const Layout& layout, bool hierarchical) {
+  const int64_t spr = layout.slots_per_rank();
+  const int64_t nodes = hierarchical ? layout.nodes : 1;
+  const int64_t rpn = layout.ranks / nodes;
+  std::vector<int64_t> overlap(static_cast<size_t>(layout.ranks * layout.ranks));  // [new][old]
+  for (int64_t a = 0; a < layout.ranks; ++a) {
+    for (int64_t b = 0; b < layout.ranks; ++b) {
+      overlap[a * layout.ranks + b] = rank_overlap(fresh, prev, a, b, spr);
+    }
+  }
+  std::vector<int64_t> node_match(static_cast<size_t>(nodes), 0);
+  if (nodes > 1) {
+    std::vector<int64_t> cost(static_cast<size_t>(nodes * nodes), 0);
+    for (int64_t a = 0; a < layout.ranks; ++a) {
+      for (int64_t b = 0; b < layout.ranks; ++b) {
+        cost[(a / rpn) * nodes + b / rpn] -= overlap[a * layout.ranks + b];
+      }
+    }
+    node_match = min_cost_matching(cost, nodes);
+  }
+  std::vector<int32_t> out(prev.size(), -1);
+  std::vector<int64_t> cost(static_cast<size_t>(rpn * rpn));
+  for (int64_t n = 0; n < nodes; ++n) {
+    const int64_t m = node_match[n];
+    for (int64_t a = 0; a < rpn; ++a) {
+      for (int64_t b = 0; b < rpn; ++b) {
+        cost[a * rpn + b] = -overlap[(n * rpn + a) * layout.ranks + m * rpn + b];
+      }
+    }
+    const std::vector<int64_t> match = min_cost_matching(cost, rpn);
+    for (int64_t a = 0; a < rpn; ++a) {
+      relabel_rank(fresh, prev, n * rpn + a, m * rpn + match[a], spr, out);
+    }
+  }
+  return out;
+}
+
+// Step 3: the incremental search on one layer. Each expert may live only on the ranks of its
+// node (`node_of_expert`, empty: anywhere).
+class Incremental {
+ public:
+  // Step 3a happens here: the previous placement, repaired and filled.
+  Incremental(std::span<const double> w, std::span<const int32_t> prev, const Layout& layout,
+              std::span<const int32_t> node_of_expert)
+      : w_(w), prev_(prev), node_of_expert_(node_of_expert),
+        experts_(static_cast<int32_t>(layout.experts)), ranks_(layout.ranks),
+        spr_(layout.slots_per_rank()), rpn_(layout.ranks_per_node()), cur_(prev.size(), -1),
+        count_(static_cast<size_t>(experts_), 0),
+        holds_(static_cast<size_t>(ranks_ * experts_), 0), load_(static_cast<size_t>(ranks_)),
+        prev_start_(static_cast<size_t>(experts_ + 1), 0), prev_slots_(prev.size()),
+        share_(static_cast<size_t>(experts_)), share_up_(share_.size()),
+        share_down_(share_.size()), slot_rank_(prev.size()) {
+    for (size_t p = 0; p < prev.size(); ++p) {
+      slot_rank_[p] = static_cast<int32_t>(static_cast<int64_t>(p) / spr_);
+    }
+    for (const int32_t e : prev) ++prev_start_[e + 1];
+    std::partial_sum(prev_start_.begin(), prev_start_.end(), prev_start_.begin());
+    std::vector<int64_t> next(prev_start_.begin(), prev_start_.end() - 1);
+    for (size_t p = 0; p < prev.size(); ++p) {
+      prev_slots_[next[prev[p]]++] = static_cast<int64_t>(p);
+    }
+    clear_and_fill();
+    for (int32_t e = 0; e < experts_; ++e) update_shares(e);
+    recompute_loads();
+    moved_ = count_moved(prev_, cur_);
+  }
+
+  // Step 3b: lowers the top rank until it is at most `cap` (true) or no action helps, more than
+  // `budget` slots have moved, or the round limit is spent (false). May be called again with a
+  // larger budget; it goes on from where it stopped.
+  bool run(double cap, int64_t budget) {
+    const int64_t max_rounds = 4 * static_cast<int64_t>(cur_.size());
+    while (moved_ <= budget && rounds_ < max_rounds) {
+      const int64_t g = top_rank();
+      if (load_[g] <= cap) return true;
+      if (!lower_top(g, cap)) return false;
+      ++rounds_;
+    }
+    return false;
+  }
+
+  std::span<const int32_t> slots() const { return cur_; }
+  int64_t moved() const { return moved_; }
+
+ private:
+  int64_t rank_of(int64_t slot) const { return slot_rank_[slot]; }
+  bool allowed(int32_t e, int64_t rank) const {
+    return node_of_expert_.empty() || node_of_expert_[e] == rank / rpn_;
+  }
+  bool holds(int64_t rank, int32_t e) const { return holds_[rank * experts_ + e] != 0; }
+  // Cost in moved slots of putting expert e into slot p in place of its current expert.
+  int64_t cost(int64_t p, int32_t e) const {
+    return static_cast<int64_t>(e != prev_[p]) - static_cast<int64_t>(cur_[p] != prev_[p]);
+  }
+
+  void set(int64_t p, int32_t e) {
+    const int64_t r = rank_of(p);
+    if (cur_[p] >= 0) {
+      holds_[r * experts_ + cur_[p]] = 0;
+      --count_[cur_[p]];
+    }
+    cur_[p] = e;
+    if (e >= 0) {
+      holds_[r * experts_ + e] = 1;
+      ++count_[e];
+    }
+  }
+
+  // Load per replica of e now, with one more replica and with one fewer.
+  void update_shares(int32_t e) {
+    const double c = count_[e];
+    share_[e] = c > 0 ? w_[e] / c : kInf;
+    share_up_[e] = w_[e] / (c + 1);
+    share_down_[e] = c >= 2 ? w_[e] / (c - 1) : kInf;
+  }
+
+  // Keep every previous slot that follows the rules; give every expert without a slot one
+  // (freeing redundant replicas when there are too few free slots); fill what is left with
+  // extra replicas of the experts with the largest load per replica.
+  void clear_and_fill() {
+    const int64_t slots = static_cast<int64_t>(cur_.size());
+    for (int64_t p = 0; p < slots; ++p) {
+      const int32_t e = prev_[p];
+      if (allowed(e, rank_of(p)) && !holds(rank_of(p), e)) set(p, e);
+    }
+    std::vector<int32_t> missing;
+    for (int32_t e = 0; e < experts_; ++e) {
+      if (count_[e] == 0) missing.push_back(e);
+    }
+    std::stable_sort(missing.begin(), missing.end(),
+                     [&](int32_t a, int32_t b) { return w_[a] > w_[b]; });
+    for (const int32_t e : missing) place_missing(e);
+    for (int64_t p = 0; p < slots; ++p) {
+      if (cur_[p] >= 0) continue;
+      int32_t best = -1;
+      for (int32_t e = 0; e < experts_; ++e) {
+        if (!allowed(e, rank_of(p)) || holds(rank_of(p), e)) continue;
+        if (best < 0 || w_[e] * count_[best] > w_[best] * count_[e]) best = e;
+      }
+      EPLB_CHECK(best >= 0, "no expert can fill slot ", p);
+      set(p, best);
+    }
+  }
+
+  // A free slot for expert e: on an allowed rank without e, the rank whose filled slots carry
+  // the least load (lowest slot on a tie); if none is free, the slot of the redundant replica
+  // whose loss costs least.
+  void place_missing(int32_t e) {
+    const int64_t slots = static_cast<int64_t>(cur_.size());
+    int64_t best = -1;
+    double best_load = kInf;
+    for (int64_t p = 0; p < slots; ++p) {
+      if (cur_[p] >= 0 || !allowed(e, rank_of(p)) || holds(rank_of(p), e)) continue;
+      double rank_load = 0;
+      for (int64_t k = rank_of(p) * spr_; k < (rank_of(p) + 1) * spr_; ++k) {
+        if (cur_[k] >= 0) rank_load += w_[cur_[k]] / count_[cur_[k]];
+      }
+      if (rank_load < best_load) {
+        best = p;
+        best_load = rank_load;
+      }
+    }
+    if (best < 0) {
+      double best_after = kInf;
+      for (int64_t p = 0; p < slots; ++p) {
+        const int32_t x = cur_[p];
+        if (x < 0 || count_[x] < 2 || !allowed(e, rank_of(p)) || holds(rank_of(p), e)) continue;
+        const double after = w_[x] / (count_[x] - 1);
+        if (after < best_after) {
+          best = p;
+          best_after = after;
+        }
+      }
+    }
+    EPLB_CHECK(best >= 0, "no slot can take expert ", e);
+    set(best, e);
+  }
+
+  void recompute_loads() {
+    std::fill(load_.begin(), load_.end(), 0.0);
+    for (size_t p = 0; p < cur_.size(); ++p) load_[rank_of(p)] += share_[cur_[p]];
+  }
+
+  int64_t top_rank() const {
+    return std::max_element(load_.begin(), load_.end()) - load_.begin();
+  }
+
+  // Per round: the moved slots, and the ranks by ascending load.
+  void index_round() {
+    moved_slots_.clear();
+    for (size_t p = 0; p < cur_.size(); ++p) {
+      if (cur_[p] != prev_[p]) moved_slots_.push_back(static_cast<int64_t>(p));
+    }
+    by_load_.resize(static_cast<size_t>(ranks_));
+    for (int64_t r = 0; r < ranks_; ++r) by_load_[r] = {load_[r], r};
+    std::sort(by_load_.begin(), by_load_.end());
+    holders_indexed_ = false;
+  }
+
+  // On the first use in a round: the two most loaded ranks holding each expert (so the largest
+  // load among its holders other than a given rank is O(1)), and the slots of redundant
+  // replicas, lightest ranks first (the first fitting slot is then usually the best one).
+  void index_holders() {
+    if (holders_indexed_) return;
+    holders_indexed_ = true;
+    first_.assign(static_cast<size_t>(experts_), {-kInf, -1});
+    second_.assign(static_cast<size_t>(experts_), -kInf);
+    for (size_t p = 0; p < cur_.size(); ++p) {
+      const int32_t e = cur_[p];
+      const double l = load_[rank_of(p)];
+      if (l > first_[e].first) {
+        second_[e] = first_[e].first;
+        first_[e] = {l, rank_of(p)};
+      } else if (l > second_[e]) {
+        second_[e] = l;
+      }
+    }
+    redundant_.clear();
+    for (const auto& [unused, r] : by_load_) {
+      for (int64_t p = r * spr_; p < (r + 1) * spr_; ++p) {
+        if (count_[cur_[p]] >= 2) redundant_.push_back(p);
+      }
+    }
+  }
+  double top_holder_except(int32_t e, int64_t rank) const {
+    return first_[e].second == rank ? second_[e] : first_[e].first;
+  }
+
+  // The best action found so far: least cost in moved slots, then lowest new peak (the
+  // largest load among the ranks it changes), then first found.
+  struct Action {
+    double floor = 0;  // peaks at or below the cap are all as good
+    int64_t cost = std::numeric_limits<int64_t>::max();
+    double peak = kInf;
+    int64_t a = -1, b = -1;  // swap: slots a <-> b; otherwise slot b takes `expert`
+    int32_t expert = -1;
+    bool beaten_by(int64_t c, double pk) const {
+      return c < cost || (c == cost && std::max(pk, floor) < peak);
+    }
+    void take(int64_t c, double pk, int64_t slot_a, int64_t slot_b, int32_t e) {
+      cost = c;
+      peak = std::max(pk, floor);
+      a = slot_a;
+      b = slot_b;
+      expert = e;
+    }
+  };
+
+  // Swap slot a (on the top rank g) with slot b of another rank.
+  void try_swap(int64_t g, double top, double limit, int64_t a, int64_t b, Action& best) const {
+    const int64_t h = rank_of(b);
+    const int32_t x = cur_[a], y = cur_[b];
+    if (h == g || y == x || holds(h, x) || holds(g, y) || !allowed(x, h) || !allowed(y, g)) {
+      return;
+    }
+    const double delta = share_[x] - share_[y];
+    if (delta <= 0) return;
+    const double peak = std::max(top - delta, load_[h] + delta);
+    const int64_t c = cost(a, y) + cost(b, x);
+    if (peak < limit && best.beaten_by(c, peak)) best.take(c, peak, a, b, -1);
+  }
+
+  // Slot b of another rank gives up its expert y (count >= 2) for a replica of x = cur_[a].
+  // Every holder of x gets lighter; the other holders of y get heavier.
+  void try_replicate(int64_t g, double top, double limit, int64_t a, int64_t b,
+                     Action& best) const {
+    const int64_t h = rank_of(b);
+    const int32_t x = cur_[a], y = cur_[b];
+    if (h == g || y == x || count_[y] < 2 || holds(h, x) || !allowed(x, h)) return;
+    const double peak = std::max({top - share_[x] + share_up_[x],
+                                  load_[h] - share_[y] + share_up_[x],
+                                  top_holder_except(y, h) + share_down_[y] - share_[y]});
+    const int64_t c = cost(b, x);
+    if (peak < limit && best.beaten_by(c, peak)) best.take(c, peak, -1, b, x);
+  }
+
+  // Slot a of the top rank gives up x (count >= 2) for y.
+  void try_replace(int64_t g, double top, double limit, int64_t a, int32_t y,
+                   Action& best) const {
+    const int32_t x = cur_[a];
+    if (y < 0 || y == x || count_[x] < 2 || holds(g, y) || !allowed(y, g)) return;
+    const double peak = std::max(top - share_[x] + share_up_[y],
+                                 top_holder_except(x, g) + share_down_[x] - share_[x]);
+    const int64_t c = cost(a, y);
+    if (peak < limit && best.beaten_by(c, peak)) best.take(c, peak, -1, a, y);
+  }
+
+  // The expert that adds least to rank g: the smallest load per replica after one more.
+  int32_t lightest_addition(int64_t g) const {
+    int32_t light = -1;
+    for (int32_t e = 0; e < experts_; ++e) {
+      if (!allowed(e, g) || holds(g, e)) continue;
+      if (light < 0 || share_up_[e] < share_up_[light]) light = e;
+    }
+    return light;
+  }
+
+  // Swap slot a with every slot of the ranks that can take its expert, skipping the ranks where
+  // even the least cost `min_cost` and the best split of the two loads cannot beat `best`.
+  void swap_with_all(int64_t g, double top, double limit, int64_t a, int64_t min_cost,
+                     Action& best) const {
+    const int32_t x = cur_[a];
+    for (int64_t h = 0; h < ranks_; ++h) {
+      if (h == g || load_[h] >= limit || holds(h, x) || !allowed(x, h) ||
+          !best.beaten_by(min_cost, 0.5 * (top + load_[h]))) {
+        continue;
+      }
+      for (int64_t b = h * spr_; b < (h + 1) * spr_; ++b) try_swap(g, top, limit, a, b, best);
+    }
+  }
+
+  // One action that lowers rank g below its load without lifting any other rank to it; see
+  // Action for which. Candidates are visited by the least cost they can have, and a set is
+  // skipped when even its least cost and lowest possible peak cannot beat the best so far:
+  //   replicate x = cur_[a]: peak >= top - w_x/c_x + w_x/(c_x+1); cost -1 into a slot that held
+  //     x before, 0 into a moved slot, 1 into any other redundant slot;
+  //   swap: peak >= (top + lightest load) / 2; cost >= -1 + (a unmoved), and a swap of an
+  //     unmoved a costs 2 unless b is moved or held x before.
+  bool lower_top(int64_t g, double cap) {
+    index_round();
+    const double top = load_[g];
+    const double limit = top - kMinGain * top;
+    const double swap_floor = 0.5 * (top + by_load_.front().first);
+    Action best;
+    best.floor = cap;
+    const int64_t first = g * spr_, last = (g + 1) * spr_;
+    // Pass 1, what costs nothing or little: swaps with slots that moved or held x before,
+    // replicate into them, replace by the expert the slot held before.
+    for (int64_t a = first; a < last; ++a) {
+      const int32_t x = cur_[a];
+      const bool unmoved = x == prev_[a];
+      // A swap moves x away, so its peak is at least top - w_x / c_x.
+      const double swap_bound = std::max(swap_floor, top - share_[x]);
+      if (best.beaten_by(unmoved ? 0 : -1, swap_bound)) {
+        for (const int64_t b : prev_slots_of(x)) try_swap(g, top, limit, a, b, best);
+      }
+      if (best.beaten_by(unmoved ? 1 : -1, swap_bound)) {
+        for (const int64_t b : moved_slots_) try_swap(g, top, limit, a, b, best);
+      }
+      if (!unmoved && best.beaten_by(-1, top)) {
+        index_holders();
+        try_replace(g, top, limit, a, prev_[a], best);
+      }
+      // A replicate of x lowers rank g by w_x / c_x - w_x / (c_x + 1) at most.
+      const double rep_floor = top - share_[x] + share_up_[x];
+      if (rep_floor < limit && best.beaten_by(0, rep_floor)) {
+        index_holders();
+        for (const int64_t b : prev_slots_of(x)) try_replicate(g, top, limit, a, b, best);
+        for (const int64_t b : moved_slots_) try_replicate(g, top, limit, a, b, best);
+      }
+    }
+    // Pass 2, one moved slot: replicate into any redundant slot, replace by the lightest
+    // expert, swap a moved slot of g with any slot.
+    int32_t light = -1;
+    for (int64_t a = first; a < last; ++a) {
+      const int32_t x = cur_[a];
+      const double rep_floor = top - share_[x] + share_up_[x];
+      if (rep_floor < limit && best.beaten_by(1, rep_floor)) {
+        index_holders();
+        for (const int64_t b : redundant_) {
+          if (!best.beaten_by(1, rep_floor)) break;
+          try_replicate(g, top, limit, a, b, best);
+        }
+      }
+      if (count_[x] >= 2 && best.beaten_by(1, swap_floor)) {
+        if (light < 0) light = lightest_addition(g);
+        index_holders();
+        try_replace(g, top, limit, a, light, best);
+      }
+      if (x != prev_[a] && best.beaten_by(0, std::max(swap_floor, top - share_[x]))) {
+        swap_with_all(g, top, limit, a, 0, best);
+      }
+    }
+    // Pass 3, the dearest: swaps of two unmoved slots.
+    for (int64_t a = first; a < last; ++a) {
+      if (cur_[a] == prev_[a] && best.beaten_by(2, std::max(swap_floor, top - share_[cur_[a]]))) {
+        swap_with_all(g, top, limit, a, 2, best);
+      }
+    }
+    if (best.b < 0) return false;
+    moved_ += best.cost;
+    const int32_t old_b = cur_[best.b];
+    if (best.a >= 0) {
+      // A swap changes the loads of its two ranks only.
+      const int32_t x = cur_[best.a];
+      const double delta = share_[x] - share_[old_b];
+      set(best.a, -1);
+      set(best.b, x);
+      set(best.a, old_b);
+      load_[rank_of(best.a)] -= delta;
+      load_[rank_of(best.b)] += delta;
+    } else {
+      set(best.b, best.expert);
+      update_shares(old_b);
+      update_shares(best.expert);
+      recompute_loads();
+    }
+    return true;
+  }
+
+  // The slots that held expert e in the previous placement.
+  std::span<const int64_t> prev_slots_of(int32_t e) const {
+    return {prev_slots_.data() + prev_start_[e],
+            static_cast<size_t>(prev_start_[e + 1] - prev_start_[e])};
+  }
+
+  std::span<const double> w_;
+  std::span<const int32_t> prev_;
+  std::span<const int32_t> node_of_expert_;
+  int32_t experts_;
+  int64_t ranks_, spr_, rpn_;
+  std::vector<int32_t> cur_;    // [physical]
+  std::vector<int32_t> count_;  // [experts]
+  std::vector<uint8_t> holds_;  // [ranks][experts]
+  std::vector<double> load_;    // [ranks]
+  std::vector<int64_t> prev_start_;  // [experts + 1]: prev_slots_of(e) is
+  std::vector<int64_t> prev_slots_;  // prev_slots_[prev_start_[e] .. prev_start_[e + 1])
+  std::vector<double> share_, share_up_, share_down_;  // [experts]
+  std::vector<int32_t> slot_rank_;                     // [physical]
+  // Per round (index_round).
+  std::vector<std::pair<double, int64_t>> first_;  // [experts]: (load, rank) of top holder
+  std::vector<double> second_;                     // [experts]
+  std::vector<std::pair<double, int64_t>> by_load_;  // [ranks]: (load, rank), ascending
+  std::vector<int64_t> moved_slots_;  // slots whose expert differs from the previous one
+  bool holders_indexed_ = false;      // first_, second_ and redundant_ are this round's
+  std::vector<int64_t> redundant_;    // slots whose expert has 2+ replicas
+  int64_t moved_ = 0;
+  int64_t rounds_ = 0;
+};
+
+// Hierarchical: the node of each group, groups/N per node, giving each group the node that
+// holds most of its slots in `slots` (greedy over (group, node) pairs by overlap, ties by
+// index). [groups]
+std::vector<int64_t> groups_to_nodes(std::span<const int32_t> slots, const Layout& layout) {
+  const int64_t per_group = layout.experts / layout.groups;
+  std::vector<int64_t> overlap(static_cast<size_t>(layout.groups * layout.nodes), 0);
+  for (size_t p = 0; p < slots.size(); ++p) {
+    ++overlap[(slots[p] / per_group) * layout.nodes + layout.node_of_slot(p)];
+  }
+  std::vector<int64_t> pairs(overlap.size());
+  std::iota(pairs.begin(), pairs.end(), 0);
+  std::stable_sort(pairs.begin(), pairs.end(),
+                   [&](int64_t a, int64_t b) { return overlap[a] > overlap[b]; });
+  std::vector<int64_t> node(static_cast<size_t>(layout.groups), -1);
+  std::vector<int64_t> taken(static_cast<size_t>(layout.nodes), 0);
+  const int64_t per_node = layout.groups / layout.nodes;
+  for (const int64_t pair : pairs) {
+    const int64_t k = pair / layout.nodes, n = pair % layout.nodes;
+    if (node[k] < 0 && taken[n] < per_node) {
+      node[k] = n;
+      ++taken[n];
+    }
+  }
+  return node;
+}
+
+// [experts]: the node of each expert's group.
+std::vector<int32_t> expert_nodes(std::span<const int64_t> group_node, const Layout& layout) {
+  const int64_t per_group = layout.experts / layout.groups;
+  std::vector<int32_t> out(static_cast<size_t>(layout.experts));
+  for (int64_t e = 0; e < layout.experts; ++e) {
+    out[e] = static_cast<int32_t>(group_node[e / per_group]);
+  }
+  return out;
+}
+
+// Whether the nodes' loads let the top rank reach `cap` at all.
+bool nodes_can_reach(std::span<const double> w, std::span<const int32_t> node_of_expert,
+                     const Layout& layout, double cap) {
+  std::vector<double> node_load(static_cast<size_t>(layout.nodes), 0.0);
+  for (int64_t e = 0; e < layout.experts; ++e) node_load[node_of_expert[e]] += w[e];
+  for (const double l : node_load) {
+    if (l / static_cast<double>(layout.ranks_per_node()) > cap) return false;
+  }
+  return true;
+}
+
+struct Candidate {
+  std::vector<int32_t> slots;
+  int64_t moved = 0;
+};
+
+// Steps 1-4 for one layer.
+std::vector<int32_t> place_layer(std::span<const double> w, std::span<const int32_t> prev,
+                                 std::span<const int32_t> fresh, const Layout& layout,
+                                 double tolerance, bool hierarchical) {
+  // Step 1.
+  const double target = layer_balancedness(w, fresh, layout) - tolerance;
+  double total = 0;
+  for (const double v : w) total += v;
+  const double mean = total / static_cast<double>(layout.ranks);
+  const double cap = target > 0 ? mean / target : kInf;
+  auto good = [&](std::span<const int32_t> slots) {
+    return layer_balancedness(w, slots, layout) >= target;
+  };
+
+  const int64_t slots = static_cast<int64_t>(prev.size());
+  // Step 3, groups on the nodes that hold most of their slots now; a small budget first.
+  const std::vector<int32_t> kept_nodes =
+      hierarchical ? expert_nodes(groups_to_nodes(prev, layout), layout) : std::vector<int32_t>{};
+  const bool reachable = !hierarchical || nodes_can_reach(w, kept_nodes, layout, cap);
+  std::optional<Incremental> search;
+  if (reachable) {
+    search.emplace(w, prev, layout, kept_nodes);
+    if (search->run(cap, slots / kFewMoved) && good(search->slots())) {
+      return {search->slots().begin(), search->slots().end()};
+    }
+  }
+
+  // Step 2. It has balanced's balancedness (its ranks are balanced's, relabelled), so it is
+  // taken when nothing cheaper reaches the target.
+  Candidate best{relabel(fresh, prev, layout, hierarchical), 0};
+  best.moved = count_moved(prev, best.slots);
+  const std::vector<int32_t> fresh_nodes =
+      hierarchical ? expert_nodes(groups_to_nodes(best.slots, layout), layout)
+                   : std::vector<int32_t>{};
+  auto consider = [&](Incremental& s) {
+    if (s.run(cap, best.moved - 1) && s.moved() < best.moved && good(s.slots())) {
+      best = {std::vector<int32_t>(s.slots().begin(), s.slots().end()), s.moved()};
+    }
+  };
+  // Step 3 goes on with the budget the fallback leaves.
+  if (search) consider(*search);
+  // In hierarchical mode, also with the groups on balanced's nodes (relabelled).
+  if (hierarchical) {
+    if (fresh_nodes != kept_nodes && nodes_can_reach(w, fresh_nodes, layout, cap)) {
+      Incremental again(w, prev, layout, fresh_nodes);
+      consider(again);
+    }
+  }
+  // Step 4.
+  return best.slots;
+}
+
+}  // namespace
+
+Placement sticky(const LoadMatrix& load, const Layout& layout, const Placement& previous,
+                 double tolerance, bool hierarchical) {
+  if (!(tolerance >= 0 && tolerance < 1)) {
+    fail("tolerance ", tolerance, " must be in [0, 1) (a loss of balancedness)");
+  }
+  if (previous.layers != load.layers || previous.experts != layout.experts ||
+      previous.physical != layout.physical) {
+    fail("the previous placement has ", previous.layers, " layers, ", previous.experts,
+         " experts, ", previous.physical, " physical slots; the new one needs ", load.layers,
+         ", ", layout.experts, ", ", layout.physical);
+  }
+  previous.validate();
+  // balanced checks the layout, the load and the hierarchical rule.
+  const Placement fresh = balanced(load, layout, hierarchical);
+  Placement out(load.layers, layout.experts, layout.physical);
+  for (int64_t l = 0; l < load.layers; ++l) {
+    const std::vector<int32_t> slots = place_layer(load.row(l), previous.layer_phy2log(l),
+                                                   fresh.layer_phy2log(l), layout, tolerance,
+                                                   hierarchical);
+    std::copy(slots.begin(), slots.end(), out.layer_phy2log(l).begin());
+  }
+  out.derive_from_phy2log();
+  return out;
+}
+
+}  // namespace eplb::placement

@@ -1,0 +1,172 @@
+#include "eplb/routing/dispatch.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "eplb/core/error.h"
+
+namespace eplb::routing {
+
+DispatchPolicy parse_dispatch_policy(std::string_view name) {
+  if (name == "static") return DispatchPolicy::kStatic;
+  if (name == "random") return DispatchPolicy::kRandom;
+  if (name == "hash") return DispatchPolicy::kHash;
+  if (name == "weighted") return DispatchPolicy::kWeighted;
+  fail("unknown dispatch policy '", name, "' (expected static, random, hash or weighted)");
+}
+
+std::string_view dispatch_policy_name(DispatchPolicy policy) {
+  switch (policy) {
+    case DispatchPolicy::kStatic: return "static";
+    case DispatchPolicy::kRandom: return "random";
+    case DispatchPolicy::kHash: return "hash";
+    case DispatchPolicy::kWeighted: return "weighted";
+  }
+  return "?";
+}
+
+namespace {
+
+// Step 2 of the tables: the static choice of every (rank, expert). A rank with a replica
+// uses it; ranks without one use a replica of their node, spread round-robin over that node's
+// replicas; ranks whose node has none are spread round-robin over all replicas.
+void fill_static(DispatchTables& t, const Layout& layout) {
+  const int64_t G = layout.ranks;
+  t.static_slot.assign(static_cast<size_t>(G * t.experts), -1);
+  std::vector<int32_t> on_node;
+  for (int64_t e = 0; e < t.experts; ++e) {
+    const std::span<const int32_t> reps = t.replicas(e);
+    int64_t far_ranks = 0;
+    for (int64_t n = 0; n < layout.nodes; ++n) {
+      on_node.clear();
+      for (int32_t slot : reps) {
+        if (layout.node_of_slot(slot) == n) on_node.push_back(slot);
+      }
+      int64_t near_ranks = 0;
+      for (int64_t g = n * layout.ranks_per_node(); g < (n + 1) * layout.ranks_per_node(); ++g) {
+        int32_t chosen = -1;
+        for (int32_t slot : on_node) {
+          if (layout.rank_of_slot(slot) == g) {
+            chosen = slot;
+            break;
+          }
+        }
+        if (chosen < 0 && !on_node.empty()) {
+          chosen = on_node[static_cast<size_t>(near_ranks++ % static_cast<int64_t>(on_node.size()))];
+        }
+        if (chosen < 0) {
+          chosen = reps[static_cast<size_t>(far_ranks++ % static_cast<int64_t>(reps.size()))];
+        }
+        t.static_slot[g * t.experts + e] = chosen;
+      }
+    }
+  }
+}
+
+// Step 3: cumulative shares for weighted dispatch, in 1/2^32 units.
+void fill_weighted(DispatchTables& t, std::span<const double> share) {
+  t.cumulative_share.assign(static_cast<size_t>(t.experts * t.max_replicas), 0xFFFFFFFFu);
+  for (int64_t e = 0; e < t.experts; ++e) {
+    const std::span<const int32_t> reps = t.replicas(e);
+    double total = 0;
+    for (int32_t slot : reps) total += share.empty() ? 1.0 : share[slot];
+    double cumulative = 0;
+    for (size_t i = 0; i < reps.size(); ++i) {
+      double s = share.empty() ? 1.0 : share[reps[i]];
+      if (total <= 0) s = 1.0, total = static_cast<double>(reps.size());
+      cumulative += s;
+      const double scaled = std::floor(cumulative / total * 4294967296.0) - 1.0;
+      uint32_t threshold = static_cast<uint32_t>(std::clamp(scaled, 0.0, 4294967295.0));
+      if (i + 1 == reps.size()) threshold = 0xFFFFFFFFu;
+      t.cumulative_share[e * t.max_replicas + static_cast<int64_t>(i)] = threshold;
+    }
+  }
+}
+
+inline int32_t pick_uniform(const DispatchTables& t, int32_t expert, uint32_t u) {
+  const uint64_t count = static_cast<uint64_t>(t.replica_count[expert]);
+  return t.log2phy[expert * t.max_replicas + static_cast<int64_t>((u * count) >> 32)];
+}
+
+inline uint64_t next_random(uint64_t& state) {  // xorshift64*
+  state ^= state >> 12;
+  state ^= state << 25;
+  state ^= state >> 27;
+  return state * 0x2545F4914F6CDD1Dull;
+}
+
+}  // namespace
+
+DispatchTables build_dispatch_tables(const Placement& placement, int64_t layer,
+                                     const Layout& layout, std::span<const double> replica_share) {
+  layout.validate();
+  EPLB_CHECK(layer >= 0 && layer < placement.layers, "layer ", layer, " is outside [0, ",
+             placement.layers, ")");
+  EPLB_CHECK(placement.experts == layout.experts && placement.physical == layout.physical,
+             "the placement (", placement.experts, " experts, ", placement.physical,
+             " slots) does not fit the layout ", layout.describe());
+  EPLB_CHECK(replica_share.empty() || static_cast<int64_t>(replica_share.size()) ==
+                                          layout.physical,
+             "replica_share has ", replica_share.size(), " entries, expected one per slot (",
+             layout.physical, ")");
+  for (double s : replica_share) {
+    if (!(s >= 0) || !std::isfinite(s)) fail("replica share ", s, " must be finite and >= 0");
+  }
+
+  // Step 1: log2phy and counts of this layer, replicas in the placement's order.
+  DispatchTables t;
+  t.experts = placement.experts;
+  t.ranks = layout.ranks;
+  t.max_replicas = placement.max_replicas;
+  const auto counts = placement.layer_replica_count(layer);
+  t.replica_count.assign(counts.begin(), counts.end());
+  const size_t width = static_cast<size_t>(t.experts * t.max_replicas);
+  t.log2phy.assign(placement.log2phy.begin() + static_cast<std::ptrdiff_t>(layer * width),
+                   placement.log2phy.begin() + static_cast<std::ptrdiff_t>((layer + 1) * width));
+
+  fill_static(t, layout);
+  fill_weighted(t, replica_share);
+  return t;
+}
+
+int32_t choose_slot(const DispatchTables& t, DispatchPolicy policy, int32_t expert,
+                    uint64_t token_index, int64_t rank, uint64_t& random_state) {
+  switch (policy) {
+    case DispatchPolicy::kStatic: return t.static_slot[rank * t.experts + expert];
+    case DispatchPolicy::kRandom:
+      return pick_uniform(t, expert, static_cast<uint32_t>(next_random(random_state) >> 32));
+    case DispatchPolicy::kHash:
+      return pick_uniform(t, expert, dispatch_hash(token_index, static_cast<uint32_t>(rank)));
+    case DispatchPolicy::kWeighted: {
+      const uint32_t u = dispatch_hash(token_index, static_cast<uint32_t>(rank));
+      const uint32_t* thresholds = t.cumulative_share.data() + expert * t.max_replicas;
+      int64_t i = 0;
+      while (u > thresholds[i]) ++i;
+      return t.log2phy[expert * t.max_replicas + i];
+    }
+  }
+  return -1;
+}
+
+void route(const DispatchTables& tables, DispatchPolicy policy, std::span<const int32_t> experts,
+           int64_t top_k, std::span<int32_t> slots, uint64_t first_token, int64_t rank,
+           uint64_t& random_state) {
+  EPLB_CHECK(top_k >= 1 && experts.size() % static_cast<size_t>(top_k) == 0, "route: ",
+             experts.size(), " expert ids are not a whole number of tokens of top_k ", top_k);
+  EPLB_CHECK(experts.size() == slots.size(), "route: ", experts.size(), " experts but ",
+             slots.size(), " slots to fill");
+  EPLB_CHECK(rank >= 0 && rank < tables.ranks, "route: rank ", rank, " outside [0, ",
+             tables.ranks, ")");
+  if (random_state == 0) random_state = 0x853C49E6748FEA9Bull;
+  const size_t n = experts.size();
+  const size_t k = static_cast<size_t>(top_k);
+  for (size_t i = 0; i < n; ++i) {
+    const int32_t e = experts[i];
+    if (e < 0 || e >= tables.experts) {
+      fail("route: expert id ", e, " at position ", i, " is outside [0, ", tables.experts, ")");
+    }
+    slots[i] = choose_slot(tables, policy, e, first_token + i / k, rank, random_state);
+  }
+}
+
+}  // namespace eplb::routing

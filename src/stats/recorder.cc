@@ -1,0 +1,85 @@
+#include "eplb/stats/recorder.h"
+
+#include <algorithm>
+
+#include "eplb/core/error.h"
+
+namespace eplb::stats {
+
+LoadRecorder::LoadRecorder(int64_t layers, int64_t experts, int64_t window)
+    : layers_(layers), experts_(experts), window_(window) {
+  if (layers < 1 || experts < 1) {
+    fail("load recorder needs layers ", layers, " >= 1 and experts ", experts, " >= 1");
+  }
+  if (window < 1) fail("window ", window, " must be at least 1 step");
+  const size_t cells = static_cast<size_t>(layers * experts);
+  current_.assign(cells, 0);
+  sum_.assign(cells, 0);
+  ring_.assign(cells * static_cast<size_t>(window), 0);
+}
+
+void LoadRecorder::record(int64_t layer, std::span<const int32_t> expert_ids) {
+  EPLB_CHECK(layer >= 0 && layer < layers_, "record: layer ", layer, " is outside [0, ", layers_,
+             ")");
+  for (size_t i = 0; i < expert_ids.size(); ++i) {
+    if (expert_ids[i] < 0 || expert_ids[i] >= experts_) {
+      fail("record: layer ", layer, " expert id ", expert_ids[i], " at position ", i,
+           " is outside [0, ", experts_, ")");
+    }
+  }
+  int64_t* row = current_.data() + layer * experts_;
+  for (int32_t e : expert_ids) ++row[e];
+}
+
+void LoadRecorder::record_counts(int64_t layer, std::span<const int64_t> counts) {
+  EPLB_CHECK(layer >= 0 && layer < layers_, "record_counts: layer ", layer, " is outside [0, ",
+             layers_, ")");
+  if (static_cast<int64_t>(counts.size()) != experts_) {
+    fail("record_counts: ", counts.size(), " counts for layer ", layer, ", expected one per expert (",
+         experts_, ")");
+  }
+  for (size_t e = 0; e < counts.size(); ++e) {
+    if (counts[e] < 0) fail("record_counts: layer ", layer, " expert ", e, " count ", counts[e],
+                            " is negative");
+  }
+  int64_t* row = current_.data() + layer * experts_;
+  for (size_t e = 0; e < counts.size(); ++e) row[e] += counts[e];
+}
+
+void LoadRecorder::step_end() {
+  const size_t cells = current_.size();
+  int64_t slot;
+  if (filled_ < window_) {
+    slot = filled_++;
+  } else {
+    slot = oldest_;
+    oldest_ = (oldest_ + 1) % window_;
+  }
+  int64_t* ring = ring_.data() + static_cast<size_t>(slot) * cells;
+  for (size_t i = 0; i < cells; ++i) {
+    sum_[i] += current_[i] - ring[i];
+    ring[i] = current_[i];
+    current_[i] = 0;
+  }
+  ++closed_;
+}
+
+void LoadRecorder::snapshot_window(std::span<int64_t> out) const {
+  EPLB_CHECK_EQ(out.size(), sum_.size(), "snapshot_window: output must hold layers x experts");
+  std::copy(sum_.begin(), sum_.end(), out.begin());
+}
+
+std::vector<int64_t> LoadRecorder::window_steps() const {
+  const size_t cells = current_.size();
+  std::vector<int64_t> out;
+  out.reserve(cells * static_cast<size_t>(filled_));
+  const int64_t first = filled_ < window_ ? 0 : oldest_;
+  for (int64_t i = 0; i < filled_; ++i) {
+    const int64_t slot = (first + i) % window_;
+    const int64_t* ring = ring_.data() + static_cast<size_t>(slot) * cells;
+    out.insert(out.end(), ring, ring + cells);
+  }
+  return out;
+}
+
+}  // namespace eplb::stats

@@ -1,0 +1,213 @@
+// Tests of the sticky policy: no moves when nothing changed, the drift scenario of the
+// acceptance check (few moved slots, balance within the tolerance), tolerance 0, repairs of
+// previous placements that break the rules, and bad inputs. Fixed seeds, printed on failure.
+
+#include "eplb/placement/sticky.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "eplb/core/error.h"
+#include "eplb/placement/balanced.h"
+#include "eplb/placement/deepseek.h"
+#include "eplb/placement/metrics.h"
+#include "eplb/placement/policy.h"
+
+namespace eplb::placement {
+namespace {
+
+Layout make_layout(int64_t experts, int64_t physical, int64_t ranks, int64_t nodes,
+                   int64_t groups) {
+  Layout layout;
+  layout.experts = experts;
+  layout.physical = physical;
+  layout.ranks = ranks;
+  layout.nodes = nodes;
+  layout.groups = groups;
+  return layout;
+}
+
+LoadMatrix lognormal_load(int64_t layers, int64_t experts, std::mt19937_64& rng) {
+  std::lognormal_distribution<double> dist(0.0, 1.0);
+  LoadMatrix load(layers, experts);
+  for (double& v : load.values) v = std::round(dist(rng) * 1000.0);
+  return load;
+}
+
+// Multiplies every load by lognormal(0, sigma), rounded like the acceptance check's counts.
+LoadMatrix drift(const LoadMatrix& load, std::mt19937_64& rng, double sigma = 0.2) {
+  std::lognormal_distribution<double> dist(0.0, sigma);
+  LoadMatrix out = load;
+  for (double& v : out.values) v = std::round(v * dist(rng));
+  return out;
+}
+
+int64_t duplicates_on_ranks(const Placement& placement, const Layout& layout) {
+  const int64_t spr = layout.slots_per_rank();
+  int64_t dups = 0;
+  for (int64_t l = 0; l < placement.layers; ++l) {
+    const auto slots = placement.layer_phy2log(l);
+    for (int64_t r = 0; r < layout.ranks; ++r) {
+      std::vector<int32_t> rank(slots.begin() + r * spr, slots.begin() + (r + 1) * spr);
+      std::sort(rank.begin(), rank.end());
+      dups += std::adjacent_find(rank.begin(), rank.end()) != rank.end();
+    }
+  }
+  return dups;
+}
+
+// Every layer's balancedness is at least balanced's minus the tolerance.
+void expect_within_tolerance(const LoadMatrix& load, const Layout& layout, const Placement& out,
+                             double tolerance, bool hierarchical) {
+  const Placement best = balanced(load, layout, hierarchical);
+  for (int64_t l = 0; l < load.layers; ++l) {
+    EXPECT_GE(layer_balancedness(load.row(l), out.layer_phy2log(l), layout),
+              layer_balancedness(load.row(l), best.layer_phy2log(l), layout) - tolerance - 1e-12)
+        << "layer " << l;
+  }
+}
+
+const Layout kDeepseekV3 = make_layout(256, 288, 32, 4, 8);
+
+TEST(Sticky, UnchangedLoadMovesNothing) {
+  for (const bool hierarchical : {false, true}) {
+    SCOPED_TRACE(hierarchical ? "hierarchical" : "global");
+    std::mt19937_64 rng(3);
+    const LoadMatrix load = lognormal_load(4, 256, rng);
+    const Placement previous = balanced(load, kDeepseekV3, hierarchical);
+    const Placement out = sticky(load, kDeepseekV3, previous, 0.01, hierarchical);
+    EXPECT_EQ(moved_slots(previous, out), 0);
+    EXPECT_EQ(out.phy2log, previous.phy2log);
+  }
+}
+
+TEST(Sticky, DriftScenarioMovesFewSlots) {
+  // The acceptance scenario: 16 layers, lognormal(0, 1) loads, five steps of lognormal(0, 0.2)
+  // drift, each placed by sticky from the previous step's placement.
+  const Layout layout = make_layout(256, 288, 32, 4, 1);
+  std::mt19937_64 rng(11);
+  LoadMatrix load = lognormal_load(16, 256, rng);
+  Placement previous = balanced(load, layout, false);
+  double moved_fraction = 0;
+  const int steps = 5;
+  for (int step = 0; step < steps; ++step) {
+    SCOPED_TRACE("step " + std::to_string(step));
+    load = drift(load, rng);
+    const Placement out = sticky(load, layout, previous, 0.01, false);
+    ASSERT_NO_THROW(out.validate());
+    EXPECT_EQ(duplicates_on_ranks(out, layout), 0);
+    expect_within_tolerance(load, layout, out, 0.01, false);
+    moved_fraction += static_cast<double>(moved_slots(previous, out)) /
+                      static_cast<double>(load.layers * layout.physical) / steps;
+    previous = out;
+  }
+  EXPECT_LE(moved_fraction, 0.15);
+}
+
+TEST(Sticky, HierarchicalDriftKeepsGroupsOnOneNode) {
+  std::mt19937_64 rng(12);
+  LoadMatrix load = lognormal_load(6, 256, rng);
+  Placement previous = balanced(load, kDeepseekV3, true);
+  const int64_t per_group = kDeepseekV3.experts / kDeepseekV3.groups;
+  for (int step = 0; step < 3; ++step) {
+    SCOPED_TRACE("step " + std::to_string(step));
+    load = drift(load, rng);
+    const Placement out = sticky(load, kDeepseekV3, previous, 0.01, true);
+    ASSERT_NO_THROW(out.validate());
+    EXPECT_EQ(duplicates_on_ranks(out, kDeepseekV3), 0);
+    expect_within_tolerance(load, kDeepseekV3, out, 0.01, true);
+    for (int64_t l = 0; l < load.layers; ++l) {
+      std::vector<int64_t> node_of_group(static_cast<size_t>(kDeepseekV3.groups), -1);
+      const auto slots = out.layer_phy2log(l);
+      for (int64_t p = 0; p < kDeepseekV3.physical; ++p) {
+        const int64_t k = slots[p] / per_group;
+        if (node_of_group[k] < 0) node_of_group[k] = kDeepseekV3.node_of_slot(p);
+        EXPECT_EQ(node_of_group[k], kDeepseekV3.node_of_slot(p)) << "layer " << l;
+      }
+    }
+    previous = out;
+  }
+}
+
+TEST(Sticky, ToleranceZeroReachesBalancedBalance) {
+  std::mt19937_64 rng(5);
+  LoadMatrix load = lognormal_load(6, 256, rng);
+  const Placement previous = balanced(load, kDeepseekV3, false);
+  load = drift(load, rng);
+  const Placement out = sticky(load, kDeepseekV3, previous, 0.0, false);
+  ASSERT_NO_THROW(out.validate());
+  EXPECT_EQ(duplicates_on_ranks(out, kDeepseekV3), 0);
+  expect_within_tolerance(load, kDeepseekV3, out, 0.0, false);
+}
+
+TEST(Sticky, RepairsPreviousPlacementsThatBreakTheRules) {
+  // The trivial placement, and deepseek's (which may put two replicas of an expert on a rank).
+  std::mt19937_64 rng(6);
+  const Layout layout = make_layout(64, 80, 16, 2, 4);
+  const LoadMatrix load = lognormal_load(4, 64, rng);
+  for (const bool hierarchical : {false, true}) {
+    SCOPED_TRACE(hierarchical ? "hierarchical" : "global");
+    for (const Placement& previous :
+         {trivial_placement(4, 64, 80), deepseek(load, layout), deepseek(drift(load, rng), layout)}) {
+      const Placement out = sticky(load, layout, previous, 0.01, hierarchical);
+      ASSERT_NO_THROW(out.validate());
+      EXPECT_EQ(duplicates_on_ranks(out, layout), 0);
+      expect_within_tolerance(load, layout, out, 0.01, hierarchical);
+      EXPECT_EQ(sticky(load, layout, previous, 0.01, hierarchical).phy2log, out.phy2log);
+    }
+  }
+}
+
+TEST(Sticky, SmallShapesStayValid) {
+  const std::vector<Layout> layouts = {make_layout(16, 32, 8, 2, 4), make_layout(12, 16, 8, 2, 4),
+                                       make_layout(6, 8, 4, 1, 1), make_layout(64, 64, 16, 2, 4)};
+  for (const Layout& layout : layouts) {
+    for (uint64_t seed : {21u, 22u}) {
+      SCOPED_TRACE(layout.describe() + " seed " + std::to_string(seed));
+      std::mt19937_64 rng(seed);
+      LoadMatrix load = lognormal_load(4, layout.experts, rng);
+      Placement previous = balanced(load, layout, false);
+      for (int step = 0; step < 3; ++step) {
+        load = drift(load, rng, 0.5);
+        const Placement out = sticky(load, layout, previous, 0.01, false);
+        ASSERT_NO_THROW(out.validate());
+        EXPECT_EQ(duplicates_on_ranks(out, layout), 0);
+        expect_within_tolerance(load, layout, out, 0.01, false);
+        previous = out;
+      }
+    }
+  }
+}
+
+TEST(Sticky, BadInputsAreInvalidArguments) {
+  std::mt19937_64 rng(7);
+  const LoadMatrix load = lognormal_load(2, 12, rng);
+  const Layout layout = make_layout(12, 16, 8, 4, 6);
+  const Placement previous = trivial_placement(2, 12, 16);
+  // groups % nodes != 0 with hierarchical.
+  EXPECT_THROW(sticky(load, layout, previous, 0.01, true), InvalidArgument);
+  EXPECT_NO_THROW(sticky(load, layout, previous, 0.01, false));
+  // A previous placement of another shape.
+  EXPECT_THROW(sticky(load, layout, trivial_placement(3, 12, 16), 0.01, false), InvalidArgument);
+  EXPECT_THROW(sticky(load, layout, trivial_placement(2, 12, 24), 0.01, false), InvalidArgument);
+  // A tolerance outside [0, 1).
+  EXPECT_THROW(sticky(load, layout, previous, -0.1, false), InvalidArgument);
+  EXPECT_THROW(sticky(load, layout, previous, 1.0, false), InvalidArgument);
+  // Through the policy entry, which checks the previous placement's shape first.
+  PolicyOptions options;
+  options.policy = Policy::kSticky;
+  const Placement wrong = trivial_placement(3, 12, 16);
+  options.previous = &wrong;
+  EXPECT_THROW(place(load, layout, options), InvalidArgument);
+  options.previous = nullptr;
+  EXPECT_THROW(place(load, layout, options), InvalidArgument);
+}
+
+}  // namespace
+}  // namespace eplb::placement

@@ -14,7 +14,7 @@ packages=(
   # fuzzers and sanitizers (clang's libFuzzer and runtimes)
   clang libclang-rt-14-dev
   # python module and its tests
-  python3 python3-dev python3-numpy python3-pytest pybind11-dev
+  python3 python3-dev python3-numpy python3-pytest python3-torch pybind11-dev
 )
 
 missing=()

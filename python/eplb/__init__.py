@@ -1,0 +1,250 @@
+"""eplb: expert-parallel load balancing for Mixture-of-Experts inference.
+
+A drop-in for deepseek-ai/EPLB's ``rebalance_experts`` (same signature, same outputs), better
+placement policies, the placement metrics, and the migration planner, all computed in C++ with
+the GIL released. Inputs may be numpy arrays, nested lists or torch tensors; torch is imported
+only when a torch tensor is passed in.
+
+Words (as in the C++ library): layer ``l``, logical expert ``e`` (``E`` per layer), physical
+slot ``p`` (``P`` per layer), rank ``g`` (``G``, a GPU: slot ``p`` is on rank ``p // (P // G)``),
+node (``N``), group (DeepSeek's expert groups).
+
+Errors: ``eplb.InvalidArgument`` (also a ``ValueError``) for bad input, with the library's
+message; ``eplb.Error`` is the base of ``InvalidArgument``, ``NotSupported``, ``IoError`` and
+``Timeout``.
+"""
+
+import importlib
+import operator
+import sys
+from collections import namedtuple
+
+import numpy as np
+
+try:
+    _eplb = importlib.import_module(__name__ + "._eplb")
+except ModuleNotFoundError as first:
+    # The extension may also sit in a folder of its own on sys.path (next to a build tree's
+    # copy of this package rather than in it); accept that layout too.
+    try:
+        _eplb = importlib.import_module("_eplb")
+    except ModuleNotFoundError:
+        raise ImportError(
+            "eplb's extension module _eplb was not found: build it with CMake "
+            "(EPLB_WITH_PYTHON=ON) and put <build>/python on PYTHONPATH, or `pip install .` "
+            "from the repository") from first
+
+__version__ = _eplb.__version__
+
+Error = _eplb.Error
+InvalidArgument = _eplb.InvalidArgument
+NotSupported = _eplb.NotSupported
+IoError = _eplb.IoError
+Timeout = _eplb.Timeout
+
+# Migration action codes: plan_migration()'s per-slot "action" array holds indices into this.
+ACTIONS = _eplb.ACTIONS
+
+Balancedness = namedtuple("Balancedness", ["per_layer", "mean", "step"])
+Balancedness.__doc__ = """Balancedness of a placement under a load.
+
+per_layer: float64 [layers], mean rank load / max rank load of each layer, in (0, 1]
+mean: float, the mean of per_layer (a run's figure)
+step: float, sum over layers of the mean rank load / sum of the max rank load
+"""
+
+LowerBound = namedtuple("LowerBound", ["per_layer", "balancedness", "balancedness_mean"])
+LowerBound.__doc__ = """The best any placement can do on a load.
+
+per_layer: float64 [layers], the smallest max rank load any placement can reach:
+    max(total / G, min over replica counts summing to P of max_e w_e / r_e)
+balancedness: float64 [layers], mean rank load / per_layer, the best reachable balancedness
+balancedness_mean: float, the mean of balancedness
+"""
+
+__all__ = [
+    "rebalance_experts", "balancedness", "lower_bound", "plan_migration", "Balancedness",
+    "LowerBound", "ACTIONS", "Error", "InvalidArgument", "NotSupported", "IoError", "Timeout",
+]
+
+
+def _is_torch(x):
+    # A tensor can only exist if torch is already imported: never import it for other inputs.
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+def _to_numpy(x):
+    if _is_torch(x):
+        return x.detach().cpu().numpy()
+    return x
+
+
+def _as_load(weight, name="weight"):
+    """A C-contiguous float64 [layers, experts] copy or view of `weight`."""
+    if _is_torch(weight):
+        import torch
+        # float64 holds every float32/float16/bfloat16/integer load exactly; the C++ side rounds
+        # to float32 where the reference does.
+        w = weight.detach().to(device="cpu", dtype=torch.float64).contiguous().numpy()
+    else:
+        try:
+            w = np.ascontiguousarray(weight, dtype=np.float64)
+        except (TypeError, ValueError) as e:
+            raise InvalidArgument(f"{name} must be a numeric [layers, experts] array: {e}") from e
+    if w.ndim != 2:
+        raise InvalidArgument(
+            f"{name} must be a 2-D [layers, experts] array, got shape {tuple(w.shape)}")
+    return w
+
+
+def _as_phy2log(phy2log, name):
+    """A C-contiguous int64 [layers, physical] array; integer dtypes only."""
+    a = np.asarray(_to_numpy(phy2log))
+    if a.dtype.kind not in "iu":
+        if a.size == 0 and a.dtype.kind == "f":
+            a = a.astype(np.int64)
+        else:
+            raise InvalidArgument(
+                f"{name} must hold integer expert ids, got dtype {a.dtype}")
+    if a.ndim != 2:
+        raise InvalidArgument(
+            f"{name} must be a 2-D [layers, physical] array, got shape {tuple(a.shape)}")
+    return np.ascontiguousarray(a, dtype=np.int64)
+
+
+def _as_int(value, name):
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an integer, got {value!r}") from None
+
+
+def rebalance_experts(weight, num_replicas, num_groups, num_nodes, num_gpus, *,
+                      policy="deepseek", previous=None, tolerance=0.01, hierarchical=False):
+    """Expert placement for every layer: a drop-in for deepseek-ai/EPLB's ``rebalance_experts``.
+
+    Parameters:
+        weight: [layers, num_logical_experts], the load of each logical expert (tokens routed
+            over the window); a torch tensor (any device, any real dtype), a numpy array or a
+            nested list. Loads must be finite and non-negative.
+        num_replicas: number of physical slots P per layer, a multiple of num_gpus
+        num_groups: number of expert groups (DeepSeek's group-limited routing)
+        num_nodes: number of server nodes (the intra-node network is faster)
+        num_gpus: number of GPUs (ranks), a multiple of num_nodes
+        policy: "deepseek" (default: the reference algorithm, identical outputs; hierarchical
+            when num_groups % num_nodes == 0, global otherwise, exactly as the reference),
+            "balanced" (better balance), or "sticky" (within `tolerance` of balanced's
+            balancedness, keep as many slots as possible where `previous` has them)
+        previous: [layers, num_replicas] phy2log in force now; required by "sticky"
+        tolerance: "sticky": accepted loss of balancedness, in [0, 1)
+        hierarchical: "balanced" / "sticky": pack groups to nodes first, like deepseek
+
+    Returns (int64; torch CPU tensors for a torch input, numpy arrays otherwise):
+        phy2log: [layers, num_replicas], the logical expert of each physical slot
+        log2phy: [layers, num_logical_experts, X], the slots of each expert padded with -1,
+            X the largest replica count; replicas in the reference's order for "deepseek",
+            in slot order for the others
+        logcnt: [layers, num_logical_experts], the replica count of each expert
+
+    Raises InvalidArgument (a ValueError) naming the bad value, e.g. a weight that is not 2-D,
+    a negative or NaN load, or num_replicas not a multiple of num_gpus.
+    """
+    torch_in = _is_torch(weight)
+    w = _as_load(weight)
+    physical = _as_int(num_replicas, "num_replicas")
+    groups = _as_int(num_groups, "num_groups")
+    nodes = _as_int(num_nodes, "num_nodes")
+    ranks = _as_int(num_gpus, "num_gpus")
+    if not isinstance(policy, str):
+        raise TypeError(f"policy must be a string, got {policy!r}")
+    prev = None if previous is None else _as_phy2log(previous, "previous")
+    if policy == "deepseek" and groups > 0 and nodes > 0 and groups % nodes != 0:
+        # The reference's global policy is its hierarchical one with one group on one node, and
+        # checks neither the groups' nor the nodes' divisibility: so do we.
+        groups, nodes = 1, 1
+    phy2log, log2phy, logcnt = _eplb.place(w, physical, ranks, nodes, groups, policy, prev,
+                                           float(tolerance), bool(hierarchical))
+    if torch_in:
+        import torch
+        return torch.from_numpy(phy2log), torch.from_numpy(log2phy), torch.from_numpy(logcnt)
+    return phy2log, log2phy, logcnt
+
+
+def balancedness(weight, phy2log, num_gpus):
+    """Balancedness of the placement `phy2log` under the load `weight`.
+
+    Parameters:
+        weight: [layers, num_logical_experts] loads (numpy, list or torch)
+        phy2log: [layers, num_physical] integer expert ids (e.g. rebalance_experts()'s first
+            output); every expert must hold at least one slot
+        num_gpus: number of ranks; num_physical must be a multiple of it
+
+    Replicas share their expert's load equally. Returns a ``Balancedness`` named tuple
+    (per_layer float64 [layers], mean float, step float).
+    """
+    w = _as_load(weight)
+    p = _as_phy2log(phy2log, "phy2log")
+    m = _eplb.evaluate(w, p, _as_int(num_gpus, "num_gpus"))
+    return Balancedness(m["balancedness"], m["balancedness_mean"], m["balancedness_step"])
+
+
+def lower_bound(weight, num_replicas, num_gpus):
+    """The smallest max rank load any placement of `num_replicas` slots on `num_gpus` ranks can
+    reach, per layer, and the balancedness that bound allows.
+
+    Parameters:
+        weight: [layers, num_logical_experts] loads (numpy, list or torch)
+        num_replicas: physical slots per layer, a multiple of num_gpus
+        num_gpus: number of ranks
+
+    Returns a ``LowerBound`` named tuple (per_layer float64 [layers], balancedness float64
+    [layers], balancedness_mean float). An all-zero layer has bound 0 and balancedness 1.
+    """
+    w = _as_load(weight)
+    ranks = _as_int(num_gpus, "num_gpus")
+    bound = _eplb.lower_bound(w, _as_int(num_replicas, "num_replicas"), ranks)
+    mean = w.sum(axis=1) / ranks
+    with np.errstate(divide="ignore", invalid="ignore"):
+        best = np.where(bound > 0, mean / np.where(bound > 0, bound, 1.0), 1.0)
+    return LowerBound(bound, best, float(best.mean()))
+
+
+def plan_migration(old_phy2log, new_phy2log, num_gpus, num_nodes, expert_bytes,
+                   peers_per_round=1, *, half_duplex=False):
+    """Plans and schedules the weight moves from one placement to another, layer by layer.
+
+    Parameters:
+        old_phy2log, new_phy2log: [layers, num_physical] integer expert ids (numpy, list or
+            torch), the placement in force and the one to move to
+        num_gpus: number of ranks (num_physical must be a multiple of it)
+        num_nodes: number of nodes (num_gpus must be a multiple of it)
+        expert_bytes: bytes of one expert's weights in one layer, >= 1
+        peers_per_round: k, the most peers a rank reads from (and serves) in one round
+        half_duplex: count both directions together against k (default: duplex links)
+
+    Returns a dict:
+        "layers": one dict per layer:
+            "action": uint8 [num_physical], how each slot gets its new expert, an index into
+                eplb.ACTIONS ("unchanged", "local_copy", "free_ride", "read_same_node",
+                "read_other_node")
+            "expert", "src_rank", "src_slot": int64 [num_physical], the slot's new expert and
+                where it comes from (the slot itself when unchanged)
+            "reads": dict of int64 [reads] columns "src_rank", "src_slot", "dst_rank",
+                "dst_slot", "expert", "round" (the round of each read, in [0, rounds))
+            "slots": dict action name -> slots
+            "rank_bytes_in", "rank_bytes_out": int64 [num_gpus], bytes each rank reads / serves
+            "bytes_total", "bytes_intra_node", "bytes_inter_node", "bytes_local_copy",
+            "max_rank_bytes_in", "max_rank_bytes_out", "staging_slots", "rounds",
+            "rounds_lower_bound", "max_peers": ints
+        "totals": sums over the layers: "slots" (dict), "bytes_total", "bytes_intra_node",
+            "bytes_inter_node", "bytes_local_copy", "max_rank_bytes_in", "max_rank_bytes_out"
+            (of each rank's bytes summed over layers), "max_layer_rank_bytes_in",
+            "max_layer_rank_bytes_out", "reads", "rounds", "rounds_lower_bound",
+            "max_layer_rounds", "staging_slots"
+    """
+    return _eplb.plan_migration(
+        _as_phy2log(old_phy2log, "old_phy2log"), _as_phy2log(new_phy2log, "new_phy2log"),
+        _as_int(num_gpus, "num_gpus"), _as_int(num_nodes, "num_nodes"),
+        _as_int(expert_bytes, "expert_bytes"), _as_int(peers_per_round, "peers_per_round"),
+        bool(half_duplex))

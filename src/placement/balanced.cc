@@ -153,10 +153,17 @@ void improve_by_swaps(Packing& pack, std::span<const double> weight,
   const int64_t bins = pack.bins;
   const int64_t cap = pack.capacity;
   if (bins < 2) return;
-  std::vector<std::pair<double, int64_t>> lighter(static_cast<size_t>(bins));  // (load, bin)
+  // (load, bin), ascending. A swap changes two loads, so only those two entries move.
+  std::vector<std::pair<double, int64_t>> lighter(static_cast<size_t>(bins));
+  for (int64_t b = 0; b < bins; ++b) lighter[b] = {pack.load[b], b};
+  std::sort(lighter.begin(), lighter.end());
+  auto reorder = [&](int64_t bin) {
+    lighter.erase(std::find_if(lighter.begin(), lighter.end(),
+                               [&](const auto& entry) { return entry.second == bin; }));
+    const std::pair<double, int64_t> entry{pack.load[bin], bin};
+    lighter.insert(std::lower_bound(lighter.begin(), lighter.end(), entry), entry);
+  };
   for (int64_t round = 0; round < 64 * bins * cap; ++round) {
-    for (int64_t b = 0; b < bins; ++b) lighter[b] = {pack.load[b], b};
-    std::sort(lighter.begin(), lighter.end());
     const int64_t g = lighter.back().second;
     const double top = pack.load[g];
     if (top <= good_enough) return;
@@ -197,6 +204,8 @@ void improve_by_swaps(Packing& pack, std::span<const double> weight,
     holds[h * classes + cls[ib]] = 0;
     holds[g * classes + cls[ib]] = 1;
     holds[h * classes + cls[ia]] = 1;
+    reorder(g);
+    reorder(h);
   }
 }
 

@@ -25,6 +25,7 @@
 #include "eplb/placement/sticky.h"
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <limits>
 #include <numeric>
@@ -46,6 +47,8 @@ constexpr double kMinGain = 1e-12;
 // An incremental result moving at most 1/kFewMoved of the slots is kept without computing the
 // relabelled fallback: a fresh packing relabelled keeps far fewer slots than that.
 constexpr int64_t kFewMoved = 8;
+// swap_with_all lists the unmoved holders of one expert on the stack when there are fewer.
+constexpr int64_t kMaxListed = 16;
 
 int64_t count_moved(std::span<const int32_t> before, std::span<const int32_t> after) {
   int64_t moved = 0;
@@ -127,22 +130,6 @@ void relabel_rank(std::span<const int32_t> fresh, std::span<const int32_t> prev,
   }
 }
 
-// How many experts ranks `a` (of `fresh`) and `b` (of `prev`) hold in common.
-int64_t rank_overlap(std::span<const int32_t> fresh, std::span<const int32_t> prev, int64_t a,
-                     int64_t b, int64_t spr) {
-  int64_t common = 0;
-  for (int64_t i = 0; i < spr; ++i) {
-    const int32_t e = fresh[a * spr + i];
-    for (int64_t k = 0; k < spr; ++k) {
-      if (prev[b * spr + k] == e) {
-        ++common;
-        break;
-      }
-    }
-  }
-  return common;
-}
-
 // Step 2: `fresh` relabelled onto `prev`. Hierarchical: nodes are matched first (whole nodes
 // keep their groups together), then ranks within each matched pair of nodes.
 std::vector<int32_t> relabel(std::span<const int32_t> fresh, std::span<const int32_t> prev,
@@ -150,10 +137,19 @@ std::vector<int32_t> relabel(std::span<const int32_t> fresh, std::span<const int
   const int64_t spr = layout.slots_per_rank();
   const int64_t nodes = hierarchical ? layout.nodes : 1;
   const int64_t rpn = layout.ranks / nodes;
+  // overlap[a][b]: how many slots of new rank a hold an expert that old rank b holds.
+  std::vector<uint8_t> old_holds(static_cast<size_t>(layout.ranks * layout.experts), 0);
+  for (size_t p = 0; p < prev.size(); ++p) {
+    old_holds[(static_cast<int64_t>(p) / spr) * layout.experts + prev[p]] = 1;
+  }
   std::vector<int64_t> overlap(static_cast<size_t>(layout.ranks * layout.ranks));  // [new][old]
   for (int64_t a = 0; a < layout.ranks; ++a) {
     for (int64_t b = 0; b < layout.ranks; ++b) {
-      overlap[a * layout.ranks + b] = rank_overlap(fresh, prev, a, b, spr);
+      int64_t common = 0;
+      for (int64_t i = a * spr; i < (a + 1) * spr; ++i) {
+        common += old_holds[b * layout.experts + fresh[i]];
+      }
+      overlap[a * layout.ranks + b] = common;
     }
   }
   std::vector<int64_t> node_match(static_cast<size_t>(nodes), 0);
@@ -197,7 +193,8 @@ class Incremental {
         holds_(static_cast<size_t>(ranks_ * experts_), 0), load_(static_cast<size_t>(ranks_)),
         prev_start_(static_cast<size_t>(experts_ + 1), 0), prev_slots_(prev.size()),
         share_(static_cast<size_t>(experts_)), share_up_(share_.size()),
-        share_down_(share_.size()), slot_rank_(prev.size()) {
+        share_down_(share_.size()), slot_rank_(prev.size()),
+        holder_(static_cast<size_t>(experts_ * ranks_)) {
     for (size_t p = 0; p < prev.size(); ++p) {
       slot_rank_[p] = static_cast<int32_t>(static_cast<int64_t>(p) / spr_);
     }
@@ -210,7 +207,11 @@ class Incremental {
     clear_and_fill();
     for (int32_t e = 0; e < experts_; ++e) update_shares(e);
     recompute_loads();
-    moved_ = count_moved(prev_, cur_);
+    for (size_t p = 0; p < cur_.size(); ++p) {
+      if (cur_[p] != prev_[p]) moved_slots_.push_back(static_cast<int64_t>(p));
+    }
+    moved_ = static_cast<int64_t>(moved_slots_.size());
+    track_moved_ = true;
   }
 
   // Step 3b: lowers the top rank until it is at most `cap` (true) or no action helps, more than
@@ -241,16 +242,34 @@ class Incremental {
     return static_cast<int64_t>(e != prev_[p]) - static_cast<int64_t>(cur_[p] != prev_[p]);
   }
 
+  // Puts e (-1: nothing) into slot p, keeping holds_, count_, the holder lists and the moved
+  // slots current.
   void set(int64_t p, int32_t e) {
     const int64_t r = rank_of(p);
-    if (cur_[p] >= 0) {
-      holds_[r * experts_ + cur_[p]] = 0;
-      --count_[cur_[p]];
+    const int32_t old = cur_[p];
+    if (old >= 0) {
+      holds_[r * experts_ + old] = 0;
+      int32_t* list = holder_.data() + static_cast<int64_t>(old) * ranks_;
+      *std::find(list, list + count_[old], static_cast<int32_t>(p)) = list[count_[old] - 1];
+      if (--count_[old] == 1) {
+        redundant_.erase(std::lower_bound(redundant_.begin(), redundant_.end(), old));
+      }
     }
     cur_[p] = e;
     if (e >= 0) {
       holds_[r * experts_ + e] = 1;
-      ++count_[e];
+      holder_[static_cast<int64_t>(e) * ranks_ + count_[e]] = static_cast<int32_t>(p);
+      if (++count_[e] == 2) {
+        redundant_.insert(std::lower_bound(redundant_.begin(), redundant_.end(), e), e);
+      }
+    }
+    if (track_moved_ && (old != prev_[p]) != (e != prev_[p])) {
+      const auto it = std::lower_bound(moved_slots_.begin(), moved_slots_.end(), p);
+      if (e != prev_[p]) {
+        moved_slots_.insert(it, p);
+      } else {
+        moved_slots_.erase(it);
+      }
     }
   }
 
@@ -260,6 +279,7 @@ class Incremental {
     share_[e] = c > 0 ? w_[e] / c : kInf;
     share_up_[e] = w_[e] / (c + 1);
     share_down_[e] = c >= 2 ? w_[e] / (c - 1) : kInf;
+    lightest_stale_ = true;
   }
 
   // Keep every previous slot that follows the rules; give every expert without a slot one
@@ -324,54 +344,113 @@ class Incremental {
     set(best, e);
   }
 
+  // The rank loads, and each slot's load with each rank's least and largest.
   void recompute_loads() {
     std::fill(load_.begin(), load_.end(), 0.0);
-    for (size_t p = 0; p < cur_.size(); ++p) load_[rank_of(p)] += share_[cur_[p]];
+    slot_share_.resize(cur_.size());
+    for (size_t p = 0; p < cur_.size(); ++p) {
+      slot_share_[p] = share_[cur_[p]];
+      load_[rank_of(p)] += slot_share_[p];
+    }
+    rank_min_share_.resize(static_cast<size_t>(ranks_));
+    rank_max_share_.resize(static_cast<size_t>(ranks_));
+    for (int64_t r = 0; r < ranks_; ++r) refresh_rank_shares(r);
+  }
+
+  void refresh_rank_shares(int64_t r) {
+    const auto [lo, hi] = std::minmax_element(slot_share_.begin() + r * spr_,
+                                              slot_share_.begin() + (r + 1) * spr_);
+    rank_min_share_[r] = *lo;
+    rank_max_share_[r] = *hi;
   }
 
   int64_t top_rank() const {
     return std::max_element(load_.begin(), load_.end()) - load_.begin();
   }
 
-  // Per round: the moved slots, and the ranks by ascending load.
-  void index_round() {
-    moved_slots_.clear();
-    for (size_t p = 0; p < cur_.size(); ++p) {
-      if (cur_[p] != prev_[p]) moved_slots_.push_back(static_cast<int64_t>(p));
+  // The lightest rank load, for the bound on swaps.
+  double min_load() const { return *std::min_element(load_.begin(), load_.end()); }
+
+  // The largest load among the ranks holding e other than `rank` (-inf: none). e has at most
+  // one replica per rank and few replicas, so walking its holders is cheap.
+  double top_holder_except(int32_t e, int64_t rank) const {
+    double top = -kInf;
+    const int32_t* list = holder_.data() + static_cast<int64_t>(e) * ranks_;
+    for (int32_t i = 0; i < count_[e]; ++i) {
+      const int64_t r = rank_of(list[i]);
+      if (r != rank) top = std::max(top, load_[r]);
     }
-    by_load_.resize(static_cast<size_t>(ranks_));
-    for (int64_t r = 0; r < ranks_; ++r) by_load_[r] = {load_[r], r};
-    std::sort(by_load_.begin(), by_load_.end());
-    holders_indexed_ = false;
+    return top;
   }
 
-  // On the first use in a round: the two most loaded ranks holding each expert (so the largest
-  // load among its holders other than a given rank is O(1)), and the slots of redundant
-  // replicas, lightest ranks first (the first fitting slot is then usually the best one).
-  void index_holders() {
-    if (holders_indexed_) return;
-    holders_indexed_ = true;
-    first_.assign(static_cast<size_t>(experts_), {-kInf, -1});
-    second_.assign(static_cast<size_t>(experts_), -kInf);
-    for (size_t p = 0; p < cur_.size(); ++p) {
-      const int32_t e = cur_[p];
-      const double l = load_[rank_of(p)];
-      if (l > first_[e].first) {
-        second_[e] = first_[e].first;
-        first_[e] = {l, rank_of(p)};
-      } else if (l > second_[e]) {
-        second_[e] = l;
+  // On the first use in a round: for each slot b whose expert y has 2+ replicas, the largest
+  // load of y's other holders once b gives y up (+inf when y has one replica, or when that
+  // reaches `limit`); it does not depend on the expert b takes instead. Also the moved slots
+  // where it stays below `limit`, ascending.
+  void index_give_ups(double limit) {
+    if (give_ups_indexed_) return;
+    give_ups_indexed_ = true;
+    // Only the slots of the last index are finite.
+    give_up_peak_.resize(cur_.size(), kInf);
+    for (const int64_t b : give_ups_) give_up_peak_[b] = kInf;
+    give_ups_.clear();
+    for (const int32_t y : redundant_) {
+      // The two most loaded holders of y: each holder's "others" is the top one, or the
+      // second for the top one itself.
+      const int32_t* list = holder_.data() + static_cast<int64_t>(y) * ranks_;
+      double first = -kInf, second = -kInf;
+      int32_t first_at = -1;
+      for (int32_t i = 0; i < count_[y]; ++i) {
+        const double l = load_[rank_of(list[i])];
+        if (l > first) {
+          second = first;
+          first = l;
+          first_at = i;
+        } else if (l > second) {
+          second = l;
+        }
+      }
+      const double rise = share_down_[y] - share_[y];
+      for (int32_t i = 0; i < count_[y]; ++i) {
+        const double peak = (i == first_at ? second : first) + rise;
+        if (peak < limit) {
+          give_up_peak_[list[i]] = peak;
+          give_ups_.push_back(list[i]);
+        }
       }
     }
-    redundant_.clear();
-    for (const auto& [unused, r] : by_load_) {
-      for (int64_t p = r * spr_; p < (r + 1) * spr_; ++p) {
-        if (count_[cur_[p]] >= 2) redundant_.push_back(p);
-      }
+    moved_give_ups_.clear();
+    for (const int64_t b : moved_slots_) {
+      if (give_up_peak_[b] < kInf) moved_give_ups_.push_back(b);
     }
+    give_ups_sorted_ = false;
   }
-  double top_holder_except(int32_t e, int64_t rank) const {
-    return first_[e].second == rank ? second_[e] : first_[e].first;
+
+  // The slots of index_give_ups by the load of their rank, then ascending (so by rank index
+  // on equal loads), sorted on the first use in a round: redundant slots on light ranks come
+  // first, so the first fitting one is usually the best.
+  std::span<const int64_t> give_ups_by_load() {
+    if (!give_ups_sorted_) {
+      give_ups_sorted_ = true;
+      std::sort(give_ups_.begin(), give_ups_.end(), [&](int64_t a, int64_t b) {
+        const double la = load_[rank_of(a)], lb = load_[rank_of(b)];
+        return la < lb || (la == lb && a < b);
+      });
+    }
+    return give_ups_;
+  }
+
+  // On the first use in a round: the loads of the moved slots and of their ranks, side by side
+  // for the scans that swap with every moved slot.
+  void index_moved() {
+    if (moved_indexed_) return;
+    moved_indexed_ = true;
+    moved_share_.resize(moved_slots_.size());
+    moved_rank_load_.resize(moved_slots_.size());
+    for (size_t i = 0; i < moved_slots_.size(); ++i) {
+      moved_share_[i] = slot_share_[moved_slots_[i]];
+      moved_rank_load_[i] = load_[rank_of(moved_slots_[i])];
+    }
   }
 
   // The best action found so far: least cost in moved slots, then lowest new peak (the
@@ -395,31 +474,50 @@ class Incremental {
   };
 
   // Swap slot a (on the top rank g) with slot b of another rank.
+  // Most candidates fail on the loads alone, so those come first.
   void try_swap(int64_t g, double top, double limit, int64_t a, int64_t b, Action& best) const {
+    const double delta = slot_share_[a] - slot_share_[b];
+    if (delta <= 0) return;
+    const double peak = std::max(top - delta, load_[rank_of(b)] + delta);
+    if (peak < limit) consider_swap(g, peak, a, b, best);
+  }
+  void consider_swap(int64_t g, double peak, int64_t a, int64_t b, Action& best) const {
     const int64_t h = rank_of(b);
     const int32_t x = cur_[a], y = cur_[b];
+    const int64_t c = cost(a, y) + cost(b, x);
+    if (!best.beaten_by(c, peak)) return;
     if (h == g || y == x || holds(h, x) || holds(g, y) || !allowed(x, h) || !allowed(y, g)) {
       return;
     }
-    const double delta = share_[x] - share_[y];
-    if (delta <= 0) return;
-    const double peak = std::max(top - delta, load_[h] + delta);
-    const int64_t c = cost(a, y) + cost(b, x);
-    if (peak < limit && best.beaten_by(c, peak)) best.take(c, peak, a, b, -1);
+    best.take(c, peak, a, b, -1);
+  }
+
+  // try_swap of slot a with every moved slot, in ascending order.
+  void swap_with_moved(int64_t g, double top, double limit, int64_t a, Action& best) {
+    index_moved();
+    const double sx = slot_share_[a];
+    for (size_t i = 0; i < moved_slots_.size(); ++i) {
+      const double delta = sx - moved_share_[i];
+      if (delta <= 0) continue;
+      const double peak = std::max(top - delta, moved_rank_load_[i] + delta);
+      if (peak < limit) consider_swap(g, peak, a, moved_slots_[i], best);
+    }
   }
 
   // Slot b of another rank gives up its expert y (count >= 2) for a replica of x = cur_[a].
   // Every holder of x gets lighter; the other holders of y get heavier.
+  // Needs index_give_ups of this round.
   void try_replicate(int64_t g, double top, double limit, int64_t a, int64_t b,
                      Action& best) const {
-    const int64_t h = rank_of(b);
     const int32_t x = cur_[a], y = cur_[b];
-    if (h == g || y == x || count_[y] < 2 || holds(h, x) || !allowed(x, h)) return;
+    if (y == x) return;
+    const int64_t h = rank_of(b);
     const double peak = std::max({top - share_[x] + share_up_[x],
-                                  load_[h] - share_[y] + share_up_[x],
-                                  top_holder_except(y, h) + share_down_[y] - share_[y]});
+                                  load_[h] - share_[y] + share_up_[x], give_up_peak_[b]});
+    if (!(peak < limit)) return;
     const int64_t c = cost(b, x);
-    if (peak < limit && best.beaten_by(c, peak)) best.take(c, peak, -1, b, x);
+    if (!best.beaten_by(c, peak) || h == g || holds(h, x) || !allowed(x, h)) return;
+    best.take(c, peak, -1, b, x);
   }
 
   // Slot a of the top rank gives up x (count >= 2) for y.
@@ -434,7 +532,25 @@ class Incremental {
   }
 
   // The expert that adds least to rank g: the smallest load per replica after one more.
-  int32_t lightest_addition(int64_t g) const {
+  // Looked up first among the slots_per_rank + 1 lightest experts (kept until the shares
+  // change): a rank cannot hold them all, so only a node rule sends it to the full scan.
+  int32_t lightest_addition(int64_t g) {
+    auto lighter = [&](int32_t a, int32_t b) {
+      return share_up_[a] < share_up_[b] || (share_up_[a] == share_up_[b] && a < b);
+    };
+    if (lightest_stale_) {
+      lightest_stale_ = false;
+      const size_t keep = static_cast<size_t>(std::min<int64_t>(spr_ + 1, experts_));
+      lightest_.clear();
+      for (int32_t e = 0; e < experts_; ++e) {
+        if (lightest_.size() == keep && !lighter(e, lightest_.back())) continue;
+        if (lightest_.size() == keep) lightest_.pop_back();
+        lightest_.insert(std::upper_bound(lightest_.begin(), lightest_.end(), e, lighter), e);
+      }
+    }
+    for (const int32_t e : lightest_) {
+      if (allowed(e, g) && !holds(g, e)) return e;
+    }
     int32_t light = -1;
     for (int32_t e = 0; e < experts_; ++e) {
       if (!allowed(e, g) || holds(g, e)) continue;
@@ -445,14 +561,44 @@ class Incremental {
 
   // Swap slot a with every slot of the ranks that can take its expert, skipping the ranks where
   // even the least cost `min_cost` and the best split of the two loads cannot beat `best`.
+  // Slots are visited in ascending order (ranks are runs of slots). When a is moved and
+  // only a swap of cost <= 0 can still win, b must be moved too or hold a's previous expert
+  // (a swap of moved a with unmoved b costs 1 otherwise), so only those are visited.
   void swap_with_all(int64_t g, double top, double limit, int64_t a, int64_t min_cost,
                      Action& best) const {
     const int32_t x = cur_[a];
-    for (int64_t h = 0; h < ranks_; ++h) {
-      if (h == g || load_[h] >= limit || holds(h, x) || !allowed(x, h) ||
-          !best.beaten_by(min_cost, 0.5 * (top + load_[h]))) {
-        continue;
+    const double sx = slot_share_[a];
+    // Also skipped: ranks where every slot is at least as heavy as x (no swap lowers g), or
+    // where even the heaviest would lift h to the limit.
+    auto skip_rank = [&](int64_t h) {
+      return h == g || load_[h] >= limit || rank_min_share_[h] >= sx ||
+             load_[h] + (sx - rank_max_share_[h]) >= limit || holds(h, x) || !allowed(x, h) ||
+             !best.beaten_by(min_cost, 0.5 * (top + load_[h]));
+    };
+    if (cur_[a] != prev_[a] && !best.beaten_by(1, -kInf)) {
+      const int32_t was = prev_[a];
+      const int32_t* held = holder_.data() + static_cast<int64_t>(was) * ranks_;
+      std::array<int32_t, kMaxListed> unmoved{};
+      int64_t n = 0;
+      for (int32_t i = 0; i < count_[was] && n < kMaxListed; ++i) {
+        if (cur_[held[i]] == prev_[held[i]]) unmoved[n++] = held[i];
       }
+      if (n < kMaxListed) {
+        std::sort(unmoved.begin(), unmoved.begin() + n);
+        auto visit = [&](int64_t b) {
+          if (!skip_rank(rank_of(b))) try_swap(g, top, limit, a, b, best);
+        };
+        auto m = moved_slots_.begin();
+        for (int64_t i = 0; i < n; ++i) {
+          for (; m != moved_slots_.end() && *m < unmoved[i]; ++m) visit(*m);
+          visit(unmoved[i]);
+        }
+        for (; m != moved_slots_.end(); ++m) visit(*m);
+        return;
+      }
+    }
+    for (int64_t h = 0; h < ranks_; ++h) {
+      if (skip_rank(h)) continue;
       for (int64_t b = h * spr_; b < (h + 1) * spr_; ++b) try_swap(g, top, limit, a, b, best);
     }
   }
@@ -465,10 +611,11 @@ class Incremental {
   //   swap: peak >= (top + lightest load) / 2; cost >= -1 + (a unmoved), and a swap of an
   //     unmoved a costs 2 unless b is moved or held x before.
   bool lower_top(int64_t g, double cap) {
-    index_round();
+    moved_indexed_ = false;
+    give_ups_indexed_ = false;
     const double top = load_[g];
     const double limit = top - kMinGain * top;
-    const double swap_floor = 0.5 * (top + by_load_.front().first);
+    const double swap_floor = 0.5 * (top + min_load());
     Action best;
     best.floor = cap;
     const int64_t first = g * spr_, last = (g + 1) * spr_;
@@ -483,18 +630,17 @@ class Incremental {
         for (const int64_t b : prev_slots_of(x)) try_swap(g, top, limit, a, b, best);
       }
       if (best.beaten_by(unmoved ? 1 : -1, swap_bound)) {
-        for (const int64_t b : moved_slots_) try_swap(g, top, limit, a, b, best);
+        swap_with_moved(g, top, limit, a, best);
       }
       if (!unmoved && best.beaten_by(-1, top)) {
-        index_holders();
         try_replace(g, top, limit, a, prev_[a], best);
       }
       // A replicate of x lowers rank g by w_x / c_x - w_x / (c_x + 1) at most.
       const double rep_floor = top - share_[x] + share_up_[x];
       if (rep_floor < limit && best.beaten_by(0, rep_floor)) {
-        index_holders();
+        index_give_ups(limit);
         for (const int64_t b : prev_slots_of(x)) try_replicate(g, top, limit, a, b, best);
-        for (const int64_t b : moved_slots_) try_replicate(g, top, limit, a, b, best);
+        for (const int64_t b : moved_give_ups_) try_replicate(g, top, limit, a, b, best);
       }
     }
     // Pass 2, one moved slot: replicate into any redundant slot, replace by the lightest
@@ -504,15 +650,14 @@ class Incremental {
       const int32_t x = cur_[a];
       const double rep_floor = top - share_[x] + share_up_[x];
       if (rep_floor < limit && best.beaten_by(1, rep_floor)) {
-        index_holders();
-        for (const int64_t b : redundant_) {
+        index_give_ups(limit);
+        for (const int64_t b : give_ups_by_load()) {
           if (!best.beaten_by(1, rep_floor)) break;
           try_replicate(g, top, limit, a, b, best);
         }
       }
       if (count_[x] >= 2 && best.beaten_by(1, swap_floor)) {
         if (light < 0) light = lightest_addition(g);
-        index_holders();
         try_replace(g, top, limit, a, light, best);
       }
       if (x != prev_[a] && best.beaten_by(0, std::max(swap_floor, top - share_[x]))) {
@@ -537,6 +682,10 @@ class Incremental {
       set(best.a, old_b);
       load_[rank_of(best.a)] -= delta;
       load_[rank_of(best.b)] += delta;
+      slot_share_[best.a] = share_[old_b];
+      slot_share_[best.b] = share_[x];
+      refresh_rank_shares(rank_of(best.a));
+      refresh_rank_shares(rank_of(best.b));
     } else {
       set(best.b, best.expert);
       update_shares(old_b);
@@ -565,13 +714,25 @@ class Incremental {
   std::vector<int64_t> prev_slots_;  // prev_slots_[prev_start_[e] .. prev_start_[e + 1])
   std::vector<double> share_, share_up_, share_down_;  // [experts]
   std::vector<int32_t> slot_rank_;                     // [physical]
-  // Per round (index_round).
-  std::vector<std::pair<double, int64_t>> first_;  // [experts]: (load, rank) of top holder
-  std::vector<double> second_;                     // [experts]
-  std::vector<std::pair<double, int64_t>> by_load_;  // [ranks]: (load, rank), ascending
+  // [experts][ranks]: the slots holding e are holder_[e * ranks_ .. e * ranks_ + count_[e]).
+  std::vector<int32_t> holder_;
+  std::vector<double> slot_share_;  // [physical]: share_ of the slot's expert
+  std::vector<double> rank_min_share_, rank_max_share_;  // [ranks]: least, largest slot_share_
+  std::vector<int32_t> redundant_;  // experts with 2+ replicas, ascending
+  std::vector<int32_t> lightest_;   // the experts with the least share_up_, ascending
+  bool lightest_stale_ = true;
+  // Ascending; kept current by set() once the constructor has filled the slots.
   std::vector<int64_t> moved_slots_;  // slots whose expert differs from the previous one
-  bool holders_indexed_ = false;      // first_, second_ and redundant_ are this round's
-  std::vector<int64_t> redundant_;    // slots whose expert has 2+ replicas
+  bool track_moved_ = false;
+  // Per round (index_moved): [moved slots] side by side with moved_slots_.
+  bool moved_indexed_ = false;
+  std::vector<double> moved_share_, moved_rank_load_;
+  // Per round (index_give_ups).
+  bool give_ups_indexed_ = false;
+  std::vector<double> give_up_peak_;       // [physical]
+  std::vector<int64_t> moved_give_ups_;    // moved slots with give_up_peak_ below the limit
+  std::vector<int64_t> give_ups_;         // all such slots (give_ups_by_load)
+  bool give_ups_sorted_ = false;
   int64_t moved_ = 0;
   int64_t rounds_ = 0;
 };

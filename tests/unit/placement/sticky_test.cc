@@ -164,6 +164,46 @@ TEST(Sticky, RepairsPreviousPlacementsThatBreakTheRules) {
   }
 }
 
+TEST(Sticky, TrivialPreviousAtDeepseekShape) {
+  // Where engines start: slot p holds expert p mod E. The incremental search has many rounds to
+  // run here; it must still end valid, within the tolerance, the same twice, and keep far more
+  // slots than a fresh packing would.
+  std::mt19937_64 rng(8);
+  const LoadMatrix load = lognormal_load(4, 256, rng);
+  const Placement previous = trivial_placement(4, 256, 288);
+  for (const bool hierarchical : {false, true}) {
+    SCOPED_TRACE(hierarchical ? "hierarchical" : "global");
+    const Placement out = sticky(load, kDeepseekV3, previous, 0.01, hierarchical);
+    ASSERT_NO_THROW(out.validate());
+    EXPECT_EQ(duplicates_on_ranks(out, kDeepseekV3), 0);
+    expect_within_tolerance(load, kDeepseekV3, out, 0.01, hierarchical);
+    EXPECT_EQ(sticky(load, kDeepseekV3, previous, 0.01, hierarchical).phy2log, out.phy2log);
+    EXPECT_LT(moved_slots(previous, out),
+              moved_slots(previous, balanced(load, kDeepseekV3, hierarchical)));
+  }
+}
+
+TEST(Sticky, StrongDriftAtDeepseekShapeStaysValid) {
+  // lognormal(0, 0.5) drift makes the search replicate and replace as well as swap, so every
+  // index it keeps between rounds is exercised; each step starts from the one before.
+  for (const bool hierarchical : {false, true}) {
+    SCOPED_TRACE(hierarchical ? "hierarchical" : "global");
+    std::mt19937_64 rng(9);
+    LoadMatrix load = lognormal_load(4, 256, rng);
+    Placement previous = balanced(load, kDeepseekV3, hierarchical);
+    for (int step = 0; step < 4; ++step) {
+      SCOPED_TRACE("step " + std::to_string(step));
+      load = drift(load, rng, 0.5);
+      const Placement out = sticky(load, kDeepseekV3, previous, 0.01, hierarchical);
+      ASSERT_NO_THROW(out.validate());
+      EXPECT_EQ(duplicates_on_ranks(out, kDeepseekV3), 0);
+      expect_within_tolerance(load, kDeepseekV3, out, 0.01, hierarchical);
+      EXPECT_EQ(sticky(load, kDeepseekV3, previous, 0.01, hierarchical).phy2log, out.phy2log);
+      previous = out;
+    }
+  }
+}
+
 TEST(Sticky, SmallShapesStayValid) {
   const std::vector<Layout> layouts = {make_layout(16, 32, 8, 2, 4), make_layout(12, 16, 8, 2, 4),
                                        make_layout(6, 8, 4, 1, 1), make_layout(64, 64, 16, 2, 4)};

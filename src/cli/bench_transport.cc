@@ -1,6 +1,237 @@
-// Placeholder until the transport layer lands: registers nothing.
+// `eplb bench transport`: pull bandwidth of a transport backend beside memcpy, same run.
+//
+// N ranks (threads for inproc, forked processes otherwise) each serve one region of B bytes and
+// pull B bytes from their peers (split evenly over the other ranks; from itself when alone).
+// memcpy of B bytes between two private buffers is timed in the same processes, interleaved
+// with the transport rounds and run on every rank at once, so both figures see the same memory
+// bandwidth. Figures are per rank, median over rounds, averaged over ranks.
+
+#include <sched.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <fmt/core.h>
+#include <nlohmann/json.hpp>
+
 #include "cli/commands.h"
+#include "eplb/core/error.h"
+#include "eplb/transport/registry.h"
 
 namespace eplb::cli {
-void add_bench_transport(CLI::App&) {}
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+constexpr int kMaxRanks = 64;
+constexpr std::size_t kMaxDescriptor = 64 * 1024;
+constexpr int kRounds = 5;
+constexpr auto kBarrierTimeout = std::chrono::seconds(120);
+
+// Shared by every rank: anonymous shared memory mapped before the fork (or plain memory for
+// threads). The ranks' own rendezvous, independent of any control-plane backend.
+struct Board {
+  std::atomic<int> arrived;
+  std::atomic<int> generation;
+  std::atomic<int> failed;
+  char error[1024];
+  std::uint32_t descriptor_bytes[kMaxRanks];
+  std::byte descriptors[kMaxRanks][kMaxDescriptor];
+  double transport_gbps[kMaxRanks];
+  double memcpy_gbps[kMaxRanks];
+};
+
+void barrier(Board& board, int ranks) {
+  const int generation = board.generation.load();
+  if (board.arrived.fetch_add(1) + 1 == ranks) {
+    board.arrived.store(0);
+    board.generation.fetch_add(1);
+    return;
+  }
+  const auto deadline = Clock::now() + kBarrierTimeout;
+  while (board.generation.load() == generation) {
+    if (board.failed.load()) fail<IoError>("another rank failed");
+    if (Clock::now() > deadline) fail<Timeout>("bench transport: a rank never reached a barrier");
+    sched_yield();
+  }
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+void run_rank(Board& board, const std::string& backend, int rank, int ranks, std::size_t bytes) {
+  auto transport = transport::create(backend, transport::Options{.rank = rank});
+  const transport::Region region = transport->allocate(bytes);
+  std::memset(region.data, 0x40 + rank, bytes);
+  const auto descriptor = transport->export_descriptor();
+  if (descriptor.size() > kMaxDescriptor) {
+    fail<IoError>("bench transport: a descriptor of ", descriptor.size(), " bytes is too large");
+  }
+  std::memcpy(board.descriptors[rank], descriptor.data(), descriptor.size());
+  board.descriptor_bytes[rank] = static_cast<std::uint32_t>(descriptor.size());
+  barrier(board, ranks);
+  for (int peer = 0; peer < ranks; ++peer) {
+    transport->import_descriptor(
+        peer, std::span<const std::byte>(board.descriptors[peer], board.descriptor_bytes[peer]));
+  }
+
+  // B bytes from the other ranks, in equal contiguous pieces (the last takes the remainder).
+  std::vector<std::byte> dst(bytes, std::byte{1});
+  std::vector<std::byte> src(bytes, std::byte{2});
+  std::vector<transport::Read> reads;
+  const int peers = ranks == 1 ? 1 : ranks - 1;
+  const std::size_t piece = bytes / static_cast<std::size_t>(peers);
+  for (int k = 0; k < peers; ++k) {
+    const int peer = ranks == 1 ? rank : (rank + 1 + k) % ranks;
+    const std::size_t offset = piece * static_cast<std::size_t>(k);
+    const std::size_t size = k + 1 == peers ? bytes - offset : piece;
+    reads.push_back({peer, 0, offset, dst.data() + offset, size});
+  }
+  const auto pull = [&] { transport->post(reads)->wait(std::chrono::seconds(120)); };
+  pull();  // warm up: connections, page tables, caches
+  std::memcpy(dst.data(), src.data(), bytes);
+
+  std::vector<double> copy_s, pull_s;
+  for (int round = 0; round < kRounds; ++round) {
+    barrier(board, ranks);
+    auto t0 = Clock::now();
+    std::memcpy(dst.data(), src.data(), bytes);
+    copy_s.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+    barrier(board, ranks);
+    t0 = Clock::now();
+    pull();
+    pull_s.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+  }
+  if (dst[bytes - 1] != static_cast<std::byte>(0x40 + reads.back().peer)) {
+    fail<IoError>("bench transport: rank ", rank, " read wrong bytes");
+  }
+  board.memcpy_gbps[rank] = static_cast<double>(bytes) / median(copy_s) / 1e9;
+  board.transport_gbps[rank] = static_cast<double>(bytes) / median(pull_s) / 1e9;
+  barrier(board, ranks);  // nobody closes while a peer may still read from it
+}
+
+void report_failure(Board& board, const std::exception& e) {
+  if (board.failed.exchange(1) == 0) {
+    std::snprintf(board.error, sizeof board.error, "%s", e.what());
+  }
+}
+
+void run_processes(Board& board, const std::string& backend, int ranks, std::size_t bytes) {
+  std::fflush(stdout);
+  std::vector<pid_t> pids;
+  for (int rank = 0; rank < ranks; ++rank) {
+    const pid_t pid = ::fork();
+    if (pid < 0) fail<IoError>("bench transport: fork failed");
+    if (pid == 0) {
+      int code = 0;
+      try {
+        run_rank(board, backend, rank, ranks, bytes);
+      } catch (const std::exception& e) {
+        report_failure(board, e);
+        code = 1;
+      }
+      std::fflush(stdout);
+      ::_exit(code);
+    }
+    pids.push_back(pid);
+  }
+  bool crashed = false;
+  for (pid_t pid : pids) {
+    int status = 0;
+    ::waitpid(pid, &status, 0);
+    if (WIFSIGNALED(status)) crashed = true;
+    if (WIFSIGNALED(status) && !board.failed.load()) board.failed.store(1);
+  }
+  if (crashed && board.error[0] == '\0') {
+    std::snprintf(board.error, sizeof board.error, "a rank was killed by a signal");
+  }
+}
+
+void run_threads(Board& board, const std::string& backend, int ranks, std::size_t bytes) {
+  std::vector<std::thread> threads;
+  for (int rank = 0; rank < ranks; ++rank) {
+    threads.emplace_back([&, rank] {
+      try {
+        run_rank(board, backend, rank, ranks, bytes);
+      } catch (const std::exception& e) {
+        report_failure(board, e);
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+}
+
+void bench_transport(const std::string& backend, int ranks, std::size_t bytes, bool json) {
+  if (!transport::has_backend(backend)) transport::create(backend, {});  // throws the message
+  if (ranks < 1 || ranks > kMaxRanks) {
+    fail<InvalidArgument>("--ranks ", ranks, " is out of range (1..", kMaxRanks, ")");
+  }
+  if (bytes == 0) fail<InvalidArgument>("--bytes 0: give the bytes each rank pulls (> 0)");
+  if (bytes < static_cast<std::size_t>(ranks)) {
+    fail<InvalidArgument>("--bytes ", bytes, " is smaller than --ranks ", ranks,
+                          " (each peer serves at least one byte)");
+  }
+  void* mem = ::mmap(nullptr, sizeof(Board), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS,
+                     -1, 0);
+  if (mem == MAP_FAILED) fail<IoError>("bench transport: cannot map shared memory");
+  std::unique_ptr<Board, void (*)(Board*)> board(new (mem) Board{},
+                                                 [](Board* b) { ::munmap(b, sizeof(Board)); });
+  if (backend == "inproc") {
+    run_threads(*board, backend, ranks, bytes);
+  } else {
+    run_processes(*board, backend, ranks, bytes);
+  }
+  if (board->failed.load()) fail<IoError>("bench transport --backend ", backend, ": ", board->error);
+
+  double gbps = 0, memcpy_gbps = 0;
+  for (int rank = 0; rank < ranks; ++rank) {
+    gbps += board->transport_gbps[rank] / ranks;
+    memcpy_gbps += board->memcpy_gbps[rank] / ranks;
+  }
+  const double ratio = gbps / memcpy_gbps;
+  if (json) {
+    nlohmann::json out{{"backend", backend}, {"ranks", ranks},           {"bytes", bytes},
+                       {"gbps", gbps},       {"memcpy_gbps", memcpy_gbps}, {"ratio", ratio}};
+    fmt::print("{}\n", out.dump());
+  } else {
+    fmt::print("transport {}: {} ranks pulling {} bytes each: {:.2f} GB/s per rank "
+               "(memcpy {:.2f} GB/s, {:.2f}x)\n",
+               backend, ranks, bytes, gbps, memcpy_gbps, ratio);
+  }
+}
+
+}  // namespace
+
+void add_bench_transport(CLI::App& bench) {
+  struct Args {
+    std::string backend;
+    int ranks = 2;
+    std::size_t bytes = 64 << 20;
+    bool json = false;
+  };
+  auto args = std::make_shared<Args>();
+  std::string names;
+  for (const auto& n : transport::backend_names()) names += (names.empty() ? "" : "|") + n;
+  CLI::App* cmd = bench.add_subcommand(
+      "transport", "Pull bandwidth of a transport backend, beside memcpy in the same run");
+  cmd->add_option("--backend", args->backend, "Backend: " + names)->required();
+  cmd->add_option("--ranks", args->ranks, "Ranks (threads for inproc, processes otherwise)");
+  cmd->add_option("--bytes", args->bytes, "Bytes each rank pulls from its peers");
+  cmd->add_flag("--json", args->json, "Print one JSON object");
+  cmd->callback([args] { bench_transport(args->backend, args->ranks, args->bytes, args->json); });
+}
+
 }  // namespace eplb::cli

@@ -1,0 +1,22 @@
+#pragma once
+// shm: ranks are processes of one machine. Each region is a memfd the owner maps read-write;
+// a peer opens it through /proc/<owner>/fd/<n> (same user), maps it read-only, and a read is a
+// memcpy from that mapping: no syscall per transfer, no help from the owner.
+//
+// Liveness. The owner's pages stay mapped in its readers after it dies or closes, so a copy
+// always "succeeds"; to be honest about failure a batch checks, after its copies, that every
+// owner it read from is still open (a flag in a shared control page) and alive (its pidfd, one
+// poll() per batch) and fails with IoError otherwise. A stopped owner (SIGSTOP) is alive and its
+// memory readable: reads from it succeed, which is what one-sided means.
+//
+// Copies run inside post(); poll() and wait() only report the result.
+
+#include <memory>
+
+#include "eplb/transport/transport.h"
+
+namespace eplb::transport::shm {
+
+std::unique_ptr<Transport> create(const Options& options);
+
+}  // namespace eplb::transport::shm

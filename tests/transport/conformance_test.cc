@@ -1,0 +1,484 @@
+// The Transport contract, checked on every built backend and world sizes 1, 2, 3, 4 and 8:
+// inproc ranks are threads, every other backend's ranks are forked processes. UCX runs twice:
+// with its default transports (shared memory on one machine) and with UCX_TLS=tcp, where reads
+// are emulated with messages served by the owner's progress thread.
+//
+// What a stopped rank (SIGSTOP) means, per backend: its memory stays mapped, so shm reads (and
+// UCX reads through a mapped key) succeed with the right bytes; an emulated read (UCX over TCP)
+// needs the owner's CPU and must end in Timeout. inproc ranks are threads and cannot be stopped.
+
+#include <signal.h>
+#include <unistd.h>
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstring>
+#include <fstream>
+#include <random>
+#include <ostream>
+#include <sstream>
+#include <thread>
+
+#include "eplb/core/error.h"
+#include "eplb/transport/registry.h"
+#include "multi_rank.h"
+
+namespace eplb::transport {
+namespace {
+
+using testing::Bytes;
+using testing::Fate;
+using testing::RankContext;
+using testing::RunOptions;
+using testing::SkipRanks;
+using namespace std::chrono_literals;
+
+// Generous: only a bound that turns a hang into a failure, never a measure of speed.
+constexpr auto kWaitTimeout = 60s;
+
+struct Param {
+  std::string backend;
+  std::string tls;  // UCX_TLS for the ranks, "" for UCX's default
+  int world = 1;
+};
+
+void PrintTo(const Param& p, std::ostream* os) {
+  *os << p.backend << (p.tls.empty() ? "" : " UCX_TLS=" + p.tls) << " world " << p.world;
+}
+
+std::string param_name(const ::testing::TestParamInfo<Param>& info) {
+  return info.param.backend + (info.param.tls.empty() ? "" : "_" + info.param.tls) + "_w" +
+         std::to_string(info.param.world);
+}
+
+std::vector<Param> variants() {
+  std::vector<Param> out;
+  for (const std::string& name : backend_names()) {
+    out.push_back({name, "", 1});
+    if (name == "ucx") out.push_back({name, "tcp", 1});
+  }
+  return out;
+}
+
+std::vector<Param> all_params() {
+  std::vector<Param> out;
+  for (const Param& v : variants()) {
+    for (int world : {1, 2, 3, 4, 8}) out.push_back({v.backend, v.tls, world});
+  }
+  return out;
+}
+
+RunOptions run_options(const Param& p) {
+  RunOptions o;
+  o.world = p.world;
+  o.processes = p.backend != "inproc";
+  if (!p.tls.empty()) o.env.emplace_back("UCX_TLS", p.tls);
+  return o;
+}
+
+std::unique_ptr<Transport> create_or_skip(const Param& p, int rank) {
+  try {
+    return create(p.backend, Options{.rank = rank});
+  } catch (const IoError& e) {
+    throw SkipRanks{"backend " + p.backend + (p.tls.empty() ? "" : " with UCX_TLS=" + p.tls) +
+                    " cannot start here: " + e.what()};
+  }
+}
+
+// The byte at `offset` of region `region` of rank `rank`: every rank can compute any peer's.
+std::uint64_t word_of(int rank, int region, std::uint64_t word) {
+  std::uint64_t x = word + 0x9e3779b97f4a7c15ull * (static_cast<std::uint64_t>(rank) * 131 +
+                                                    static_cast<std::uint64_t>(region) + 1);
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+std::byte pattern(int rank, int region, std::uint64_t offset) {
+  return static_cast<std::byte>(word_of(rank, region, offset / 8) >> (8 * (offset % 8)));
+}
+
+// Sizes of a rank's regions (distinct per rank and odd on purpose); a last registered region
+// where the backend can serve caller memory.
+std::vector<std::size_t> region_sizes(int rank, bool with_registered) {
+  std::vector<std::size_t> sizes{1 + 7 * static_cast<std::size_t>(rank), 64 * 1024 + 13 * static_cast<std::size_t>(rank),
+                                 3, 256 * 1024, 4096 + 1};
+  if (with_registered) sizes.push_back(32 * 1024 + 5 * static_cast<std::size_t>(rank));
+  return sizes;
+}
+
+struct Rank {
+  std::unique_ptr<Transport> transport;
+  std::vector<Region> regions;
+  std::vector<std::byte> registered;  // caller memory behind the registered region
+  bool with_registered = false;
+};
+
+// Step 1: create, allocate, fill with the pattern. Step 2: exchange and import descriptors.
+Rank set_up(const Param& p, RankContext& ctx) {
+  Rank r;
+  r.transport = create_or_skip(p, ctx.rank);
+  r.with_registered = r.transport->capabilities().register_memory;
+  const auto sizes = region_sizes(ctx.rank, r.with_registered);
+  for (std::size_t i = 0; i < sizes.size(); ++i) {
+    const bool registered = r.with_registered && i + 1 == sizes.size();
+    Region region;
+    if (registered) {
+      r.registered.resize(sizes[i]);
+      region = r.transport->register_memory(r.registered.data(), sizes[i]);
+    } else {
+      region = r.transport->allocate(sizes[i]);
+    }
+    EXPECT_EQ(region.id, static_cast<int>(i));
+    EXPECT_EQ(region.bytes, sizes[i]);
+    for (std::size_t off = 0; off < sizes[i]; ++off) {
+      EXPECT_EQ(region.data[off], std::byte{0}) << "allocate() must zero-fill";
+      region.data[off] = pattern(ctx.rank, static_cast<int>(i), off);
+      if (!registered && ::testing::Test::HasFailure()) break;
+    }
+    r.regions.push_back(region);
+  }
+  const auto descriptors = ctx.all_gather("descriptors", r.transport->export_descriptor());
+  for (int peer = 0; peer < ctx.world; ++peer) {
+    r.transport->import_descriptor(peer, descriptors[peer]);
+  }
+  // Step 3: one small read from every peer, as the runtime does at start-up, so every
+  // connection is up before a test kills or stops anyone.
+  std::vector<std::byte> probe(static_cast<std::size_t>(ctx.world));
+  std::vector<Read> reads;
+  for (int peer = 0; peer < ctx.world; ++peer) reads.push_back({peer, 2, 1, &probe[peer], 1});
+  r.transport->post(reads)->wait(kWaitTimeout);
+  for (int peer = 0; peer < ctx.world; ++peer) EXPECT_EQ(probe[peer], pattern(peer, 2, 1));
+  ctx.barrier("connected");
+  return r;
+}
+
+// A destination with guard bytes on both sides, to catch a read writing out of bounds.
+struct Destination {
+  static constexpr std::size_t kGuard = 16;
+  std::vector<std::byte> bytes;
+  explicit Destination(std::size_t n) : bytes(n + 2 * kGuard, std::byte{0xa5}) {}
+  std::byte* data() { return bytes.data() + kGuard; }
+};
+
+void expect_read(const Read& read, Destination& dst, const std::string& what) {
+  for (std::size_t i = 0; i < Destination::kGuard; ++i) {
+    ASSERT_EQ(dst.bytes[i], std::byte{0xa5}) << what << ": wrote before its destination";
+    ASSERT_EQ(dst.bytes[dst.bytes.size() - 1 - i], std::byte{0xa5})
+        << what << ": wrote past its destination";
+  }
+  for (std::size_t i = 0; i < read.bytes; ++i) {
+    ASSERT_EQ(dst.data()[i], pattern(read.peer, read.region, read.offset + i))
+        << what << ": byte " << i << " of " << read.bytes << " from rank " << read.peer
+        << " region " << read.region << " offset " << read.offset;
+  }
+}
+
+class TransportConformance : public ::testing::TestWithParam<Param> {};
+
+TEST_P(TransportConformance, RandomReadsReturnThePeersBytes) {
+  const Param p = GetParam();
+  std::string skip;
+  const bool skipped = testing::run_ranks(run_options(p), [&](RankContext& ctx) {
+    Rank r = set_up(p, ctx);
+    const std::uint32_t seed = 20240601u + static_cast<std::uint32_t>(ctx.rank);
+    SCOPED_TRACE("rank " + std::to_string(ctx.rank) + " seed " + std::to_string(seed));
+    std::mt19937 rng(seed);
+    // Three batches in flight at once, each spanning every peer and region: random ranges,
+    // zero-length reads, and whole-region (maximum-size) reads.
+    std::vector<std::vector<Read>> batches(3);
+    std::vector<std::vector<Destination>> dsts(3);
+    for (int b = 0; b < 3; ++b) {
+      for (int i = 0; i < 48; ++i) {
+        Read read;
+        read.peer = static_cast<int>(rng() % static_cast<unsigned>(ctx.world));
+        const auto sizes = region_sizes(read.peer, r.with_registered);
+        read.region = static_cast<int>(rng() % sizes.size());
+        const std::size_t size = sizes[static_cast<std::size_t>(read.region)];
+        switch (rng() % 5) {
+          case 0:  // zero-length, anywhere including the very end
+            read.offset = rng() % (size + 1);
+            read.bytes = 0;
+            break;
+          case 1:  // the whole region
+            read.offset = 0;
+            read.bytes = size;
+            break;
+          default:
+            read.offset = rng() % size;
+            read.bytes = 1 + rng() % (size - read.offset);
+        }
+        dsts[b].emplace_back(read.bytes);
+        batches[b].push_back(read);
+      }
+      for (std::size_t i = 0; i < batches[b].size(); ++i) {
+        batches[b][i].dst = batches[b][i].bytes == 0 && i % 2 ? nullptr : dsts[b][i].data();
+      }
+    }
+    std::vector<std::unique_ptr<Batch>> posted;
+    for (auto& batch : batches) posted.push_back(r.transport->post(batch));
+    for (int b = 2; b >= 0; --b) {
+      ASSERT_NO_THROW(posted[b]->wait(kWaitTimeout));
+      EXPECT_EQ(posted[b]->poll(), Progress::kDone) << "done stays done";
+      for (std::size_t i = 0; i < batches[b].size(); ++i) {
+        expect_read(batches[b][i], dsts[b][i], "batch " + std::to_string(b) + " read " +
+                                                   std::to_string(i));
+      }
+    }
+    posted.clear();
+    ctx.barrier("done");  // nobody closes while a peer may still read from it
+  }, &skip);
+  if (skipped) GTEST_SKIP() << skip;
+}
+
+TEST_P(TransportConformance, KilledRankFailsSurvivorsReads) {
+  const Param p = GetParam();
+  if (p.world < 2) GTEST_SKIP() << "needs a survivor and a victim";
+  const int victim = p.world - 1;
+  RunOptions options = run_options(p);
+  options.fate = [&](int rank) { return rank == victim ? Fate::kKilled : Fate::kExits; };
+  if (!options.processes) options.fate = [](int) { return Fate::kExits; };
+  std::string skip;
+  const bool skipped = testing::run_ranks(options, [&](RankContext& ctx) {
+    Rank r = set_up(p, ctx);
+    ctx.barrier("ready");
+    if (ctx.rank == victim) {
+      // A thread cannot be killed alone: an inproc rank "dies" by closing its transport.
+      if (ctx.processes) ::raise(SIGKILL);
+      r.transport->close();
+      return;
+    }
+    // Survivors keep reading from everyone until the victim's death shows up as IoError.
+    std::vector<Destination> dsts;
+    std::vector<Read> reads;
+    for (int peer = 0; peer < ctx.world; ++peer) {
+      dsts.emplace_back(1024);
+      reads.push_back({peer, 1, 100, dsts.back().data(), 1024});
+    }
+    bool failed = false;
+    const auto deadline = std::chrono::steady_clock::now() + kWaitTimeout;
+    while (!failed && std::chrono::steady_clock::now() < deadline) {
+      try {
+        r.transport->post(reads)->wait(kWaitTimeout);
+        for (std::size_t i = 0; i < reads.size(); ++i) expect_read(reads[i], dsts[i], "before");
+      } catch (const IoError& e) {
+        failed = true;
+        EXPECT_NE(std::string(e.what()).find(std::to_string(victim)), std::string::npos)
+            << "the error should name the rank that is gone: " << e.what();
+      }
+    }
+    EXPECT_TRUE(failed) << "reads from a killed rank never failed";
+    // The survivors still read each other.
+    std::vector<int> survivors;
+    for (int peer = 0; peer < ctx.world; ++peer) {
+      if (peer != victim) survivors.push_back(peer);
+    }
+    reads.pop_back();
+    ASSERT_NO_THROW(r.transport->post(reads)->wait(kWaitTimeout));
+    for (std::size_t i = 0; i < reads.size(); ++i) expect_read(reads[i], dsts[i], "after");
+    ctx.rendezvous->all_gather("survivors-done", ctx.rank, survivors, {});
+  }, &skip);
+  if (skipped) GTEST_SKIP() << skip;
+}
+
+char process_state(pid_t pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
+  std::string line;
+  std::getline(in, line);
+  const auto close = line.rfind(')');
+  return close == std::string::npos || close + 2 >= line.size() ? '?' : line[close + 2];
+}
+
+TEST_P(TransportConformance, StoppedRankGivesBytesOrTimeoutNeverAHang) {
+  const Param p = GetParam();
+  if (p.world < 2) GTEST_SKIP() << "needs a reader and a stopped rank";
+  if (p.backend == "inproc") GTEST_SKIP() << "inproc ranks are threads: one cannot be stopped";
+  const int victim = p.world - 1;
+  RunOptions options = run_options(p);
+  options.fate = [&](int rank) { return rank == victim ? Fate::kStopped : Fate::kExits; };
+  std::string skip;
+  const bool skipped = testing::run_ranks(options, [&](RankContext& ctx) {
+    Rank r = set_up(p, ctx);
+    // Warm every connection up while everyone runs.
+    std::vector<Destination> dsts;
+    std::vector<Read> reads;
+    for (int peer = 0; peer < ctx.world; ++peer) {
+      dsts.emplace_back(512);
+      reads.push_back({peer, 3, 7, dsts.back().data(), 512});
+    }
+    ASSERT_NO_THROW(r.transport->post(reads)->wait(kWaitTimeout));
+    const pid_t me = ::getpid();
+    const auto pids = ctx.all_gather("ready", Bytes(reinterpret_cast<const std::byte*>(&me),
+                                                    reinterpret_cast<const std::byte*>(&me + 1)));
+    if (ctx.rank == victim) {
+      ::raise(SIGSTOP);
+      return;  // never reached: the parent kills a stopped rank
+    }
+    pid_t victim_pid;
+    std::memcpy(&victim_pid, pids[victim].data(), sizeof victim_pid);
+    const auto deadline = std::chrono::steady_clock::now() + kWaitTimeout;
+    while (process_state(victim_pid) != 'T' && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(1ms);
+    }
+    ASSERT_EQ(process_state(victim_pid), 'T') << "the victim did not stop";
+
+    Destination dst(64 * 1024);
+    const Read read{victim, 1, 3, dst.data(), 64 * 1024};
+    const bool one_sided = r.transport->one_sided_to(victim);
+    bool timed_out = false;
+    try {
+      r.transport->post(std::span(&read, 1))->wait(2s);
+    } catch (const Timeout&) {
+      timed_out = true;
+    }
+    if (one_sided) {
+      EXPECT_FALSE(timed_out) << "a one-sided read needs nothing from the stopped owner";
+    }
+    if (p.tls == "tcp") {
+      EXPECT_TRUE(timed_out) << "TCP emulates reads: a stopped owner stalls them";
+    }
+    if (!timed_out) expect_read(read, dst, "read from a stopped rank");
+
+    std::vector<int> survivors;
+    for (int peer = 0; peer < ctx.world; ++peer) {
+      if (peer != victim) survivors.push_back(peer);
+    }
+    reads.pop_back();
+    ASSERT_NO_THROW(r.transport->post(reads)->wait(kWaitTimeout));
+    for (std::size_t i = 0; i < reads.size(); ++i) expect_read(reads[i], dsts[i], "survivors");
+    ctx.rendezvous->all_gather("survivors-done", ctx.rank, survivors, {});
+  }, &skip);
+  if (skipped) GTEST_SKIP() << skip;
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, TransportConformance, ::testing::ValuesIn(all_params()),
+                         param_name);
+
+// Single-rank checks of bad input, once per backend variant.
+class TransportInput : public ::testing::TestWithParam<Param> {};
+
+std::string invalid_message(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const InvalidArgument& e) {
+    return e.what();
+  } catch (const std::exception& e) {
+    return std::string("wrong exception type: ") + e.what();
+  }
+  return "no exception";
+}
+
+TEST_P(TransportInput, BadDescriptorsAreInvalidArgumentsWithAReason) {
+  const Param p = GetParam();
+  Param two = p;
+  two.world = 2;
+  std::string skip;
+  const bool skipped = testing::run_ranks(run_options(two), [&](RankContext& ctx) {
+    auto t = create_or_skip(p, ctx.rank);
+    t->allocate(4096);
+    const Bytes mine = t->export_descriptor();
+    const auto descriptors = ctx.all_gather("descriptors", mine);
+    if (ctx.rank == 0) {
+      const Bytes& good = descriptors[1];
+      auto import = [&](const Bytes& d, int peer = 1) {
+        return invalid_message([&] { t->import_descriptor(peer, d); });
+      };
+      for (std::size_t n = 0; n < good.size(); ++n) {
+        const std::string m = import(Bytes(good.begin(), good.begin() + n));
+        ASSERT_NE(m.find("truncated"), std::string::npos) << n << " bytes: " << m;
+      }
+      Bytes longer = good;
+      longer.push_back(std::byte{0});
+      EXPECT_NE(import(longer).find("extra bytes"), std::string::npos) << import(longer);
+      Bytes garbage = good;
+      garbage[0] = std::byte{'X'};
+      EXPECT_NE(import(garbage).find("magic"), std::string::npos) << import(garbage);
+      Bytes other = good;
+      const char* foreign = p.backend == "shm" ? "ucx" : "shm";
+      std::memset(other.data() + 4, 0, 8);
+      std::memcpy(other.data() + 4, foreign, std::strlen(foreign));
+      EXPECT_NE(import(other).find("comes from backend '" + std::string(foreign) + "'"),
+                std::string::npos)
+          << import(other);
+      Bytes version = good;
+      version[12] = std::byte{0x7f};
+      EXPECT_NE(import(version).find("version"), std::string::npos) << import(version);
+      EXPECT_NE(import(good, 0).find("descriptor of rank 1 imported as peer 0"), std::string::npos)
+          << import(good, 0);
+      // A payload cut short, with a header that agrees with the new length.
+      Bytes cut(good.begin(), good.end() - 3);
+      const auto length = static_cast<std::uint32_t>(cut.size());
+      std::memcpy(cut.data() + 16, &length, sizeof length);
+      EXPECT_NE(import(cut).find("malformed"), std::string::npos) << import(cut);
+      // A real descriptor of another backend.
+      auto inproc_transport = create("inproc", Options{.rank = 1});
+      if (p.backend != "inproc") {
+        const std::string m = import(inproc_transport->export_descriptor());
+        EXPECT_NE(m.find("comes from backend 'inproc'"), std::string::npos) << m;
+      }
+      // The good descriptor still imports after all that, and serves a read.
+      EXPECT_NO_THROW(t->import_descriptor(1, good));
+      std::byte probe{0x7f};
+      const Read read{1, 0, 0, &probe, 1};
+      EXPECT_NO_THROW(t->post(std::span(&read, 1))->wait(kWaitTimeout));
+      EXPECT_EQ(probe, std::byte{0});
+    } else {
+      // Connections are made both ways, as the runtime makes them (UCX 1.13 may abort a rank
+      // whose handshake reply is still on its way to a peer that exits).
+      t->import_descriptor(0, descriptors[0]);
+      std::byte probe{0x7f};
+      const Read read{0, 0, 0, &probe, 1};
+      EXPECT_NO_THROW(t->post(std::span(&read, 1))->wait(kWaitTimeout));
+    }
+    ctx.barrier("done");
+  }, &skip);
+  if (skipped) GTEST_SKIP() << skip;
+}
+
+TEST_P(TransportInput, BadReadsAreRejectedBeforeAnyStarts) {
+  const Param p = GetParam();
+  std::string skip;
+  const bool skipped = testing::run_ranks(run_options(p), [&](RankContext& ctx) {
+    auto t = create_or_skip(p, ctx.rank);
+    EXPECT_NE(invalid_message([&] { t->allocate(0); }).find("positive"), std::string::npos);
+    const Region region = t->allocate(1000);
+    std::memset(region.data, 0x11, region.bytes);
+    t->import_descriptor(0, t->export_descriptor());
+    std::vector<std::byte> dst(2000, std::byte{0});
+    const Read good{0, 0, 0, dst.data(), 10};
+    auto rejected = [&](Read bad) {
+      const Read reads[] = {good, bad};
+      return invalid_message([&] { t->post(reads); });
+    };
+    EXPECT_NE(rejected({1, 0, 0, dst.data(), 1}).find("not imported"), std::string::npos);
+    EXPECT_NE(rejected({-1, 0, 0, dst.data(), 1}).find("peer -1"), std::string::npos);
+    EXPECT_NE(rejected({0, 1, 0, dst.data(), 1}).find("region 1"), std::string::npos);
+    EXPECT_NE(rejected({0, 0, 1000, dst.data(), 1}).find("runs past the end"), std::string::npos);
+    EXPECT_NE(rejected({0, 0, 999, dst.data(), 2}).find("runs past the end"), std::string::npos);
+    EXPECT_NE(rejected({0, 0, 0, dst.data(), 1001}).find("runs past the end"), std::string::npos);
+    EXPECT_NE(rejected({0, 0, ~0ull, dst.data(), 2}).find("runs past the end"), std::string::npos);
+    EXPECT_NE(rejected({0, 0, 0, nullptr, 1}).find("null destination"), std::string::npos);
+    EXPECT_EQ(dst[0], std::byte{0}) << "a rejected batch must not start its good reads";
+    if (!t->capabilities().register_memory) {
+      EXPECT_THROW(t->register_memory(dst.data(), dst.size()), NotSupported);
+    }
+    const Read end{0, 0, 1000, nullptr, 0};  // zero bytes at the very end: valid
+    EXPECT_NO_THROW(t->post(std::span(&end, 1))->wait(kWaitTimeout));
+  }, &skip);
+  if (skipped) GTEST_SKIP() << skip;
+}
+
+TEST(TransportRegistry, NamesTheBuiltBackendsForAnUnknownOne) {
+  const auto names = backend_names();
+  ASSERT_GE(names.size(), 2u);
+  EXPECT_EQ(names[0], "inproc");
+  EXPECT_EQ(names[1], "shm");
+  const std::string m = invalid_message([] { create("rdma", Options{}); });
+  EXPECT_NE(m.find("unknown transport backend 'rdma'"), std::string::npos) << m;
+  EXPECT_NE(m.find("inproc|shm"), std::string::npos) << m;
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, TransportInput, ::testing::ValuesIn(variants()), param_name);
+
+}  // namespace
+}  // namespace eplb::transport

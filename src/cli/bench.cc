@@ -126,6 +126,7 @@ void add_bench(CLI::App& app) {
   add_bench_migration(*bench);
   add_bench_transport(*bench);
   add_bench_control(*bench);
+  add_bench_runtime(*bench);
 }
 
 }  // namespace eplb::cli

@@ -15,5 +15,6 @@ void add_bench_placement(CLI::App& bench);  // bench.cc
 void add_bench_migration(CLI::App& bench);  // migrate_plan.cc
 void add_bench_transport(CLI::App& bench);  // bench_transport.cc
 void add_bench_control(CLI::App& bench);    // bench_control.cc
+void add_bench_runtime(CLI::App& bench);    // bench_runtime.cc
 
 }  // namespace eplb::cli

@@ -1,0 +1,215 @@
+#pragma once
+// The Rebalancer an inference engine embeds: records expert loads, serves the dispatch tables,
+// and rebalances the experts while the engine keeps serving (DESIGN.md, "The runtime protocol";
+// docs/runtime.md has the full protocol, the threads and the ownership of every buffer).
+//
+// Use:
+//   Rebalancer rb(config, communicator, transport, weight_spec, initial_placement);
+//   rb.connect();                     // start-up: arena + staging allocated, every peer read once
+//   fill rb.weights(layer, tensor) with the experts of rb.phy2log(layer) (this rank's slots)
+//   loop (forward thread):
+//     rb.record(layer, expert_ids) ...; rb.dispatch(layer) ...; forward pass ...; rb.step_end();
+//   rb.shutdown();
+//
+// Threads. The engine's forward thread calls record*, dispatch, weights, phy2log and step_end;
+// they are not thread-safe against each other (one forward thread). history(), rank(), step()
+// accessors marked "any thread" may be called from anywhere. The Rebalancer runs two threads
+// of its own from connect() to shutdown(): a control thread, the only user of the communicator,
+// and a worker thread (placement, planning, reads). The communicator and the transport belong
+// to the caller, must outlive the Rebalancer (or its shutdown()), and must not be used by
+// anyone else in between.
+//
+// Weights. The arena holds layers + 1 layer buffers of [tensors][slots_per_rank][expert_bytes];
+// the extra one is the staging buffer. A layer is installed by swapping its buffer with the
+// staging buffer, so weights(layer, tensor) is, like dispatch(layer), valid until the next
+// step_end(): an engine re-reads both after every step_end (or at least after each step whose
+// installed_layers() changed).
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "eplb/core/types.h"
+#include "eplb/placement/policy.h"
+#include "eplb/routing/dispatch.h"
+#include "eplb/stats/load_file.h"
+
+namespace eplb::control {
+class Communicator;
+}
+namespace eplb::transport {
+class Transport;
+}
+
+namespace eplb::runtime {
+
+enum class Mode { kAsync, kSync };
+// "async" | "sync"; else InvalidArgument listing them.
+Mode parse_mode(std::string_view name);
+std::string_view mode_name(Mode mode);
+
+enum class OnError { kLog, kRaise };
+OnError parse_on_error(std::string_view name);  // "log" | "raise"
+
+// Where the test-only delay hook is called (Config::delay_hook).
+enum class DelayPoint {
+  kPlacement,  // worker, before computing the placement
+  kRead,       // worker (forward thread in sync mode), before posting each round of reads
+  kControl,    // control thread, before each collective
+};
+
+enum class Outcome {
+  kCompleted,  // every moved layer installed on every rank
+  kSkipped,    // predicted gain below min_gain, or nothing to move
+  kFailed,     // abandoned on every rank at the same step (see RebalanceRecord::error)
+  kCancelled,  // shutdown() came while it ran
+};
+std::string_view outcome_name(Outcome outcome);
+
+// What one rebalance did, as seen from this rank. Every rank records the same trigger_step,
+// end_step, outcome and (for the same load) the same plan figures; timings are this rank's.
+struct RebalanceRecord {
+  int64_t index = 0;         // 0, 1, ... in order of triggering
+  int64_t trigger_step = 0;  // step() when it was triggered
+  int64_t end_step = 0;      // step() when it ended (installed, skipped or abandoned)
+  Outcome outcome = Outcome::kCompleted;
+  std::string error;         // why it failed or was skipped; empty when completed
+  double placement_ms = 0;   // placement + plan + tables on the worker
+  double balancedness_before = 0;  // predicted on the window's load, current placement
+  double balancedness_after = 0;   // predicted on the window's load, new placement
+  int64_t layers_moved = 0;        // layers whose slots change
+  int64_t layers_installed = 0;
+  int64_t slots_moved = 0;         // slots whose expert changes, all ranks
+  int64_t bytes_intra_node = 0;    // remote reads of all ranks, moved layers
+  int64_t bytes_inter_node = 0;
+  int64_t bytes_local_copy = 0;
+  int64_t rounds = 0;              // read rounds, summed over moved layers
+  int64_t steps = 0;               // end_step - trigger_step
+  double seconds = 0;              // wall time from trigger to end on this rank
+  double stall_total_ms = 0;       // this rank's forward thread in step_end, steps of this
+  double stall_max_ms = 0;         //   rebalance (trigger to end, both included): sum, max
+};
+
+// The expert weights of one MoE layer: one or more tensors (gate_up, down, scales, ...), each
+// [slots_per_rank][expert_bytes] on every rank. Every layer has the same tensors.
+struct TensorSpec {
+  std::string name;
+  int64_t expert_bytes = 0;  // bytes of one expert of this tensor
+};
+
+struct WeightSpec {
+  int64_t layers = 0;
+  std::vector<TensorSpec> tensors;
+
+  int64_t expert_bytes() const;  // sum over tensors: bytes that move with one expert
+  void validate() const;         // InvalidArgument naming the bad value
+};
+
+struct Config {
+  Layout layout;               // experts, physical, ranks (= communicator size), nodes, groups
+  int64_t interval = 100;      // a rebalance is triggered at steps that are multiples of this
+  int64_t window = 100;        // steps of load history the placement sees
+  placement::Policy policy = placement::Policy::kSticky;
+  bool hierarchical = false;   // pack groups to nodes first
+  double tolerance = 0.01;     // sticky: accepted balancedness loss against balanced
+  double min_gain = 0;         // skip when predicted balancedness gain is smaller than this
+  int64_t lag = 2;             // agreement of step s is acted on at step s + lag (>= 1)
+  std::chrono::milliseconds timeout{30'000};  // every collective and every batch of reads
+  Mode mode = Mode::kAsync;
+  int64_t peers_per_round = 1;  // read schedule: peers per rank per round
+  routing::DispatchPolicy dispatch = routing::DispatchPolicy::kStatic;
+  OnError on_error = OnError::kLog;
+  // Called on the forward thread, inside step_end(), when a rebalance fails (on every rank).
+  std::function<void(const RebalanceRecord&)> on_failure;
+  // Testing: called at each DelayPoint, from the thread named there (so it must be
+  // thread-safe). It may sleep; at kPlacement and kRead it may also throw, which fails the
+  // rebalance as a worker error would. It must not throw at kControl.
+  std::function<void(DelayPoint)> delay_hook;
+
+  void validate() const;  // InvalidArgument naming the bad value and the rule
+};
+
+class Rebalancer {
+ public:
+  // Validates everything (config, spec, placement shape against the layout and the
+  // communicator's size and the transport's rank). Allocates nothing yet.
+  Rebalancer(Config config, control::Communicator& communicator, transport::Transport& transport,
+             WeightSpec weights, Placement initial);
+  // shutdown(), then releases everything.
+  ~Rebalancer();
+  Rebalancer(const Rebalancer&) = delete;
+  Rebalancer& operator=(const Rebalancer&) = delete;
+
+  // Start-up, on every rank together (it runs collectives): allocates the arena (layers + 1
+  // layer buffers, zero-filled) as one transport region, exchanges descriptors with every
+  // peer, reads a few bytes from each, starts the control and worker threads. Returns the
+  // bytes held (arena, staging included); nothing more is allocated or connected later.
+  int64_t connect();
+
+  // ---- forward thread ----
+  // Counts tokens routed to each listed logical expert of `layer` in the current step.
+  void record(int64_t layer, std::span<const int32_t> expert_ids);
+  // Adds a count vector [experts] to `layer` in the current step.
+  void record_counts(int64_t layer, std::span<const int64_t> counts);
+  // The tables of `layer` now; valid until the next step_end().
+  const routing::DispatchTables& dispatch(int64_t layer) const;
+  // This rank's weights of one tensor of `layer`: [slots_per_rank][expert_bytes]; slot j holds
+  // the expert phy2log(layer)[rank * slots_per_rank + j]. Valid until the next step_end().
+  std::span<std::byte> weights(int64_t layer, int64_t tensor);
+  std::span<const std::byte> weights(int64_t layer, int64_t tensor) const;
+  // The placement in force now, one layer: [physical].
+  std::span<const int32_t> phy2log(int64_t layer) const;
+  // The placement in force now, all layers (built on demand).
+  Placement placement() const;
+  // Once after every forward pass. Advances the rebalance protocol; see docs/runtime.md.
+  // With on_error = raise, throws the error of a rebalance that failed at this step (the
+  // rebalance is already abandoned consistently; later calls go on serving).
+  void step_end();
+  // Writes the recorded window ([steps][layers][experts]) as eplb's load format (kEplb) or
+  // SGLang's logical_count (kSglang), so a run can seed the next one.
+  void save_stats(const std::string& path, stats::LoadFormat format = stats::LoadFormat::kEplb)
+      const;
+
+  // Drains the control thread's queue and joins both threads; idempotent. Call it on every
+  // rank at the same step (a rank leaving alone mid-rebalance is, to its peers, a dead peer).
+  void shutdown();
+
+  // ---- state ----
+  int rank() const;                    // any thread
+  int64_t step() const;                // step_end() calls so far; forward thread
+  bool rebalancing() const;            // forward thread
+  int64_t installed_layers() const;    // layer installs so far, all rebalances; forward thread
+  bool control_broken() const;         // a collective failed: no rebalance will trigger again
+  int64_t bytes_held() const;          // any thread, after connect()
+  std::vector<RebalanceRecord> history() const;  // any thread
+  const Config& config() const;
+  const WeightSpec& weight_spec() const;
+
+ private:
+  class Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// Start from any placement (all validated against `layout`, InvalidArgument naming the
+// mismatch):
+//   a placement file, eplb's or SGLang's physical_to_logical_map;
+Placement placement_from_file(const std::string& path, const Layout& layout);
+//   a load file (any format stats::read_load reads), placed with the configured policy
+//   (sticky starts from the trivial placement);
+Placement placement_from_load(const std::string& path, const Config& config);
+//   or the trivial one: eplb::trivial_placement (core/types.h).
+
+// Fills this rank's slots of every layer by calling fill(layer, tensor, expert, bytes) for
+// each (layer, tensor, local slot), `expert` being the slot's logical expert now. For tests,
+// examples and engines that load weights per expert.
+void fill_weights(Rebalancer& rebalancer,
+                  const std::function<void(int64_t layer, int64_t tensor, int32_t expert,
+                                           std::span<std::byte> bytes)>& fill);
+
+}  // namespace eplb::runtime

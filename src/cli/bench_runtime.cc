@@ -1,0 +1,293 @@
+// `eplb bench runtime`: the forward thread's stall (time inside step_end) per step and per
+// rebalance, async against sync, in the same run. Ranks are forked processes (shm control
+// plane, shm transport) running a fixed-duration fake forward pass; the load alternates
+// between two very different skews after every rebalance, so every rebalance moves many
+// experts of every layer.
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <fmt/core.h>
+#include <nlohmann/json.hpp>
+#include <spdlog/spdlog.h>
+
+#include "cli/commands.h"
+#include "eplb/control/communicator.h"
+#include "eplb/control/launch.h"
+#include "eplb/core/error.h"
+#include "eplb/runtime/rebalancer.h"
+#include "eplb/transport/registry.h"
+#include "eplb/transport/transport.h"
+
+namespace eplb::cli {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+struct BenchRuntimeArgs {
+  int ranks = 4;
+  int64_t layers = 58;
+  int64_t slots_per_rank = 9;
+  int64_t experts = 0;  // 0: one redundant slot per rank
+  int64_t expert_bytes = 1 << 20;
+  int64_t steps = 400;
+  int64_t interval = 20;
+  int64_t window = 10;
+  int64_t lag = 2;
+  double forward_ms = 5;
+  std::string mode = "both";
+  std::string transport = "shm";
+  std::string policy = "balanced";
+  int64_t timeout_ms = 60'000;
+  bool json = false;
+  bool verbose = false;
+};
+
+struct ModeFigures {
+  double p50 = 0, p99 = 0, max = 0, total_per_rebalance = 0;
+  int64_t rebalances = 0;
+  double steps_per_rebalance = 0;
+  int64_t slots_per_rebalance = 0;
+};
+
+// Two very different skews: hot experts at the low ids, then at the high ids (shifted per
+// layer so that layers differ).
+void record_load(runtime::Rebalancer& rb, int64_t layers, int64_t experts, int64_t phase) {
+  std::vector<int64_t> counts(static_cast<size_t>(experts));
+  for (int64_t l = 0; l < layers; ++l) {
+    for (int64_t e = 0; e < experts; ++e) {
+      const int64_t position = (e + l * 5) % experts;
+      const int64_t r = phase % 2 == 0 ? position : experts - 1 - position;
+      counts[e] = 64000 / (1 + r);
+    }
+    rb.record_counts(l, counts);
+  }
+}
+
+// One rank's run; writes its step_end times and completed rebalances to `out`.
+int run_rank(const BenchRuntimeArgs& args, runtime::Mode mode, const std::string& rendezvous,
+             int rank, const std::string& out) {
+  control::Options options;
+  options.rank = rank;
+  options.size = args.ranks;
+  options.rendezvous = rendezvous;
+  options.timeout = std::chrono::milliseconds(args.timeout_ms);
+  std::unique_ptr<control::Communicator> comm = control::connect("shm", options);
+  // The bench's own communicator: the barrier that ends each fake forward pass stands for the
+  // all-to-alls that keep expert-parallel ranks in step in a real engine.
+  options.rendezvous = rendezvous + "-forward";
+  options.group = "forward";
+  std::unique_ptr<control::Communicator> lockstep = control::connect("shm", options);
+  std::unique_ptr<transport::Transport> transport =
+      transport::create(args.transport, transport::Options{.rank = rank});
+
+  runtime::Config config;
+  config.layout = Layout{.experts = args.experts,
+                         .physical = args.ranks * args.slots_per_rank,
+                         .ranks = args.ranks,
+                         .nodes = 1,
+                         .groups = 1};
+  config.interval = args.interval;
+  config.window = args.window;
+  config.lag = args.lag;
+  config.mode = mode;
+  config.policy = placement::parse_policy(args.policy);
+  config.min_gain = -1;  // forced: every trigger rebalances
+  config.timeout = std::chrono::milliseconds(args.timeout_ms);
+  runtime::WeightSpec spec{.layers = args.layers, .tensors = {{"w", args.expert_bytes}}};
+  runtime::Rebalancer rb(config, *comm, *transport, spec,
+                         trivial_placement(args.layers, args.experts, config.layout.physical));
+  rb.connect();
+
+  std::vector<double> stall_ms;
+  stall_ms.reserve(static_cast<size_t>(args.steps));
+  const auto forward = std::chrono::duration_cast<Clock::duration>(
+      std::chrono::duration<double, std::milli>(args.forward_ms));
+  auto next = Clock::now();
+  for (int64_t step = 0; step < args.steps; ++step) {
+    // The phase flips after every rebalance: the same step on every rank.
+    record_load(rb, args.layers, args.experts, static_cast<int64_t>(rb.history().size()));
+    next += forward;
+    std::this_thread::sleep_until(next);  // the fake forward pass ...
+    lockstep->barrier();                  // ... whose all-to-alls keep the ranks in step
+    const auto start = Clock::now();
+    rb.step_end();
+    stall_ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - start).count());
+    next = std::max(next, Clock::now());
+  }
+  rb.shutdown();
+  nlohmann::json result = {{"stall_ms", stall_ms}};
+  nlohmann::json records = nlohmann::json::array();
+  for (const runtime::RebalanceRecord& r : rb.history()) {
+    if (r.outcome != runtime::Outcome::kCompleted) continue;
+    records.push_back({{"stall_total_ms", r.stall_total_ms},
+                       {"steps", r.steps},
+                       {"slots_moved", r.slots_moved}});
+  }
+  result["rebalances"] = records;
+  std::ofstream(out) << result.dump();
+  return 0;
+}
+
+double percentile(std::vector<double> values, double q) {
+  if (values.empty()) return 0;
+  std::sort(values.begin(), values.end());
+  const auto index = static_cast<size_t>(q * static_cast<double>(values.size() - 1) + 0.5);
+  return values[std::min(index, values.size() - 1)];
+}
+
+ModeFigures run_mode(const BenchRuntimeArgs& args, runtime::Mode mode) {
+  const char* tmp = std::getenv("TMPDIR");
+  std::string dir = std::string(tmp && *tmp ? tmp : "/tmp") + "/eplb-bench-runtime-XXXXXX";
+  if (::mkdtemp(dir.data()) == nullptr) fail<IoError>("mkdtemp failed for ", dir);
+  const std::string rendezvous =
+      fmt::format("eplb-bench-runtime-{}-{}", ::getpid(), runtime::mode_name(mode));
+  control::ForkOptions fork_options;
+  fork_options.timeout = std::chrono::milliseconds(
+      static_cast<int64_t>(static_cast<double>(args.steps) * args.forward_ms) + 600'000);
+  const auto exits = control::fork_ranks(
+      args.ranks,
+      [&](int rank) {
+        return run_rank(args, mode, rendezvous, rank, fmt::format("{}/rank{}.json", dir, rank));
+      },
+      fork_options);
+  control::check_all_ok(exits);
+
+  ModeFigures figures;
+  std::vector<double> all_steps;
+  double total = 0;
+  double steps = 0;
+  int64_t records = 0;
+  int64_t slots = 0;
+  for (int rank = 0; rank < args.ranks; ++rank) {
+    std::ifstream in(fmt::format("{}/rank{}.json", dir, rank));
+    const nlohmann::json result = nlohmann::json::parse(in);
+    for (const double ms : result["stall_ms"]) all_steps.push_back(ms);
+    const auto& rebalances = result["rebalances"];
+    if (rank == 0) figures.rebalances = static_cast<int64_t>(rebalances.size());
+    for (const auto& r : rebalances) {
+      total += r["stall_total_ms"].get<double>();
+      steps += r["steps"].get<double>();
+      slots += r["slots_moved"].get<int64_t>();
+      ++records;
+    }
+  }
+  std::error_code ignored;
+  std::filesystem::remove_all(dir, ignored);
+  figures.p50 = percentile(all_steps, 0.50);
+  figures.p99 = percentile(all_steps, 0.99);
+  figures.max = all_steps.empty() ? 0 : *std::max_element(all_steps.begin(), all_steps.end());
+  if (records > 0) {
+    figures.total_per_rebalance = total / static_cast<double>(records);
+    figures.steps_per_rebalance = steps / static_cast<double>(records);
+    figures.slots_per_rebalance = slots / records;
+  }
+  return figures;
+}
+
+void run_bench_runtime(BenchRuntimeArgs args) {
+  if (args.ranks < 2) fail("--ranks ", args.ranks, " must be at least 2");
+  if (args.layers < 1) fail("--layers ", args.layers, " must be at least 1");
+  if (args.slots_per_rank < 2) {
+    fail("--slots-per-rank ", args.slots_per_rank, " must be at least 2");
+  }
+  if (args.expert_bytes < 1) fail("--expert-bytes ", args.expert_bytes, " must be at least 1");
+  if (args.steps < 1) fail("--steps ", args.steps, " must be at least 1");
+  if (args.forward_ms < 0) fail("--forward-ms ", args.forward_ms, " must be >= 0");
+  if (args.experts == 0) args.experts = args.ranks * (args.slots_per_rank - 1);
+  if (args.experts < args.slots_per_rank || args.experts > args.ranks * args.slots_per_rank) {
+    fail("--experts ", args.experts, " must be in [--slots-per-rank, --ranks x --slots-per-rank] = [",
+         args.slots_per_rank, ", ", args.ranks * args.slots_per_rank, "]");
+  }
+  if (args.mode != "async" && args.mode != "sync" && args.mode != "both") {
+    fail("--mode '", args.mode, "' is not one of async, sync, both");
+  }
+  if (!transport::has_backend(args.transport)) {
+    fail("--transport '", args.transport, "' is not built in");
+  }
+  if (!args.verbose) spdlog::set_level(spdlog::level::warn);
+
+  std::vector<std::pair<std::string, ModeFigures>> results;
+  for (const std::string mode : {"async", "sync"}) {
+    if (args.mode != "both" && args.mode != mode) continue;
+    results.emplace_back(mode, run_mode(args, runtime::parse_mode(mode)));
+  }
+  nlohmann::json out = nlohmann::json::object();
+  for (const auto& [mode, f] : results) {
+    out[mode] = {{"stall_p50_ms", f.p50},
+                 {"stall_p99_ms", f.p99},
+                 {"stall_max_ms", f.max},
+                 {"stall_total_ms", f.total_per_rebalance},
+                 {"rebalances", f.rebalances}};
+  }
+  const bool both = results.size() == 2;
+  double ratio_total = 0, ratio_max = 0;
+  if (both) {
+    const ModeFigures& a = results[0].second;
+    const ModeFigures& s = results[1].second;
+    ratio_total = s.total_per_rebalance > 0 ? a.total_per_rebalance / s.total_per_rebalance : 0;
+    ratio_max = s.max > 0 ? a.max / s.max : 0;
+    out["ratio_total"] = ratio_total;
+    out["ratio_max"] = ratio_max;
+  }
+  if (args.json) {
+    fmt::print("{}\n", out.dump());
+    return;
+  }
+  fmt::print("runtime stall: {} ranks, {} layers x {} slots per rank, {} B per expert, {} steps "
+             "of {} ms, rebalance every {} steps ({} transport)\n",
+             args.ranks, args.layers, args.slots_per_rank, args.expert_bytes, args.steps,
+             args.forward_ms, args.interval, args.transport);
+  for (const auto& [mode, f] : results) {
+    fmt::print("  {:5}  step_end p50 {:.3f} ms  p99 {:.3f} ms  max {:.3f} ms  |  per rebalance "
+               "{:.2f} ms over {:.1f} steps, {} slots moved  ({} rebalances)\n",
+               mode, f.p50, f.p99, f.max, f.total_per_rebalance, f.steps_per_rebalance,
+               f.slots_per_rebalance, f.rebalances);
+  }
+  if (both) {
+    fmt::print("  async/sync: total per rebalance {:.2f}%, largest step {:.2f}% (one layer of {} "
+               "is {:.2f}%)\n",
+               100 * ratio_total, 100 * ratio_max, args.layers,
+               100.0 / static_cast<double>(args.layers));
+  }
+}
+
+}  // namespace
+
+void add_bench_runtime(CLI::App& bench) {
+  auto args = std::make_shared<BenchRuntimeArgs>();
+  CLI::App* cmd = bench.add_subcommand(
+      "runtime", "Forward-thread stall of rebalances, async against sync (forked ranks)");
+  cmd->add_option("--ranks", args->ranks)->capture_default_str();
+  cmd->add_option("--layers", args->layers)->capture_default_str();
+  cmd->add_option("--slots-per-rank", args->slots_per_rank)->capture_default_str();
+  cmd->add_option("--experts", args->experts, "Logical experts (0: one redundant slot per rank)")
+      ->capture_default_str();
+  cmd->add_option("--expert-bytes", args->expert_bytes)->capture_default_str();
+  cmd->add_option("--steps", args->steps)->capture_default_str();
+  cmd->add_option("--interval", args->interval, "Steps between rebalance triggers")
+      ->capture_default_str();
+  cmd->add_option("--window", args->window)->capture_default_str();
+  cmd->add_option("--lag", args->lag)->capture_default_str();
+  cmd->add_option("--forward-ms", args->forward_ms, "Duration of the fake forward pass")
+      ->capture_default_str();
+  cmd->add_option("--mode", args->mode, "async, sync or both")->capture_default_str();
+  cmd->add_option("--transport", args->transport, "shm or ucx (ranks are processes)")
+      ->capture_default_str();
+  cmd->add_option("--policy", args->policy, "deepseek, balanced or sticky")->capture_default_str();
+  cmd->add_option("--timeout-ms", args->timeout_ms)->capture_default_str();
+  cmd->add_flag("--json", args->json, "Print one JSON object");
+  cmd->add_flag("--verbose", args->verbose, "Log every rebalance");
+  cmd->callback([args] { run_bench_runtime(*args); });
+}
+
+}  // namespace eplb::cli

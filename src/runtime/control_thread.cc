@@ -1,0 +1,73 @@
+#include "runtime/control_thread.h"
+
+#include <exception>
+#include <utility>
+
+#include "eplb/core/error.h"
+
+namespace eplb::runtime {
+
+ControlThread::ControlThread(control::Communicator& communicator,
+                             std::function<void()> before_each, std::function<void()> on_start)
+    : communicator_(communicator), before_each_(std::move(before_each)) {
+  thread_ = std::thread([this, on_start = std::move(on_start)] {
+    if (on_start) on_start();
+    run();
+  });
+}
+
+ControlThread::~ControlThread() { stop(); }
+
+std::future<std::vector<int64_t>> ControlThread::all_reduce(std::vector<int64_t> values,
+                                                            control::ReduceOp op,
+                                                            std::chrono::milliseconds timeout) {
+  Job job;
+  job.values = std::move(values);
+  job.op = op;
+  job.timeout = timeout;
+  std::future<std::vector<int64_t>> future = job.result.get_future();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopping_) {
+      job.result.set_exception(std::make_exception_ptr(
+          IoError("control thread stopped: no collective runs after shutdown")));
+      return future;
+    }
+    queue_.push_back(std::move(job));
+  }
+  cv_.notify_one();
+  return future;
+}
+
+void ControlThread::stop() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping_ = true;
+  }
+  cv_.notify_one();
+  if (thread_.joinable()) thread_.join();
+}
+
+void ControlThread::run() {
+  for (;;) {
+    Job job;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+      // Drain before leaving: the peers run the same queue, and a collective skipped here
+      // would leave them waiting until their timeout.
+      if (queue_.empty()) return;
+      job = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    try {
+      if (before_each_) before_each_();
+      communicator_.all_reduce(job.values, job.op, job.timeout);
+      job.result.set_value(std::move(job.values));
+    } catch (...) {
+      job.result.set_exception(std::current_exception());
+    }
+  }
+}
+
+}  // namespace eplb::runtime

@@ -1,0 +1,57 @@
+#pragma once
+// The control thread: the only thread that calls the communicator once the runtime runs.
+// Others hand it collectives, which it runs one at a time in the order they were submitted,
+// and wait on futures. The forward thread is the only submitter during serving, at steps every
+// rank counts the same, so every rank runs the same collectives in the same order.
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <future>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "eplb/control/communicator.h"
+
+namespace eplb::runtime {
+
+class ControlThread {
+ public:
+  // `before_each` (may be empty) runs on the control thread before every collective;
+  // `on_start` (may be empty) once, first thing on the thread.
+  ControlThread(control::Communicator& communicator, std::function<void()> before_each,
+                std::function<void()> on_start = {});
+  ~ControlThread();
+  ControlThread(const ControlThread&) = delete;
+  ControlThread& operator=(const ControlThread&) = delete;
+
+  // Queues an in-place all_reduce of `values`; the future yields the result or the
+  // collective's exception (IoError, Timeout, ...).
+  std::future<std::vector<int64_t>> all_reduce(std::vector<int64_t> values, control::ReduceOp op,
+                                               std::chrono::milliseconds timeout);
+
+  // Runs every queued collective, then joins. Idempotent.
+  void stop();
+
+ private:
+  struct Job {
+    std::vector<int64_t> values;
+    control::ReduceOp op = control::ReduceOp::kMin;
+    std::chrono::milliseconds timeout{0};
+    std::promise<std::vector<int64_t>> result;
+  };
+  void run();
+
+  control::Communicator& communicator_;
+  std::function<void()> before_each_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Job> queue_;  // guarded by mu_
+  bool stopping_ = false;  // guarded by mu_
+  std::thread thread_;
+};
+
+}  // namespace eplb::runtime

@@ -1,0 +1,181 @@
+#include "runtime/plan.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <memory>
+
+#include "eplb/core/error.h"
+#include "eplb/placement/metrics.h"
+#include "eplb/placement/policy.h"
+#include "eplb/transport/transport.h"
+
+namespace eplb::runtime {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+Placement placement_of(std::span<const int32_t> phy2log, const Layout& layout, int64_t layers) {
+  Placement p(layers, layout.experts, layout.physical);
+  std::copy(phy2log.begin(), phy2log.end(), p.phy2log.begin());
+  p.derive_from_phy2log();
+  return p;
+}
+
+// Waits for a batch in short slices so that a cancelled rebalance lets go of it quickly.
+bool wait_batch(transport::Batch& batch, const StageContext& context, Clock::time_point deadline) {
+  constexpr std::chrono::milliseconds kSlice{2};
+  for (;;) {
+    if (batch.poll() == transport::Progress::kDone) return true;
+    if (context.cancel && context.cancel->load(std::memory_order_acquire)) return false;
+    const auto now = Clock::now();
+    if (now >= deadline) {
+      fail<Timeout>("runtime: reads of rank ", context.rank, " did not finish within ",
+                    context.timeout.count(), " ms");
+    }
+    try {
+      batch.wait(std::min<std::chrono::milliseconds>(
+          kSlice, std::chrono::duration_cast<std::chrono::milliseconds>(deadline - now) +
+                      std::chrono::milliseconds(1)));
+    } catch (const Timeout&) {
+      // Not yet: check cancellation and the deadline, then wait again.
+    }
+  }
+}
+
+}  // namespace
+
+RebalancePlan make_plan(std::span<const int64_t> window, std::span<const int32_t> current,
+                        const Config& config, int64_t expert_bytes) {
+  const Layout& layout = config.layout;
+  const int64_t layers = static_cast<int64_t>(current.size()) / layout.physical;
+  const auto start = Clock::now();
+  RebalancePlan plan;
+
+  // Step 1: the window's load, and the placement in force.
+  LoadMatrix load(layers, layout.experts);
+  double total = 0;
+  for (size_t i = 0; i < window.size(); ++i) {
+    load.values[i] = static_cast<double>(window[i]);
+    total += load.values[i];
+  }
+  const Placement before = placement_of(current, layout, layers);
+  if (total <= 0) {
+    plan.skipped = true;
+    plan.skip_reason = "no load recorded in the window";
+    return plan;
+  }
+
+  // Step 2: the new placement, and the predicted gain.
+  placement::PolicyOptions options;
+  options.policy = config.policy;
+  options.hierarchical = config.hierarchical;
+  options.tolerance = config.tolerance;
+  options.previous = &before;
+  const Placement after = placement::place(load, layout, options);
+  plan.balancedness_before = placement::evaluate(load, before, layout).balancedness_mean;
+  plan.balancedness_after = placement::evaluate(load, after, layout).balancedness_mean;
+  const double gain = plan.balancedness_after - plan.balancedness_before;
+  if (gain < config.min_gain) {
+    plan.skipped = true;
+    plan.skip_reason = detail::concat("predicted balancedness gain ", gain, " (",
+                                      plan.balancedness_before, " -> ", plan.balancedness_after,
+                                      ") is below min_gain ", config.min_gain);
+  }
+
+  // Step 3: plan and schedule every layer whose slots change.
+  if (!plan.skipped) {
+    migration::MigrationOptions migration_options;
+    migration_options.expert_bytes = expert_bytes;
+    migration_options.schedule.peers_per_round = config.peers_per_round;
+    migration::MigrationPlan migration = plan_migration(before, after, layout, migration_options);
+    for (int64_t l = 0; l < layers; ++l) {
+      const auto old_row = before.layer_phy2log(l);
+      const auto new_row = after.layer_phy2log(l);
+      if (std::equal(old_row.begin(), old_row.end(), new_row.begin())) continue;
+      plan.moved_layers.push_back(l);
+      plan.phy2log.emplace_back(new_row.begin(), new_row.end());
+      plan.tables.push_back(routing::build_dispatch_tables(after, l, layout));
+      const migration::LayerPlan& lp = migration.layers[l].plan;
+      plan.slots_moved += static_cast<int64_t>(lp.actions.size()) -
+                          lp.count(migration::Action::kUnchanged);
+      plan.bytes_intra_node += lp.bytes_intra_node;
+      plan.bytes_inter_node += lp.bytes_inter_node;
+      plan.bytes_local_copy += lp.bytes_local_copy;
+      plan.rounds += migration.layers[l].schedule.rounds;
+      plan.migrations.push_back(std::move(migration.layers[l]));
+    }
+    if (plan.moved_layers.empty()) {
+      plan.skipped = true;
+      plan.skip_reason = "the new placement equals the current one";
+    }
+  }
+  plan.placement_ms =
+      std::chrono::duration<double, std::milli>(Clock::now() - start).count();
+  return plan;
+}
+
+bool stage_layer(const StageContext& context, const BufferMap& map, int64_t layer,
+                 const migration::LayerMigration& migration) {
+  const ArenaLayout& arena = *context.arena;
+  const Layout& layout = *context.layout;
+  const int64_t spr = layout.slots_per_rank();
+  const int64_t first = context.rank * spr;
+  const int64_t live = map.buffer_of_layer[layer];
+  const int64_t spare = map.spare;
+  const auto cancelled = [&] {
+    return context.cancel && context.cancel->load(std::memory_order_acquire);
+  };
+  const auto copy_slot = [&](int64_t src_buffer, int64_t src_slot, int64_t dst_slot) {
+    for (int64_t t = 0; t < arena.tensors(); ++t) {
+      std::memcpy(context.base + arena.offset(spare, t, dst_slot),
+                  context.base + arena.offset(src_buffer, t, src_slot),
+                  static_cast<size_t>(arena.tensor_bytes(t)));
+    }
+  };
+  const auto actions = migration.plan.rank_actions(context.rank, layout);
+
+  // Step 1: what this rank already holds: unchanged slots and local copies, from live.
+  for (int64_t j = 0; j < spr; ++j) {
+    const migration::SlotAction& a = actions[j];
+    if (a.action == migration::Action::kUnchanged) copy_slot(live, j, j);
+    if (a.action == migration::Action::kLocalCopy) copy_slot(live, a.src_slot - first, j);
+  }
+
+  // Step 2: reads from peers' live buffers, one batch per round of the schedule.
+  const auto& reads = migration.plan.reads;
+  const auto& round_of_read = migration.schedule.round_of_read;
+  const auto deadline = Clock::now() + context.timeout;
+  std::vector<transport::Read> batch_reads;
+  for (int64_t round = 0; round < migration.schedule.rounds; ++round) {
+    batch_reads.clear();
+    for (size_t i = 0; i < reads.size(); ++i) {
+      const migration::RemoteRead& r = reads[i];
+      if (r.dst_rank != context.rank || round_of_read[i] != round) continue;
+      const int64_t src_local = r.src_slot - static_cast<int64_t>(r.src_rank) * spr;
+      for (int64_t t = 0; t < arena.tensors(); ++t) {
+        transport::Read read;
+        read.peer = r.src_rank;
+        read.region = (*context.peer_region)[r.src_rank];
+        read.offset = static_cast<uint64_t>(arena.offset(live, t, src_local));
+        read.dst = context.base + arena.offset(spare, t, r.dst_slot - first);
+        read.bytes = static_cast<size_t>(arena.tensor_bytes(t));
+        batch_reads.push_back(read);
+      }
+    }
+    if (batch_reads.empty()) continue;
+    if (cancelled()) return false;
+    if (context.delay_hook && *context.delay_hook) (*context.delay_hook)(DelayPoint::kRead);
+    std::unique_ptr<transport::Batch> batch = context.transport->post(batch_reads);
+    if (!wait_batch(*batch, context, deadline)) return false;
+  }
+
+  // Step 3: free rides, in slot order, from slots read above.
+  for (int64_t j = 0; j < spr; ++j) {
+    const migration::SlotAction& a = actions[j];
+    if (a.action == migration::Action::kFreeRide) copy_slot(spare, a.src_slot - first, j);
+  }
+  return !cancelled();
+}
+
+}  // namespace eplb::runtime

@@ -1,0 +1,794 @@
+#include "eplb/runtime/rebalancer.h"
+
+#include <pthread.h>
+#include <sched.h>
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <exception>
+#include <fstream>
+#include <future>
+#include <mutex>
+#include <optional>
+#include <thread>
+#include <utility>
+
+#include "eplb/control/communicator.h"
+#include "eplb/core/error.h"
+#include "eplb/stats/recorder.h"
+#include "eplb/transport/transport.h"
+#include "runtime/arena.h"
+#include "runtime/control_thread.h"
+#include "runtime/plan.h"
+
+namespace eplb::runtime {
+namespace {
+
+// The worker and control threads yield to the forward thread: under SCHED_BATCH, waking them
+// (a submitted agreement, an installed layer) does not preempt the thread that woke them.
+// Their latency is hidden by the lag; the forward thread's is not. Best effort.
+void make_background_thread() {
+  sched_param param{};
+  param.sched_priority = 0;
+  (void)pthread_setschedparam(pthread_self(), SCHED_BATCH, &param);
+}
+
+using Clock = std::chrono::steady_clock;
+
+double ms_between(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double, std::milli>(b - a).count();
+}
+
+// FNV-1a over the values every rank must agree on before serving.
+uint64_t config_fingerprint(const Config& c, const WeightSpec& w) {
+  uint64_t h = 1469598103934665603ull;
+  const auto mix = [&](int64_t v) {
+    for (int i = 0; i < 8; ++i) {
+      h ^= static_cast<uint64_t>(v >> (8 * i)) & 0xff;
+      h *= 1099511628211ull;
+    }
+  };
+  mix(c.layout.experts), mix(c.layout.physical), mix(c.layout.ranks), mix(c.layout.nodes);
+  mix(c.layout.groups), mix(c.interval), mix(c.window), mix(static_cast<int64_t>(c.policy));
+  mix(c.hierarchical), mix(c.lag), mix(static_cast<int64_t>(c.mode)), mix(c.peers_per_round);
+  mix(w.layers);
+  for (const TensorSpec& t : w.tensors) mix(t.expert_bytes);
+  return h;
+}
+
+// The state one rebalance shares between the forward thread and the worker (async mode).
+//   written by the worker, read by the forward thread after an acquire load of `progress`:
+//     plan (before progress >= 1), error / error_ptr (before progress < 0);
+//   written by the forward thread under `mu`, waited on by the worker: installed, cancel.
+struct Active {
+  // Set by the forward thread before the worker sees it; then read-only.
+  std::vector<int32_t> current_phy2log;  // [layers][physical] at the trigger
+  BufferMap map;                         // at the trigger
+  std::future<std::vector<int64_t>> window;  // the worker's alone
+
+  // Progress this rank contributes to the agreement: -1 - rank after a failure, 0 while
+  // the placement is computed, 1 + the number of moved layers staged.
+  std::atomic<int64_t> progress{0};
+  RebalancePlan plan;
+  bool plan_done = false;  // plan written (before any progress store that follows)
+  std::string error;
+  std::exception_ptr error_ptr;
+
+  std::mutex mu;
+  std::condition_variable cv;
+  int64_t installed = 0;            // guarded by mu
+  std::atomic<bool> cancel{false};  // set under mu, read anywhere
+
+  // Forward thread only.
+  int64_t installed_fwd = 0;
+  bool figures_filled = false;
+};
+
+}  // namespace
+
+Mode parse_mode(std::string_view name) {
+  if (name == "async") return Mode::kAsync;
+  if (name == "sync") return Mode::kSync;
+  fail("unknown mode '", name, "' (choose async or sync)");
+}
+
+std::string_view mode_name(Mode mode) { return mode == Mode::kAsync ? "async" : "sync"; }
+
+OnError parse_on_error(std::string_view name) {
+  if (name == "log") return OnError::kLog;
+  if (name == "raise") return OnError::kRaise;
+  fail("unknown on_error '", name, "' (choose log or raise)");
+}
+
+std::string_view outcome_name(Outcome outcome) {
+  switch (outcome) {
+    case Outcome::kCompleted: return "completed";
+    case Outcome::kSkipped: return "skipped";
+    case Outcome::kFailed: return "failed";
+    case Outcome::kCancelled: return "cancelled";
+  }
+  return "?";
+}
+
+int64_t WeightSpec::expert_bytes() const {
+  int64_t sum = 0;
+  for (const TensorSpec& t : tensors) sum += t.expert_bytes;
+  return sum;
+}
+
+void WeightSpec::validate() const {
+  if (layers < 1) fail("weight spec: layers ", layers, " must be at least 1");
+  if (tensors.empty()) fail("weight spec: at least one tensor per layer is needed");
+  for (const TensorSpec& t : tensors) {
+    if (t.expert_bytes < 1) {
+      fail("weight spec: tensor '", t.name, "' has expert_bytes ", t.expert_bytes,
+           " (must be at least 1)");
+    }
+  }
+}
+
+void Config::validate() const {
+  layout.validate();
+  if (interval < 1) fail("interval ", interval, " must be at least 1 step");
+  if (window < 1) fail("window ", window, " must be at least 1 step");
+  if (lag < 1) fail("lag ", lag, " must be at least 1 step (an agreement acts after it runs)");
+  if (timeout.count() < 1) fail("timeout ", timeout.count(), " ms must be at least 1 ms");
+  if (peers_per_round < 1) fail("peers_per_round ", peers_per_round, " must be at least 1");
+  if (!(tolerance >= 0 && tolerance < 1)) fail("tolerance ", tolerance, " must be in [0, 1)");
+  if (!(min_gain >= -1 && min_gain <= 1)) fail("min_gain ", min_gain, " must be in [-1, 1]");
+}
+
+class Rebalancer::Impl {
+ public:
+  Impl(Config config, control::Communicator& communicator, transport::Transport& transport,
+       WeightSpec spec, const Placement& initial)
+      : config_(std::move(config)),
+        comm_(communicator),
+        transport_(transport),
+        spec_(std::move(spec)),
+        rank_(communicator.rank()),
+        layers_(spec_.layers),
+        recorder_(spec_.layers, config_.layout.experts, std::max<int64_t>(config_.window, 1)),
+        map_(spec_.layers) {
+    const Layout& layout = config_.layout;
+    EPLB_CHECK_EQ(static_cast<int64_t>(comm_.size()), layout.ranks,
+                  "the communicator's size must equal the layout's ranks");
+    EPLB_CHECK_EQ(transport_.rank(), comm_.rank(),
+                  "the transport and the communicator must be of the same rank");
+    if (initial.layers != layers_ || initial.experts != layout.experts ||
+        initial.physical != layout.physical) {
+      fail("initial placement is ", initial.layers, " layers x ", initial.experts,
+           " experts x ", initial.physical, " slots but the runtime needs ", layers_, " x ",
+           layout.experts, " x ", layout.physical, " (weight spec layers, layout)");
+    }
+    initial.validate();
+    arena_ = ArenaLayout(spec_, layout.slots_per_rank());
+    phy2log_ = initial.phy2log;
+    tables_.reserve(static_cast<size_t>(layers_));
+    for (int64_t l = 0; l < layers_; ++l) {
+      tables_.push_back(routing::build_dispatch_tables(initial, l, layout));
+    }
+  }
+
+  ~Impl() { shutdown(); }
+
+  // ---------------------------------------------------------------- start-up
+  int64_t connect() {
+    EPLB_CHECK(!connected_, "connect() was already called");
+    const std::chrono::milliseconds timeout = config_.timeout;
+    // Step 1: the arena, staging included, as one region.
+    region_ = transport_.allocate(static_cast<size_t>(arena_.total_bytes()));
+    // Step 2: exchange (fingerprint, region id, descriptor) with every peer.
+    const std::vector<std::byte> descriptor = transport_.export_descriptor();
+    const uint64_t fingerprint = config_fingerprint(config_, spec_);
+    std::vector<std::byte> mine(sizeof(uint64_t) + sizeof(int32_t) + descriptor.size());
+    const int32_t region_id = region_.id;
+    std::memcpy(mine.data(), &fingerprint, sizeof fingerprint);
+    std::memcpy(mine.data() + sizeof fingerprint, &region_id, sizeof region_id);
+    std::memcpy(mine.data() + sizeof fingerprint + sizeof region_id, descriptor.data(),
+                descriptor.size());
+    const std::vector<control::Bytes> all = comm_.all_gather(mine, timeout);
+    peer_region_.assign(all.size(), 0);
+    for (size_t g = 0; g < all.size(); ++g) {
+      const control::Bytes& b = all[g];
+      uint64_t theirs = 0;
+      EPLB_CHECK_GE(b.size(), sizeof theirs + sizeof(int32_t), "runtime: short descriptor");
+      std::memcpy(&theirs, b.data(), sizeof theirs);
+      if (theirs != fingerprint) {
+        fail("runtime: rank ", g, " has a different configuration or weight spec than rank ",
+             rank_, " (layout, interval, window, policy, lag, mode, peers_per_round and tensor "
+             "sizes must be the same on every rank)");
+      }
+      std::memcpy(&peer_region_[g], b.data() + sizeof theirs, sizeof(int32_t));
+      if (static_cast<int>(g) != rank_) {
+        transport_.import_descriptor(
+            static_cast<int>(g),
+            std::span<const std::byte>(b).subspan(sizeof theirs + sizeof(int32_t)));
+      }
+    }
+    // Step 3: one small read from every peer proves every connection now, not at the first
+    // rebalance.
+    constexpr size_t kProbe = 8;
+    std::vector<std::byte> probe(kProbe * all.size());
+    std::vector<transport::Read> reads;
+    for (int g = 0; g < static_cast<int>(all.size()); ++g) {
+      if (g == rank_) continue;
+      reads.push_back({.peer = g,
+                       .region = peer_region_[g],
+                       .offset = 0,
+                       .dst = probe.data() + kProbe * g,
+                       .bytes = std::min<size_t>(kProbe, region_.bytes)});
+    }
+    if (!reads.empty()) {
+      std::unique_ptr<transport::Batch> batch = transport_.post(reads);
+      batch->wait(timeout);
+    }
+    comm_.barrier(timeout);
+    // Step 4: the threads. From here on only the control thread calls the communicator.
+    control_ = std::make_unique<ControlThread>(
+        comm_, [this] { if (config_.delay_hook) config_.delay_hook(DelayPoint::kControl); },
+        make_background_thread);
+    worker_ = std::thread([this] {
+      make_background_thread();
+      worker_loop();
+    });
+    connected_ = true;
+    bytes_held_.store(static_cast<int64_t>(region_.bytes), std::memory_order_release);
+    spdlog::info("eplb runtime rank {}: connected to {} peers over {} ({}), holding {} bytes "
+                 "({} layers + 1 staging of {} bytes), mode {}",
+                 rank_, all.size() - 1, transport_.backend(), comm_.backend(), region_.bytes,
+                 layers_, arena_.layer_bytes(), mode_name(config_.mode));
+    return static_cast<int64_t>(region_.bytes);
+  }
+
+  // ---------------------------------------------------------------- forward thread
+  void record(int64_t layer, std::span<const int32_t> ids) { recorder_.record(layer, ids); }
+  void record_counts(int64_t layer, std::span<const int64_t> counts) {
+    recorder_.record_counts(layer, counts);
+  }
+
+  const routing::DispatchTables& dispatch(int64_t layer) const {
+    EPLB_CHECK(layer >= 0 && layer < layers_, "dispatch: layer ", layer, " is outside [0, ",
+               layers_, ")");
+    return tables_[layer];
+  }
+
+  std::span<std::byte> weights(int64_t layer, int64_t tensor) const {
+    EPLB_CHECK(connected_, "weights() needs connect() first (it allocates the arena)");
+    EPLB_CHECK(layer >= 0 && layer < layers_, "weights: layer ", layer, " is outside [0, ",
+               layers_, ")");
+    EPLB_CHECK(tensor >= 0 && tensor < arena_.tensors(), "weights: tensor ", tensor,
+               " is outside [0, ", arena_.tensors(), ")");
+    return {region_.data + arena_.offset(map_.buffer_of_layer[layer], tensor, 0),
+            static_cast<size_t>(arena_.tensor_bytes(tensor) * config_.layout.slots_per_rank())};
+  }
+
+  std::span<const int32_t> phy2log(int64_t layer) const {
+    EPLB_CHECK(layer >= 0 && layer < layers_, "phy2log: layer ", layer, " is outside [0, ",
+               layers_, ")");
+    return {phy2log_.data() + layer * config_.layout.physical,
+            static_cast<size_t>(config_.layout.physical)};
+  }
+
+  Placement placement() const {
+    Placement p(layers_, config_.layout.experts, config_.layout.physical);
+    p.phy2log = phy2log_;
+    p.derive_from_phy2log();
+    return p;
+  }
+
+  void step_end() {
+    EPLB_CHECK(connected_, "step_end() needs connect() first");
+    EPLB_CHECK(!shut_down_, "step_end() after shutdown()");
+    const auto start = Clock::now();
+    recorder_.step_end();
+    ++step_;
+    if (config_.mode == Mode::kAsync) {
+      step_end_async();
+    } else {
+      step_end_sync();
+    }
+    const double ms = ms_between(start, Clock::now());
+    if (!open_) return;
+    open_->stall_total_ms += ms;
+    open_->stall_max_ms = std::max(open_->stall_max_ms, ms);
+    if (open_finished_) publish_open();
+  }
+
+  void save_stats(const std::string& path, stats::LoadFormat format) const {
+    stats::LoadHistory history;
+    history.steps = recorder_.steps_in_window();
+    history.layers = layers_;
+    history.experts = config_.layout.experts;
+    if (history.steps == 0) fail("save_stats: no step recorded yet (call step_end() first)");
+    const std::vector<int64_t> steps = recorder_.window_steps();
+    history.values.assign(steps.begin(), steps.end());
+    std::string text;
+    if (format == stats::LoadFormat::kEplb) {
+      text = stats::format_load_eplb(history);
+    } else if (format == stats::LoadFormat::kSglang) {
+      text = stats::format_load_sglang(history);
+    } else {
+      fail("save_stats: format '", stats::load_format_name(format),
+           "' cannot be written (choose eplb or sglang)");
+    }
+    std::ofstream out(path, std::ios::binary | std::ios::trunc);
+    out << text;
+    out.close();
+    if (!out) fail<IoError>("save_stats: cannot write '", path, "'");
+  }
+
+  void shutdown() {
+    if (shut_down_) return;
+    shut_down_ = true;
+    if (active_) {
+      cancel_worker(*active_);
+      if (open_) {
+        open_->outcome = Outcome::kCancelled;
+        open_->error = "shutdown() while the rebalance ran";
+        close_open(nullptr);
+        publish_open();
+      }
+      active_.reset();
+    }
+    {
+      std::lock_guard<std::mutex> lock(worker_mu_);
+      worker_stop_ = true;
+    }
+    worker_cv_.notify_one();
+    if (worker_.joinable()) worker_.join();
+    if (control_) control_->stop();
+    agreements_.clear();
+  }
+
+  int rank() const { return rank_; }
+  int64_t step() const { return step_; }
+  bool rebalancing() const { return open_.has_value(); }
+  int64_t installed_layers() const { return installed_total_; }
+  bool control_broken() const { return control_broken_.load(std::memory_order_acquire); }
+  int64_t bytes_held() const { return bytes_held_.load(std::memory_order_acquire); }
+  std::vector<RebalanceRecord> history() const {
+    std::lock_guard<std::mutex> lock(history_mu_);
+    return history_;
+  }
+  const Config& config() const { return config_; }
+  const WeightSpec& weight_spec() const { return spec_; }
+
+ private:
+  bool should_trigger() const {
+    return step_ > 0 && step_ % config_.interval == 0 && !control_broken() && !open_;
+  }
+
+  // The longest the forward thread waits for a collective's result: each queued collective
+  // (at most lag + 1 agreements and a window) is bounded by the timeout itself.
+  std::chrono::milliseconds result_bound() const { return config_.timeout * (config_.lag + 3); }
+
+  void open_record() {
+    open_.emplace();
+    open_->index = next_index_++;
+    open_->trigger_step = step_;
+    open_finished_ = false;
+    open_started_ = Clock::now();
+  }
+
+  // Ends the open record at this step; `raise` is what step_end throws under on_error=raise.
+  void close_open(std::exception_ptr raise) {
+    open_->end_step = step_;
+    open_->steps = step_ - open_->trigger_step;
+    open_->seconds = ms_between(open_started_, Clock::now()) / 1000.0;
+    open_finished_ = true;
+    raise_ = raise;
+  }
+
+  void fill_plan_figures(const RebalancePlan& plan) {
+    open_->placement_ms = plan.placement_ms;
+    open_->balancedness_before = plan.balancedness_before;
+    open_->balancedness_after = plan.balancedness_after;
+    open_->layers_moved = static_cast<int64_t>(plan.moved_layers.size());
+    open_->slots_moved = plan.slots_moved;
+    open_->bytes_intra_node = plan.bytes_intra_node;
+    open_->bytes_inter_node = plan.bytes_inter_node;
+    open_->bytes_local_copy = plan.bytes_local_copy;
+    open_->rounds = plan.rounds;
+  }
+
+  // Logs, calls back, appends to the history and, under on_error=raise, throws.
+  void publish_open() {
+    RebalanceRecord record = std::move(*open_);
+    open_.reset();
+    open_finished_ = false;
+    std::exception_ptr raise = std::exchange(raise_, nullptr);
+    const auto level = record.outcome == Outcome::kFailed      ? spdlog::level::warn
+                       : record.outcome == Outcome::kCompleted ? spdlog::level::info
+                                                               : spdlog::level::debug;
+    spdlog::log(level,
+                "eplb runtime rank {}: rebalance {} {} at step {} (triggered at {}): "
+                "balancedness {:.4f} -> {:.4f}, {} layers ({} installed), {} slots, "
+                "{} B intra-node + {} B inter-node, {} rounds, {} steps, {:.3f} s, placement "
+                "{:.2f} ms, stall {:.3f} ms (max {:.3f} ms){}{}",
+                rank_, record.index, outcome_name(record.outcome), record.end_step,
+                record.trigger_step, record.balancedness_before, record.balancedness_after,
+                record.layers_moved, record.layers_installed, record.slots_moved,
+                record.bytes_intra_node, record.bytes_inter_node, record.rounds, record.steps,
+                record.seconds, record.placement_ms, record.stall_total_ms,
+                record.stall_max_ms, record.error.empty() ? "" : ": ", record.error);
+    {
+      std::lock_guard<std::mutex> lock(history_mu_);
+      history_.push_back(record);
+    }
+    if (record.outcome == Outcome::kFailed) {
+      if (config_.on_failure) config_.on_failure(record);
+      if (config_.on_error == OnError::kRaise && raise) std::rethrow_exception(raise);
+    }
+  }
+
+  // Installs moved layer k of `plan` on this rank: the staged buffer becomes live, the new
+  // tables and phy2log take effect. O(1) in the weights' size.
+  void install(RebalancePlan& plan, int64_t k) {
+    const int64_t layer = plan.moved_layers[k];
+    map_.install(layer);
+    std::swap(tables_[layer], plan.tables[k]);
+    std::copy(plan.phy2log[k].begin(), plan.phy2log[k].end(),
+              phy2log_.begin() + layer * config_.layout.physical);
+    ++installed_total_;
+    ++open_->layers_installed;
+  }
+
+  void fail_open(std::string message, std::exception_ptr error) {
+    open_->outcome = Outcome::kFailed;
+    open_->error = std::move(message);
+    close_open(error ? error : std::make_exception_ptr(IoError(open_->error)));
+  }
+
+  // -------------------------------------------------------------- async protocol
+  void step_end_async() {
+    if (active_) advance_async();
+    if (!active_ && should_trigger()) trigger_async();
+    if (active_) submit_agreement();
+  }
+
+  void trigger_async() {
+    open_record();
+    auto a = std::make_shared<Active>();
+    std::vector<int64_t> window(static_cast<size_t>(layers_ * config_.layout.experts));
+    recorder_.snapshot_window(window);
+    a->window = control_->all_reduce(std::move(window), control::ReduceOp::kSum,
+                                     config_.timeout);
+    a->current_phy2log = phy2log_;
+    a->map = map_;
+    {
+      std::lock_guard<std::mutex> lock(worker_mu_);
+      worker_queue_.push_back(a);
+    }
+    worker_cv_.notify_one();
+    active_ = std::move(a);
+  }
+
+  void submit_agreement() {
+    const int64_t progress = active_->progress.load(std::memory_order_acquire);
+    agreements_.emplace_back(step_, control_->all_reduce({progress}, control::ReduceOp::kMin,
+                                                         config_.timeout));
+  }
+
+  void advance_async() {
+    Active& a = *active_;
+    if (agreements_.empty() || agreements_.front().first != step_ - config_.lag) return;
+    std::future<std::vector<int64_t>> future = std::move(agreements_.front().second);
+    agreements_.pop_front();
+    int64_t agreed = 0;
+    if (future.wait_for(result_bound()) != std::future_status::ready) {
+      control_broken_.store(true, std::memory_order_release);
+      end_active(detail::concat("the agreement of step ", step_ - config_.lag,
+                                " gave no result within ", result_bound().count(), " ms"),
+                 nullptr);
+      return;
+    }
+    try {
+      agreed = future.get().at(0);
+    } catch (const std::exception& e) {
+      control_broken_.store(true, std::memory_order_release);
+      end_active(detail::concat("the agreement of step ", step_ - config_.lag,
+                                " failed: ", e.what()),
+                 std::current_exception());
+      return;
+    }
+    if (agreed < 0) {
+      const int64_t failed_rank = -1 - agreed;
+      if (a.progress.load(std::memory_order_acquire) < 0) {
+        end_active(detail::concat("rank ", rank_, ": ", a.error), a.error_ptr);
+      } else {
+        end_active(detail::concat("rank ", failed_rank, " failed (its log has the error)"),
+                   nullptr);
+      }
+      return;
+    }
+    if (agreed == 0) return;  // some rank is still placing
+    // Every rank has the (same) plan: this rank's own contribution was >= 1, loaded with
+    // acquire after the worker wrote the plan.
+    RebalancePlan& plan = a.plan;
+    if (!a.figures_filled) {
+      fill_plan_figures(plan);
+      a.figures_filled = true;
+    }
+    if (plan.skipped) {
+      open_->outcome = Outcome::kSkipped;
+      open_->error = plan.skip_reason;
+      close_open(nullptr);
+      finish_active();
+      return;
+    }
+    const int64_t moved = static_cast<int64_t>(plan.moved_layers.size());
+    if (a.installed_fwd < agreed - 1 && a.installed_fwd < moved) {
+      install(plan, a.installed_fwd);
+      ++a.installed_fwd;
+      {
+        std::lock_guard<std::mutex> lock(a.mu);
+        a.installed = a.installed_fwd;
+      }
+      a.cv.notify_one();
+    }
+    if (a.installed_fwd == moved) {
+      open_->outcome = Outcome::kCompleted;
+      close_open(nullptr);
+      finish_active();
+    }
+  }
+
+  // Abandons the running rebalance at this step: layers installed so far stay (they are
+  // complete on every rank), the others keep their old buffers and tables.
+  void end_active(std::string message, std::exception_ptr error) {
+    // The plan may be read once a progress store that follows it has been seen: >= 1, or a
+    // failure after planning. Otherwise the worker may still be writing it.
+    const int64_t progress = active_->progress.load(std::memory_order_acquire);
+    if (!active_->figures_filled && (progress >= 1 || (progress < 0 && active_->plan_done))) {
+      fill_plan_figures(active_->plan);
+    }
+    fail_open(std::move(message), error);
+    cancel_worker(*active_);
+    finish_active();
+  }
+
+  void finish_active() {
+    active_.reset();
+    // Agreements still queued run on every rank alike; their results are not needed.
+    agreements_.clear();
+  }
+
+  static void cancel_worker(Active& a) {
+    {
+      std::lock_guard<std::mutex> lock(a.mu);
+      a.cancel.store(true, std::memory_order_release);
+    }
+    a.cv.notify_one();
+  }
+
+  StageContext stage_context(const std::atomic<bool>* cancel) {
+    StageContext context;
+    context.transport = &transport_;
+    context.arena = &arena_;
+    context.base = region_.data;
+    context.peer_region = &peer_region_;
+    context.layout = &config_.layout;
+    context.rank = rank_;
+    context.timeout = config_.timeout;
+    context.delay_hook = &config_.delay_hook;
+    context.cancel = cancel;
+    return context;
+  }
+
+  // -------------------------------------------------------------- worker thread
+  void worker_loop() {
+    for (;;) {
+      std::shared_ptr<Active> job;
+      {
+        std::unique_lock<std::mutex> lock(worker_mu_);
+        worker_cv_.wait(lock, [&] { return worker_stop_ || !worker_queue_.empty(); });
+        if (worker_stop_) return;
+        job = std::move(worker_queue_.front());
+        worker_queue_.pop_front();
+      }
+      run_job(*job);
+    }
+  }
+
+  void run_job(Active& a) {
+    const auto cancelled = [&] { return a.cancel.load(std::memory_order_acquire); };
+    try {
+      while (a.window.wait_for(std::chrono::milliseconds(2)) != std::future_status::ready) {
+        if (cancelled()) return;
+      }
+      const std::vector<int64_t> window = a.window.get();
+      if (config_.delay_hook) config_.delay_hook(DelayPoint::kPlacement);
+      a.plan = make_plan(window, a.current_phy2log, config_, spec_.expert_bytes());
+      a.plan_done = true;
+      a.progress.store(1, std::memory_order_release);
+      if (a.plan.skipped) return;
+      BufferMap map = a.map;
+      const StageContext context = stage_context(&a.cancel);
+      for (size_t k = 0; k < a.plan.moved_layers.size(); ++k) {
+        const int64_t layer = a.plan.moved_layers[k];
+        if (!stage_layer(context, map, layer, a.plan.migrations[k])) return;
+        a.progress.store(2 + static_cast<int64_t>(k), std::memory_order_release);
+        // One layer of staging: the next layer waits until this one is installed everywhere.
+        std::unique_lock<std::mutex> lock(a.mu);
+        a.cv.wait(lock, [&] { return a.installed > static_cast<int64_t>(k) || cancelled(); });
+        if (cancelled()) return;
+        map.install(layer);
+      }
+    } catch (const std::exception& e) {
+      a.error = e.what();
+      a.error_ptr = std::current_exception();
+      a.progress.store(-1 - rank_, std::memory_order_release);
+    }
+  }
+
+  // -------------------------------------------------------------- sync mode
+  // The whole rebalance inside this step_end: the baseline. The collectives are the window,
+  // one agreement on the plan, and one per moved layer, the same on every rank.
+  void step_end_sync() {
+    if (!should_trigger()) return;
+    open_record();
+    std::vector<int64_t> window(static_cast<size_t>(layers_ * config_.layout.experts));
+    recorder_.snapshot_window(window);
+    try {
+      window = await(control_->all_reduce(std::move(window), control::ReduceOp::kSum,
+                                          config_.timeout));
+    } catch (const std::exception& e) {
+      control_broken_.store(true, std::memory_order_release);
+      fail_open(detail::concat("the window all-reduce failed: ", e.what()),
+                std::current_exception());
+      return;
+    }
+    RebalancePlan plan;
+    std::string local_error;
+    std::exception_ptr local_ptr;
+    try {
+      if (config_.delay_hook) config_.delay_hook(DelayPoint::kPlacement);
+      plan = make_plan(window, phy2log_, config_, spec_.expert_bytes());
+    } catch (const std::exception& e) {
+      local_error = e.what();
+      local_ptr = std::current_exception();
+    }
+    if (!agree_sync(local_ptr ? -1 - rank_ : 1, local_error, local_ptr)) return;
+    fill_plan_figures(plan);
+    if (plan.skipped) {
+      open_->outcome = Outcome::kSkipped;
+      open_->error = plan.skip_reason;
+      close_open(nullptr);
+      return;
+    }
+    const StageContext context = stage_context(nullptr);
+    for (size_t k = 0; k < plan.moved_layers.size(); ++k) {
+      try {
+        stage_layer(context, map_, plan.moved_layers[k], plan.migrations[k]);
+      } catch (const std::exception& e) {
+        local_error = e.what();
+        local_ptr = std::current_exception();
+      }
+      if (!agree_sync(local_ptr ? -1 - rank_ : 1, local_error, local_ptr)) return;
+      install(plan, static_cast<int64_t>(k));
+    }
+    open_->outcome = Outcome::kCompleted;
+    close_open(nullptr);
+  }
+
+  // One agreement of sync mode; false (and the record failed) unless every rank succeeded.
+  bool agree_sync(int64_t mine, const std::string& local_error, std::exception_ptr local_ptr) {
+    int64_t agreed = 0;
+    try {
+      agreed = await(control_->all_reduce({mine}, control::ReduceOp::kMin, config_.timeout)).at(0);
+    } catch (const std::exception& e) {
+      control_broken_.store(true, std::memory_order_release);
+      fail_open(detail::concat("an agreement failed: ", e.what()), std::current_exception());
+      return false;
+    }
+    if (agreed >= 0) return true;
+    if (mine < 0) {
+      fail_open(detail::concat("rank ", rank_, ": ", local_error), local_ptr);
+    } else {
+      fail_open(detail::concat("rank ", -1 - agreed, " failed (its log has the error)"), nullptr);
+    }
+    return false;
+  }
+
+  std::vector<int64_t> await(std::future<std::vector<int64_t>> future) {
+    if (future.wait_for(result_bound()) != std::future_status::ready) {
+      fail<Timeout>("runtime: a collective gave no result within ", result_bound().count(),
+                    " ms");
+    }
+    return future.get();
+  }
+
+  // Immutable after construction / connect().
+  const Config config_;
+  control::Communicator& comm_;
+  transport::Transport& transport_;
+  const WeightSpec spec_;
+  const int rank_;
+  const int64_t layers_;
+  ArenaLayout arena_;
+  transport::Region region_;
+  std::vector<int> peer_region_;  // [ranks] the arena's region id on each rank
+  bool connected_ = false;
+  std::atomic<int64_t> bytes_held_{0};
+
+  // Forward thread.
+  stats::LoadRecorder recorder_;
+  std::vector<int32_t> phy2log_;                 // [layers][physical]
+  std::vector<routing::DispatchTables> tables_;  // [layers]
+  BufferMap map_;
+  int64_t step_ = 0;
+  int64_t installed_total_ = 0;
+  int64_t next_index_ = 0;
+  bool shut_down_ = false;
+  std::shared_ptr<Active> active_;
+  std::deque<std::pair<int64_t, std::future<std::vector<int64_t>>>> agreements_;  // by step
+  std::optional<RebalanceRecord> open_;  // the running rebalance's record
+  bool open_finished_ = false;           // it ended at this step: publish at the end of it
+  Clock::time_point open_started_;
+  std::exception_ptr raise_;
+  std::atomic<bool> control_broken_{false};
+
+  // Threads.
+  std::unique_ptr<ControlThread> control_;
+  std::thread worker_;
+  std::mutex worker_mu_;
+  std::condition_variable worker_cv_;
+  std::deque<std::shared_ptr<Active>> worker_queue_;  // guarded by worker_mu_
+  bool worker_stop_ = false;                          // guarded by worker_mu_
+
+  mutable std::mutex history_mu_;
+  std::vector<RebalanceRecord> history_;  // guarded by history_mu_
+};
+
+Rebalancer::Rebalancer(Config config, control::Communicator& communicator,
+                       transport::Transport& transport, WeightSpec weights, Placement initial) {
+  config.validate();
+  weights.validate();
+  impl_ = std::make_unique<Impl>(std::move(config), communicator, transport, std::move(weights),
+                                 initial);
+}
+
+Rebalancer::~Rebalancer() = default;
+
+int64_t Rebalancer::connect() { return impl_->connect(); }
+void Rebalancer::record(int64_t layer, std::span<const int32_t> expert_ids) {
+  impl_->record(layer, expert_ids);
+}
+void Rebalancer::record_counts(int64_t layer, std::span<const int64_t> counts) {
+  impl_->record_counts(layer, counts);
+}
+const routing::DispatchTables& Rebalancer::dispatch(int64_t layer) const {
+  return impl_->dispatch(layer);
+}
+std::span<std::byte> Rebalancer::weights(int64_t layer, int64_t tensor) {
+  return impl_->weights(layer, tensor);
+}
+std::span<const std::byte> Rebalancer::weights(int64_t layer, int64_t tensor) const {
+  return impl_->weights(layer, tensor);
+}
+std::span<const int32_t> Rebalancer::phy2log(int64_t layer) const {
+  return impl_->phy2log(layer);
+}
+Placement Rebalancer::placement() const { return impl_->placement(); }
+void Rebalancer::step_end() { impl_->step_end(); }
+void Rebalancer::save_stats(const std::string& path, stats::LoadFormat format) const {
+  impl_->save_stats(path, format);
+}
+void Rebalancer::shutdown() { impl_->shutdown(); }
+int Rebalancer::rank() const { return impl_->rank(); }
+int64_t Rebalancer::step() const { return impl_->step(); }
+bool Rebalancer::rebalancing() const { return impl_->rebalancing(); }
+int64_t Rebalancer::installed_layers() const { return impl_->installed_layers(); }
+bool Rebalancer::control_broken() const { return impl_->control_broken(); }
+int64_t Rebalancer::bytes_held() const { return impl_->bytes_held(); }
+std::vector<RebalanceRecord> Rebalancer::history() const { return impl_->history(); }
+const Config& Rebalancer::config() const { return impl_->config(); }
+const WeightSpec& Rebalancer::weight_spec() const { return impl_->weight_spec(); }
+
+}  // namespace eplb::runtime

@@ -1,0 +1,512 @@
+#include "runtime/harness.h"
+
+#include <signal.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <sstream>
+#include <thread>
+
+#include "eplb/control/communicator.h"
+#include "eplb/control/launch.h"
+#include "eplb/core/error.h"
+#include "eplb/stats/load_file.h"
+#include "eplb/transport/registry.h"
+#include "eplb/transport/transport.h"
+
+namespace eplb::runtime::testing {
+namespace {
+
+uint64_t mix64(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
+// A transport that forwards everything and counts what allocates or connects, so a test can
+// check that nothing is allocated or connected after connect().
+class CountingTransport final : public transport::Transport {
+ public:
+  explicit CountingTransport(std::unique_ptr<transport::Transport> inner)
+      : inner_(std::move(inner)) {}
+  std::string_view backend() const override { return inner_->backend(); }
+  int rank() const override { return inner_->rank(); }
+  transport::Capabilities capabilities() const override { return inner_->capabilities(); }
+  transport::Region allocate(std::size_t bytes) override {
+    allocations_.fetch_add(1);
+    allocated_bytes_.fetch_add(static_cast<int64_t>(bytes));
+    return inner_->allocate(bytes);
+  }
+  transport::Region register_memory(void* data, std::size_t bytes) override {
+    allocations_.fetch_add(1);
+    allocated_bytes_.fetch_add(static_cast<int64_t>(bytes));
+    return inner_->register_memory(data, bytes);
+  }
+  std::vector<std::byte> export_descriptor() const override {
+    return inner_->export_descriptor();
+  }
+  void import_descriptor(int peer, std::span<const std::byte> descriptor) override {
+    imports_.fetch_add(1);
+    inner_->import_descriptor(peer, descriptor);
+  }
+  bool one_sided_to(int peer) const override { return inner_->one_sided_to(peer); }
+  std::unique_ptr<transport::Batch> post(std::span<const transport::Read> reads) override {
+    return inner_->post(reads);
+  }
+  void close() override { inner_->close(); }
+
+  int64_t allocations() const { return allocations_.load(); }
+  int64_t allocated_bytes() const { return allocated_bytes_.load(); }
+  int64_t imports() const { return imports_.load(); }
+
+ private:
+  std::unique_ptr<transport::Transport> inner_;
+  std::atomic<int64_t> allocations_{0};
+  std::atomic<int64_t> allocated_bytes_{0};
+  std::atomic<int64_t> imports_{0};
+};
+
+// Random sleeps (and the injected failure) at the runtime's delay points. Called from three
+// threads, hence the mutex.
+class DelayHook {
+ public:
+  DelayHook(const Scenario& s, int rank)
+      : rng_(mix64(s.seed * 1000003 + static_cast<uint64_t>(rank))),
+        delays_(s.delays),
+        max_us_(s.delay_max_us),
+        fail_(s.fail_rank == rank),
+        fail_at_(s.fail_at) {}
+
+  void operator()(DelayPoint point) {
+    int64_t sleep_us = 0;
+    bool fail_now = false;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (point == DelayPoint::kRead && fail_ && ++reads_ == fail_at_) fail_now = true;
+      if (delays_) {
+        std::uniform_int_distribution<int> coin(0, 3);
+        std::uniform_int_distribution<int64_t> us(0, max_us_);
+        if (coin(rng_) == 0) sleep_us = us(rng_);
+      }
+    }
+    if (sleep_us > 0) std::this_thread::sleep_for(std::chrono::microseconds(sleep_us));
+    if (fail_now) fail<IoError>("injected read failure (test)");
+  }
+
+ private:
+  std::mutex mu_;
+  std::mt19937_64 rng_;
+  bool delays_;
+  int max_us_;
+  bool fail_;
+  int fail_at_;
+  int reads_ = 0;
+};
+
+// Loads: the FLAME trace's tokens (each rank its own slice of the tokens of every step), or a
+// skewed synthetic load whose hot experts change every few intervals.
+class LoadSourceState {
+ public:
+  LoadSourceState(const Scenario& s, int rank) : scenario_(s), rank_(rank) {
+    if (s.load == LoadSource::kFlame) {
+      trace_ = stats::read_routing_trace(EPLB_SOURCE_DIR "/data/flame-moe-290m/routing_top6.csv",
+                                         s.config.layout.experts);
+      EPLB_CHECK_EQ(trace_.experts, s.config.layout.experts, "FLAME scenarios need E = 64");
+    }
+  }
+
+  void record(Rebalancer& rb, int64_t step) {
+    const int64_t layers = scenario_.weights.layers;
+    const int64_t experts = scenario_.config.layout.experts;
+    if (scenario_.load == LoadSource::kFlame) {
+      constexpr int64_t kTokens = 16;
+      const int64_t ranks = scenario_.config.layout.ranks;
+      const int64_t first = ((step * ranks + rank_) * kTokens) % trace_.tokens;
+      for (int64_t l = 0; l < layers; ++l) {
+        const int64_t tl = l % trace_.layers;
+        for (int64_t t = 0; t < kTokens; ++t) {
+          const int64_t token = (first + t) % trace_.tokens;
+          const int32_t* ids = trace_.routes.data() + (tl * trace_.tokens + token) * trace_.top_k;
+          rb.record(l, std::span<const int32_t>(ids, static_cast<size_t>(trace_.top_k)));
+        }
+      }
+      return;
+    }
+    // Zipf-like weights over a permutation that depends on the phase and the layer.
+    const int64_t phase = step / (2 * scenario_.config.interval);
+    std::vector<int64_t> counts(static_cast<size_t>(experts));
+    for (int64_t l = 0; l < layers; ++l) {
+      for (int64_t e = 0; e < experts; ++e) {
+        const int64_t position =
+            static_cast<int64_t>(mix64(static_cast<uint64_t>(phase * 7919 + l * 104729 + e)) %
+                                 static_cast<uint64_t>(experts));
+        const uint64_t noise = mix64(scenario_.seed ^ static_cast<uint64_t>(
+                                                          (step * 131 + rank_) * 977 + l * 31 + e));
+        counts[e] = 1000 / (1 + position) + static_cast<int64_t>(noise % 7);
+      }
+      rb.record_counts(l, counts);
+    }
+  }
+
+ private:
+  const Scenario& scenario_;
+  int rank_;
+  stats::RoutingTrace trace_;
+};
+
+void fill_expected(const Scenario& s, Rebalancer& rb) {
+  (void)s;
+  fill_weights(rb, [](int64_t layer, int64_t tensor, int32_t expert, std::span<std::byte> bytes) {
+    for (size_t i = 0; i < bytes.size(); ++i) {
+      bytes[i] = weight_byte(layer, tensor, expert, static_cast<int64_t>(i));
+    }
+  });
+}
+
+uint64_t fnv(uint64_t h, const void* data, size_t bytes) {
+  const auto* p = static_cast<const unsigned char*>(data);
+  for (size_t i = 0; i < bytes; ++i) {
+    h ^= p[i];
+    h *= 1099511628211ull;
+  }
+  return h;
+}
+
+template <typename T>
+uint64_t fnv_vec(uint64_t h, const std::vector<T>& v) {
+  return fnv(h, v.data(), v.size() * sizeof(T));
+}
+
+// Invariant 1 on this rank; returns the hash of every layer's tables (invariant 2's input).
+uint64_t check_rank(const Scenario& s, const Rebalancer& rb, int rank, int64_t step,
+                    std::vector<std::string>& errors) {
+  const Layout& layout = s.config.layout;
+  const int64_t spr = layout.slots_per_rank();
+  const int64_t first = rank * spr;
+  uint64_t h = 1469598103934665603ull;
+  const auto error = [&](auto&&... parts) {
+    if (errors.size() < 20) {
+      errors.push_back(detail::concat("rank ", rank, " step ", step, ": ", parts...));
+    }
+  };
+  for (int64_t l = 0; l < s.weights.layers; ++l) {
+    const auto phy2log = rb.phy2log(l);
+    const routing::DispatchTables& tables = rb.dispatch(l);
+    h = fnv(h, phy2log.data(), phy2log.size_bytes());
+    h = fnv_vec(h, tables.log2phy);
+    h = fnv_vec(h, tables.replica_count);
+    h = fnv_vec(h, tables.static_slot);
+    // Every local slot holds its expert's weights, byte for byte.
+    for (int64_t t = 0; t < static_cast<int64_t>(s.weights.tensors.size()); ++t) {
+      const auto all = rb.weights(l, t);
+      const int64_t bytes = s.weights.tensors[t].expert_bytes;
+      for (int64_t j = 0; j < spr; ++j) {
+        const int32_t expert = phy2log[first + j];
+        for (int64_t i = 0; i < bytes; ++i) {
+          if (all[j * bytes + i] != weight_byte(l, t, expert, i)) {
+            error("layer ", l, " tensor ", t, " slot ", first + j, " byte ", i,
+                  " does not hold expert ", expert, "'s weights");
+            break;
+          }
+        }
+      }
+    }
+    // Every slot a table names holds the expert it is named for.
+    int64_t replicas = 0;
+    for (int64_t e = 0; e < layout.experts; ++e) {
+      if (tables.replica_count[e] < 1) error("layer ", l, " expert ", e, " has no replica");
+      for (const int32_t p : tables.replicas(e)) {
+        ++replicas;
+        if (p < 0 || p >= layout.physical || phy2log[p] != e) {
+          error("layer ", l, " log2phy names slot ", p, " for expert ", e, " but it holds ",
+                (p >= 0 && p < layout.physical) ? phy2log[p] : -1);
+        }
+      }
+      const int32_t p = tables.static_slot[rank * layout.experts + e];
+      if (p < 0 || p >= layout.physical || phy2log[p] != e) {
+        error("layer ", l, " static_slot sends expert ", e, " to slot ", p);
+      }
+    }
+    if (replicas != layout.physical) {
+      error("layer ", l, " tables name ", replicas, " slots, not ", layout.physical);
+    }
+  }
+  return h;
+}
+
+std::string summary(const std::vector<RebalanceRecord>& history) {
+  std::ostringstream out;
+  out << history.size();
+  if (!history.empty()) {
+    const RebalanceRecord& r = history.back();
+    out << " last " << outcome_name(r.outcome) << " " << r.trigger_step << "-" << r.end_step
+        << " installed " << r.layers_installed << "/" << r.layers_moved;
+  }
+  return out.str();
+}
+
+int64_t completed_count(const std::vector<RebalanceRecord>& history) {
+  return std::count_if(history.begin(), history.end(),
+                       [](const RebalanceRecord& r) { return r.outcome == Outcome::kCompleted; });
+}
+
+RankResult run_rank(const Scenario& s, int rank, const std::string& rendezvous) {
+  RankResult result;
+  result.rank = rank;
+  const int ranks = static_cast<int>(s.config.layout.ranks);
+  control::Options options;
+  options.rank = rank;
+  options.size = ranks;
+  options.rendezvous = rendezvous + "-rt";
+  options.group = "runtime";
+  options.timeout = s.config.timeout;
+  std::unique_ptr<control::Communicator> comm = control::connect(s.control, options);
+  std::unique_ptr<control::Communicator> harness;
+  if (s.compare_through_control) {
+    options.rendezvous = rendezvous + "-h";
+    options.group = "harness";
+    harness = control::connect(s.control, options);
+  }
+  transport::Options topts;
+  topts.rank = rank;
+  std::unique_ptr<transport::Transport> backend;
+  try {
+    backend = transport::create(s.transport, topts);
+  } catch (const IoError& e) {
+    result.skipped = e.what();
+    result.ran = true;
+    return result;
+  }
+  CountingTransport transport(std::move(backend));
+
+  Config config = s.config;
+  auto hook = std::make_shared<DelayHook>(s, rank);
+  config.delay_hook = [hook](DelayPoint p) { (*hook)(p); };
+  const Placement initial = trivial_placement(s.weights.layers, config.layout.experts,
+                                              config.layout.physical);
+  Rebalancer rb(config, *comm, transport, s.weights, initial);
+  const int64_t held = rb.connect();
+  const int64_t allocations = transport.allocations();
+  const int64_t allocated = transport.allocated_bytes();
+  const int64_t imports = transport.imports();
+  if (held != allocated) {
+    result.errors.push_back(detail::concat("connect() reports ", held, " bytes, the transport ",
+                                           allocated));
+  }
+  fill_expected(s, rb);
+  LoadSourceState load(s, rank);
+
+  int64_t failure_step = -1;
+  int64_t kill_trigger = -1;
+  int64_t installed_at_kill_trigger = 0;
+  for (int64_t step = 0; step < s.max_steps; ++step) {
+    load.record(rb, step);
+    const uint64_t hash = check_rank(s, rb, rank, step, result.errors) & ((1ull << 62) - 1);
+    const std::vector<RebalanceRecord> history = rb.history();
+    const int64_t completed = completed_count(history);
+    const int64_t failed = std::count_if(history.begin(), history.end(), [](const auto& r) {
+      return r.outcome == Outcome::kFailed;
+    });
+    // Invariant 3: nothing allocated or connected since connect().
+    if (transport.allocations() != allocations || transport.imports() != imports ||
+        rb.bytes_held() != held) {
+      if (result.errors.size() < 20) {
+        result.errors.push_back(detail::concat("rank ", rank, " step ", step,
+                                               ": memory or connections grew after connect()"));
+      }
+    }
+    // Invariant 2 through the harness's own communicator: max of (h, -h) gives (max, -min).
+    if (harness) {
+      std::vector<int64_t> v = {static_cast<int64_t>(hash), -static_cast<int64_t>(hash),
+                                static_cast<int64_t>(history.size()),
+                                -static_cast<int64_t>(history.size()), completed, -completed};
+      harness->all_reduce(v, control::ReduceOp::kMax);
+      if (v[0] != -v[1] || v[2] != -v[3] || v[4] != -v[5]) {
+        if (result.errors.size() < 20) {
+          result.errors.push_back(detail::concat("rank ", rank, " step ", step,
+                                                 ": ranks' tables or histories differ"));
+        }
+      }
+    }
+    result.log.push_back(detail::concat(step, " ", hash, " ", summary(history), " ",
+                                        rb.rebalancing() ? "R" : "-"));
+    result.steps = step + 1;
+    // The end: the same step on every rank, since the histories are the same.
+    if (completed >= s.completed && s.fail_rank < 0 && s.kill_rank < 0 && !s.stop_mid_rebalance) {
+      break;
+    }
+    if ((s.fail_rank >= 0 || s.kill_rank >= 0) && failure_step < 0 && failed > 0) {
+      failure_step = step;
+    }
+    if (failure_step >= 0 && step >= failure_step + s.steps_after_failure &&
+        completed >= s.completed) {
+      break;
+    }
+    if (s.kill_rank >= 0 && failure_step >= 0 && rb.control_broken() &&
+        step >= failure_step + s.steps_after_failure) {
+      break;
+    }
+    if (s.stop_mid_rebalance && completed >= s.completed && rb.rebalancing()) break;
+    // Mid-rebalance: this rebalance has installed a layer, or run a few steps.
+    if (rank == s.kill_rank && completed >= s.kill_after && rb.rebalancing()) {
+      if (kill_trigger < 0) {
+        kill_trigger = step;
+        installed_at_kill_trigger = rb.installed_layers();
+      }
+      // After this rebalance installed a layer (so installed layers must survive the failure
+      // everywhere), or after enough steps anyway.
+      if (rb.installed_layers() > installed_at_kill_trigger || step >= kill_trigger + 40) {
+        std::fflush(stdout);
+        std::fflush(stderr);
+        ::kill(::getpid(), SIGKILL);
+      }
+    }
+    try {
+      rb.step_end();
+    } catch (const Error& e) {
+      ++result.raised;
+      // The message differs by rank (the failing one has the cause); the step must not.
+      result.log.push_back(detail::concat("raised at step ", step));
+    }
+  }
+  if (harness) harness->barrier();
+  rb.shutdown();
+  result.history = rb.history();
+  result.ran = true;
+  return result;
+}
+
+// Processes hand their result to the parent as a small text file.
+void write_result(const RankResult& r, const std::string& path) {
+  std::ofstream out(path);
+  if (!r.skipped.empty()) out << "skipped " << r.skipped << "\n";
+  out << "ran " << r.ran << "\nraised " << r.raised << "\nsteps " << r.steps << "\n";
+  for (const auto& e : r.errors) out << "error " << e << "\n";
+  for (const auto& l : r.log) out << "log " << l << "\n";
+  for (const auto& h : r.history) {
+    out << "history " << static_cast<int>(h.outcome) << " " << h.trigger_step << " "
+        << h.end_step << " " << h.layers_moved << " " << h.layers_installed << " "
+        << h.slots_moved << " " << h.error << "\n";
+  }
+}
+
+RankResult read_result(const std::string& path, int rank) {
+  RankResult r;
+  r.rank = rank;
+  std::ifstream in(path);
+  if (!in) return r;
+  std::string line;
+  while (std::getline(in, line)) {
+    const auto space = line.find(' ');
+    const std::string key = line.substr(0, space);
+    const std::string rest = space == std::string::npos ? "" : line.substr(space + 1);
+    if (key == "ran") r.ran = rest == "1";
+    if (key == "skipped") r.skipped = rest;
+    if (key == "raised") r.raised = std::stoll(rest);
+    if (key == "steps") r.steps = std::stoll(rest);
+    if (key == "error") r.errors.push_back(rest);
+    if (key == "log") r.log.push_back(rest);
+    if (key == "history") {
+      std::istringstream fields(rest);
+      RebalanceRecord h;
+      int outcome = 0;
+      fields >> outcome >> h.trigger_step >> h.end_step >> h.layers_moved >> h.layers_installed >>
+          h.slots_moved;
+      h.outcome = static_cast<Outcome>(outcome);
+      std::getline(fields, h.error);
+      r.history.push_back(h);
+    }
+  }
+  return r;
+}
+
+std::string unique_rendezvous(const Scenario& s) {
+  static std::atomic<int> counter{0};
+  return detail::concat("eplb-rt-", s.name, "-", ::getpid(), "-", counter++);
+}
+
+}  // namespace
+
+std::byte weight_byte(int64_t layer, int64_t tensor, int64_t expert, int64_t index) {
+  const uint64_t word = mix64((static_cast<uint64_t>(layer) << 40) ^
+                              (static_cast<uint64_t>(tensor) << 32) ^
+                              (static_cast<uint64_t>(expert) << 16) ^
+                              static_cast<uint64_t>(index / 8));
+  return static_cast<std::byte>((word >> (8 * (index % 8))) & 0xff);
+}
+
+uint64_t test_seed(uint64_t fallback) {
+  const char* env = std::getenv("EPLB_TEST_SEED");
+  return env && *env ? std::strtoull(env, nullptr, 10) : fallback;
+}
+
+std::vector<RankResult> run_scenario(const Scenario& s) {
+  const int ranks = static_cast<int>(s.config.layout.ranks);
+  const std::string rendezvous = unique_rendezvous(s);
+  std::vector<RankResult> results(static_cast<size_t>(ranks));
+  if (!s.processes) {
+    std::vector<std::thread> threads;
+    for (int r = 0; r < ranks; ++r) {
+      threads.emplace_back([&, r] {
+        try {
+          results[r] = run_rank(s, r, rendezvous);
+        } catch (const std::exception& e) {
+          results[r].rank = r;
+          results[r].errors.push_back(detail::concat("rank ", r, " threw: ", e.what()));
+        }
+      });
+    }
+    for (auto& t : threads) t.join();
+    return results;
+  }
+  const char* tmp = std::getenv("TMPDIR");
+  std::string dir = std::string(tmp && *tmp ? tmp : "/tmp") + "/eplb-runtime-XXXXXX";
+  if (::mkdtemp(dir.data()) == nullptr) fail<IoError>("mkdtemp failed for ", dir);
+  control::ForkOptions fork_options;
+  fork_options.timeout = std::chrono::milliseconds(240'000);
+  // Survivors of a killed rank go on serving; give them the time to finish their run.
+  fork_options.grace = std::chrono::milliseconds(120'000);
+  const std::vector<control::RankExit> exits = control::fork_ranks(
+      ranks,
+      [&](int r) {
+        RankResult result;
+        try {
+          result = run_rank(s, r, rendezvous);
+        } catch (const std::exception& e) {
+          result.rank = r;
+          result.ran = true;
+          result.errors.push_back(detail::concat("rank ", r, " threw: ", e.what()));
+        }
+        write_result(result, detail::concat(dir, "/rank", r));
+        return 0;
+      },
+      fork_options);
+  for (int r = 0; r < ranks; ++r) {
+    results[r] = read_result(detail::concat(dir, "/rank", r), r);
+    const control::RankExit& exit = exits[r];
+    const bool expected_kill = r == s.kill_rank && exit.signal == SIGKILL && !exit.killed_by_launcher;
+    if (!exit.ok() && !expected_kill) {
+      results[r].errors.push_back("process " + exit.describe());
+    }
+    if (r == s.kill_rank && !expected_kill) {
+      results[r].errors.push_back("rank " + std::to_string(r) + " was to be killed mid-rebalance: " +
+                                  exit.describe());
+    }
+  }
+  std::error_code ignored;
+  std::filesystem::remove_all(dir, ignored);
+  return results;
+}
+
+}  // namespace eplb::runtime::testing

@@ -1,0 +1,422 @@
+// Multi-rank tests of the runtime: ranks as threads (inproc control + inproc transport) and as
+// processes (shm control + shm or ucx transport), async and sync, with random delays, a
+// failing worker, a rank killed mid-rebalance, and shutdown mid-rebalance. The invariants
+// checked at every step are listed in harness.h. Timings never decide a result.
+
+#include <gtest/gtest.h>
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <set>
+
+#include "eplb/control/communicator.h"
+#include "eplb/core/error.h"
+#include "eplb/stats/load_file.h"
+#include "eplb/stats/placement_file.h"
+#include "eplb/transport/registry.h"
+#include "eplb/transport/transport.h"
+#include "runtime/harness.h"
+
+namespace eplb::runtime {
+namespace {
+
+using testing::LoadSource;
+using testing::RankResult;
+using testing::Scenario;
+
+class QuietLogs : public ::testing::Environment {
+ public:
+  // EPLB_TEST_LOG=info shows every rebalance's record.
+  void SetUp() override {
+    const char* level = std::getenv("EPLB_TEST_LOG");
+    spdlog::set_level(level ? spdlog::level::from_str(level) : spdlog::level::warn);
+  }
+};
+const auto* const kQuiet = ::testing::AddGlobalTestEnvironment(new QuietLogs);
+
+Scenario skewed(const std::string& name, Mode mode) {
+  Scenario s;
+  s.name = name;
+  s.config.layout = Layout{.experts = 8, .physical = 12, .ranks = 4, .nodes = 2, .groups = 1};
+  s.config.interval = 4;
+  s.config.window = 4;
+  s.config.lag = 2;
+  s.config.mode = mode;
+  s.config.policy = placement::Policy::kBalanced;
+  s.config.timeout = std::chrono::milliseconds(20'000);
+  s.weights.layers = 4;
+  s.weights.tensors = {{"w13", 40}, {"w2", 24}};
+  s.completed = 6;
+  s.seed = testing::test_seed(7);
+  return s;
+}
+
+Scenario flame(const std::string& name, Mode mode) {
+  Scenario s;
+  s.name = name;
+  s.load = LoadSource::kFlame;
+  s.config.layout = Layout{.experts = 64, .physical = 72, .ranks = 4, .nodes = 1, .groups = 1};
+  s.config.interval = 6;
+  s.config.window = 6;
+  s.config.lag = 1;
+  s.config.mode = mode;
+  s.config.timeout = std::chrono::milliseconds(20'000);
+  s.weights.layers = 8;
+  s.weights.tensors = {{"w13", 32}, {"w2", 16}, {"scale", 8}};
+  s.completed = 3;
+  s.seed = testing::test_seed(11);
+  return s;
+}
+
+Scenario as_processes(Scenario s, const std::string& transport) {
+  s.processes = true;
+  s.control = "shm";
+  s.transport = transport;
+  return s;
+}
+
+// Every rank ran cleanly, and every rank's per-step log (tables hash, history) is the same.
+void expect_consistent(const Scenario& s, const std::vector<RankResult>& results) {
+  SCOPED_TRACE(::testing::Message() << s.name << " seed " << s.seed
+                                    << " (rerun with EPLB_TEST_SEED=" << s.seed << ")");
+  const RankResult* reference = nullptr;
+  for (const RankResult& r : results) {
+    for (const std::string& e : r.errors) ADD_FAILURE() << e;
+    if (r.rank == s.kill_rank) continue;
+    EXPECT_TRUE(r.ran) << "rank " << r.rank << " produced no result";
+    if (!r.ran) continue;
+    if (!reference) {
+      reference = &r;
+      continue;
+    }
+    ASSERT_EQ(r.log.size(), reference->log.size()) << "rank " << r.rank << " ran a different "
+                                                    << "number of steps than rank "
+                                                    << reference->rank;
+    for (size_t i = 0; i < r.log.size(); ++i) {
+      ASSERT_EQ(r.log[i], reference->log[i]) << "rank " << r.rank << " vs rank "
+                                             << reference->rank << " at log line " << i;
+    }
+    ASSERT_EQ(r.history.size(), reference->history.size());
+    for (size_t i = 0; i < r.history.size(); ++i) {
+      EXPECT_EQ(r.history[i].outcome, reference->history[i].outcome);
+      EXPECT_EQ(r.history[i].trigger_step, reference->history[i].trigger_step);
+      EXPECT_EQ(r.history[i].end_step, reference->history[i].end_step);
+      EXPECT_EQ(r.history[i].layers_installed, reference->history[i].layers_installed);
+      EXPECT_EQ(r.history[i].slots_moved, reference->history[i].slots_moved);
+    }
+  }
+  ASSERT_NE(reference, nullptr);
+}
+
+int64_t count(const RankResult& r, Outcome outcome) {
+  return std::count_if(r.history.begin(), r.history.end(),
+                       [&](const RebalanceRecord& h) { return h.outcome == outcome; });
+}
+
+int64_t moved_slots(const RankResult& r) {
+  int64_t moved = 0;
+  for (const auto& h : r.history) {
+    if (h.outcome == Outcome::kCompleted) moved += h.slots_moved;
+  }
+  return moved;
+}
+
+// ---------------------------------------------------------------- threads
+
+TEST(RuntimeThreads, AsyncSkewedWithDelays) {
+  Scenario s = skewed("async-skewed", Mode::kAsync);
+  s.delays = true;
+  const auto results = testing::run_scenario(s);
+  expect_consistent(s, results);
+  EXPECT_GE(count(results[0], Outcome::kCompleted), s.completed);
+  EXPECT_GT(moved_slots(results[0]), 0);
+}
+
+TEST(RuntimeThreads, SyncSkewedWithDelays) {
+  Scenario s = skewed("sync-skewed", Mode::kSync);
+  s.delays = true;
+  const auto results = testing::run_scenario(s);
+  expect_consistent(s, results);
+  EXPECT_GE(count(results[0], Outcome::kCompleted), s.completed);
+  for (const auto& h : results[0].history) EXPECT_EQ(h.steps, 0) << "sync ends where it starts";
+}
+
+TEST(RuntimeThreads, AsyncFlameStickyLagOne) {
+  Scenario s = flame("async-flame", Mode::kAsync);
+  s.config.policy = placement::Policy::kSticky;
+  s.delays = true;
+  const auto results = testing::run_scenario(s);
+  expect_consistent(s, results);
+  EXPECT_GE(count(results[0], Outcome::kCompleted), s.completed);
+}
+
+TEST(RuntimeThreads, AsyncTwoPeersPerRoundLagThree) {
+  Scenario s = skewed("async-k2", Mode::kAsync);
+  s.config.peers_per_round = 2;
+  s.config.lag = 3;
+  s.config.dispatch = routing::DispatchPolicy::kWeighted;
+  const auto results = testing::run_scenario(s);
+  expect_consistent(s, results);
+  EXPECT_GE(count(results[0], Outcome::kCompleted), s.completed);
+}
+
+// A worker that throws on one rank fails the rebalance on every rank at the same step; the
+// control plane stays healthy and later rebalances complete.
+TEST(RuntimeThreads, WorkerFailureIsAbandonedEverywhere) {
+  Scenario s = skewed("worker-failure", Mode::kAsync);
+  s.fail_rank = 2;
+  s.fail_at = 3;
+  s.completed = 3;
+  s.delays = true;
+  const auto results = testing::run_scenario(s);
+  expect_consistent(s, results);
+  EXPECT_EQ(count(results[0], Outcome::kFailed), 1);
+  EXPECT_GE(count(results[0], Outcome::kCompleted), s.completed);
+  for (const auto& r : results) {
+    for (const auto& h : r.history) {
+      if (h.outcome == Outcome::kFailed) {
+        EXPECT_NE(h.error.find("rank 2"), std::string::npos) << h.error;
+      }
+    }
+  }
+}
+
+TEST(RuntimeThreads, SyncWorkerFailureRaisesEverywhere) {
+  Scenario s = skewed("sync-raise", Mode::kSync);
+  s.config.on_error = OnError::kRaise;
+  s.fail_rank = 1;
+  s.fail_at = 2;
+  s.completed = 2;
+  const auto results = testing::run_scenario(s);
+  expect_consistent(s, results);
+  for (const auto& r : results) EXPECT_EQ(r.raised, 1) << "rank " << r.rank;
+}
+
+TEST(RuntimeThreads, AsyncWorkerFailureRaisesEverywhere) {
+  Scenario s = skewed("async-raise", Mode::kAsync);
+  s.config.on_error = OnError::kRaise;
+  s.fail_rank = 3;
+  s.fail_at = 1;
+  s.completed = 2;
+  const auto results = testing::run_scenario(s);
+  expect_consistent(s, results);
+  for (const auto& r : results) EXPECT_EQ(r.raised, 1) << "rank " << r.rank;
+}
+
+// Every rank shuts down at the same step while a rebalance runs: no hang, no thread left, and
+// the rebalance is recorded as cancelled.
+TEST(RuntimeThreads, ShutdownMidRebalance) {
+  Scenario s = skewed("shutdown", Mode::kAsync);
+  s.stop_mid_rebalance = true;
+  s.completed = 1;
+  s.delays = true;
+  const auto results = testing::run_scenario(s);
+  expect_consistent(s, results);
+  for (const auto& r : results) {
+    ASSERT_FALSE(r.history.empty());
+    EXPECT_EQ(r.history.back().outcome, Outcome::kCancelled);
+  }
+}
+
+// ---------------------------------------------------------------- processes
+
+TEST(RuntimeProcesses, ShmAsyncFlameWithDelays) {
+  Scenario s = as_processes(flame("shm-async", Mode::kAsync), "shm");
+  s.delays = true;
+  const auto results = testing::run_scenario(s);
+  expect_consistent(s, results);
+  EXPECT_GE(count(results[0], Outcome::kCompleted), s.completed);
+}
+
+TEST(RuntimeProcesses, ShmSyncSkewed) {
+  Scenario s = as_processes(skewed("shm-sync", Mode::kSync), "shm");
+  s.delays = true;
+  const auto results = testing::run_scenario(s);
+  expect_consistent(s, results);
+  EXPECT_GE(count(results[0], Outcome::kCompleted), s.completed);
+}
+
+TEST(RuntimeProcesses, UcxAsyncSkewed) {
+  if (!transport::has_backend("ucx")) GTEST_SKIP() << "built without UCX";
+  // No UCX context in this process before the fork: each rank creates its own.
+  Scenario s = as_processes(skewed("ucx-async", Mode::kAsync), "ucx");
+  s.completed = 3;
+  const auto results = testing::run_scenario(s);
+  if (!results[0].skipped.empty()) GTEST_SKIP() << "UCX cannot start here: " << results[0].skipped;
+  expect_consistent(s, results);
+  EXPECT_GE(count(results[0], Outcome::kCompleted), s.completed);
+}
+
+// A rank SIGKILLs itself mid-rebalance. The survivors abandon it at the same step (identical
+// logs), keep every installed layer, keep serving with identical tables, and trigger no more
+// rebalances on the broken control plane.
+TEST(RuntimeProcesses, RankKilledMidRebalance) {
+  Scenario s = as_processes(flame("kill", Mode::kAsync), "shm");
+  s.config.timeout = std::chrono::milliseconds(5'000);
+  s.kill_rank = 3;
+  s.kill_after = 1;
+  s.completed = 1;
+  s.compare_through_control = false;
+  const auto results = testing::run_scenario(s);
+  expect_consistent(s, results);
+  for (const auto& r : results) {
+    if (r.rank == s.kill_rank) continue;
+    ASSERT_FALSE(r.history.empty());
+    EXPECT_EQ(r.history.back().outcome, Outcome::kFailed) << "rank " << r.rank;
+    EXPECT_GE(count(r, Outcome::kCompleted), 1);
+  }
+}
+
+// ---------------------------------------------------------------- single rank, files
+
+class RuntimeFiles : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = std::filesystem::temp_directory_path() /
+           ("eplb-runtime-files-" + std::to_string(::getpid()));
+    std::filesystem::create_directories(dir_);
+  }
+  void TearDown() override { std::filesystem::remove_all(dir_); }
+  std::string path(const std::string& name) const { return (dir_ / name).string(); }
+  std::filesystem::path dir_;
+};
+
+Config one_rank_config() {
+  Config c;
+  c.layout = Layout{.experts = 4, .physical = 4, .ranks = 1, .nodes = 1, .groups = 1};
+  c.interval = 1000;
+  c.window = 3;
+  return c;
+}
+
+TEST_F(RuntimeFiles, SaveStatsWritesTheWindowInBothFormats) {
+  control::Options options;
+  options.rendezvous = "eplb-rt-files-" + std::to_string(::getpid());
+  auto comm = control::connect("inproc", options);
+  auto transport = transport::create("inproc", {});
+  const Config config = one_rank_config();
+  WeightSpec spec{.layers = 2, .tensors = {{"w", 8}}};
+  Rebalancer rb(config, *comm, *transport, spec, trivial_placement(2, 4, 4));
+  EXPECT_THROW(rb.save_stats(path("none.json")), InvalidArgument);  // before connect too
+  rb.connect();
+  for (int step = 0; step < 5; ++step) {
+    const std::vector<int32_t> ids = {0, 1, 1, static_cast<int32_t>(step % 4)};
+    rb.record(0, ids);
+    rb.record_counts(1, std::vector<int64_t>{step, 0, 0, 1});
+    rb.step_end();
+  }
+  rb.save_stats(path("load.json"));
+  rb.save_stats(path("sglang.json"), stats::LoadFormat::kSglang);
+  for (const std::string name : {"load.json", "sglang.json"}) {
+    const stats::LoadHistory h = stats::read_load_history(path(name));
+    EXPECT_EQ(h.format, name == "load.json" ? stats::LoadFormat::kEplb : stats::LoadFormat::kSglang);
+    ASSERT_EQ(h.steps, 3);  // the window
+    ASSERT_EQ(h.layers, 2);
+    ASSERT_EQ(h.experts, 4);
+    for (int s = 0; s < 3; ++s) {
+      const int step = s + 2;
+      EXPECT_EQ(h.step(s)[0], 1 + (step % 4 == 0));
+      EXPECT_EQ(h.step(s)[1], 2 + (step % 4 == 1));
+      EXPECT_EQ(h.step(s)[4], step);
+      EXPECT_EQ(h.step(s)[7], 1);
+    }
+  }
+  EXPECT_THROW(rb.save_stats(path("x.csv"), stats::LoadFormat::kCsv), InvalidArgument);
+  // The saved window seeds the next run: a placement from the load.
+  Config two_ranks = config;
+  two_ranks.layout = Layout{.experts = 4, .physical = 6, .ranks = 2, .nodes = 1, .groups = 1};
+  const Placement p = placement_from_load(path("load.json"), two_ranks);
+  EXPECT_EQ(p.layers, 2);
+  EXPECT_NO_THROW(p.validate());
+  rb.shutdown();
+}
+
+TEST_F(RuntimeFiles, StartsFromEplbAndSglangPlacementFiles) {
+  const Layout layout{.experts = 4, .physical = 6, .ranks = 2, .nodes = 1, .groups = 1};
+  Placement p(2, 4, 6);
+  p.phy2log = {0, 1, 2, 3, 0, 1, 3, 2, 1, 0, 3, 3};
+  p.derive_from_phy2log();
+  stats::write_placement(path("p.json"), p, layout);
+  EXPECT_EQ(placement_from_file(path("p.json"), layout).phy2log, p.phy2log);
+  {
+    std::ofstream out(path("sglang.json"));
+    out << R"({"physical_to_logical_map": [[0,1,2,3,0,1],[3,2,1,0,3,3]]})";
+  }
+  EXPECT_EQ(placement_from_file(path("sglang.json"), layout).phy2log, p.phy2log);
+  const Layout other{.experts = 4, .physical = 8, .ranks = 2, .nodes = 1, .groups = 1};
+  EXPECT_THROW(placement_from_file(path("p.json"), other), InvalidArgument);
+}
+
+TEST(RuntimeConfig, RejectsBadValuesWithTheRule) {
+  const auto message = [](const Config& c) {
+    try {
+      c.validate();
+    } catch (const InvalidArgument& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  Config c = one_rank_config();
+  c.lag = 0;
+  EXPECT_NE(message(c).find("lag 0"), std::string::npos);
+  c = one_rank_config();
+  c.interval = 0;
+  EXPECT_NE(message(c).find("interval 0"), std::string::npos);
+  c = one_rank_config();
+  c.peers_per_round = 0;
+  EXPECT_NE(message(c).find("peers_per_round 0"), std::string::npos);
+  EXPECT_EQ(parse_mode("sync"), Mode::kSync);
+  EXPECT_THROW(parse_mode("fast"), InvalidArgument);
+  EXPECT_THROW(parse_on_error("ignore"), InvalidArgument);
+
+  control::Options options;
+  options.rendezvous = "eplb-rt-config-" + std::to_string(::getpid());
+  auto comm = control::connect("inproc", options);
+  auto transport = transport::create("inproc", {});
+  WeightSpec spec{.layers = 2, .tensors = {{"w", 8}}};
+  // A placement of the wrong shape, and a layout of the wrong size, are refused up front.
+  EXPECT_THROW(Rebalancer(one_rank_config(), *comm, *transport, spec, trivial_placement(3, 4, 4)),
+               InvalidArgument);
+  Config two = one_rank_config();
+  two.layout.ranks = 2;
+  EXPECT_THROW(Rebalancer(two, *comm, *transport, spec, trivial_placement(2, 4, 4)),
+               InvalidArgument);
+  WeightSpec empty{.layers = 2, .tensors = {}};
+  EXPECT_THROW(Rebalancer(one_rank_config(), *comm, *transport, empty, trivial_placement(2, 4, 4)),
+               InvalidArgument);
+}
+
+// ---------------------------------------------------------------- soak (not in the default run)
+
+// Hundreds of rebalances with random delays, threads and processes, async and sync.
+// Run: EPLB_RUNTIME_SOAK=1 eplb_runtime_tests --gtest_filter='RuntimeSoak.*'
+TEST(RuntimeSoak, HundredsOfRebalancesWithDelays) {
+  const char* env = std::getenv("EPLB_RUNTIME_SOAK");
+  if (!env || std::string(env) != "1") GTEST_SKIP() << "set EPLB_RUNTIME_SOAK=1 to run";
+  const int64_t rebalances = std::getenv("EPLB_RUNTIME_SOAK_REBALANCES")
+                                 ? std::atoll(std::getenv("EPLB_RUNTIME_SOAK_REBALANCES"))
+                                 : 150;
+  const uint64_t base = testing::test_seed(1000);
+  int64_t total = 0;
+  for (int round = 0; round < 4; ++round) {
+    const Mode mode = round % 2 == 0 ? Mode::kAsync : Mode::kSync;
+    Scenario s = round < 2 ? skewed("soak", mode) : as_processes(flame("soak-p", mode), "shm");
+    s.seed = base + static_cast<uint64_t>(round);
+    s.delays = true;
+    s.delay_max_us = 200;
+    s.completed = rebalances;
+    s.max_steps = 100'000;
+    const auto results = testing::run_scenario(s);
+    expect_consistent(s, results);
+    EXPECT_GE(count(results[0], Outcome::kCompleted), s.completed);
+    total += count(results[0], Outcome::kCompleted);
+  }
+  std::printf("soak: %lld rebalances completed on every rank, invariants held at every step\n",
+              static_cast<long long>(total));
+}
+
+}  // namespace
+}  // namespace eplb::runtime

@@ -11,6 +11,8 @@ packages=(
   libucx-dev libgloo-dev libhiredis-dev libopenmpi-dev openmpi-bin
   # tests and benchmarks
   libgtest-dev libgmock-dev librapidcheck-dev libbenchmark-dev redis-server
+  # plots of eplb run / simulate
+  gnuplot-nox
   # fuzzers and sanitizers (clang's libFuzzer and runtimes)
   clang libclang-rt-14-dev
   # python module and its tests

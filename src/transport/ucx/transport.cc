@@ -40,8 +40,12 @@ constexpr std::uint16_t kVersion = 1;
 constexpr std::size_t kControlBytes = 64;
 // How long close() and a cancelled batch wait for UCX to release an endpoint.
 constexpr auto kCloseTimeout = std::chrono::seconds(10);
-// How long close() keeps progressing before the worker stops answering.
-constexpr auto kLinger = std::chrono::milliseconds(100);
+// How long import_descriptor() waits for the connection handshake with a live peer: only a
+// bound that turns a hang into an error.
+constexpr auto kConnectTimeout = std::chrono::seconds(60);
+// Active-message ids of the connection handshake (see import_descriptor()).
+constexpr unsigned kHelloId = 1;     // reader -> owner's serving worker: a token
+constexpr unsigned kHelloAckId = 2;  // serving worker -> reader: the token back
 // How often a pending batch checks that the owners on this machine are alive.
 constexpr auto kLivenessPeriod = std::chrono::milliseconds(1);
 
@@ -113,6 +117,30 @@ void on_get_done(void* request, ucs_status_t status, void* user_data) {
   ucp_request_free(request);
 }
 
+// The serving worker's half of the handshake: echo the token to the reader that sent it. Runs
+// on the progress thread. The reply is queued on the same endpoint as this worker's handshake
+// reply, after it, so it reaches the reader only once that reply has.
+ucs_status_t on_hello(void*, const void*, std::size_t, void* data, std::size_t length,
+                      const ucp_am_recv_param_t* param) {
+  if (!(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) ||
+      length != sizeof(std::uint64_t)) {
+    return UCS_OK;  // not ours to answer
+  }
+  auto* token = new std::uint64_t;
+  std::memcpy(token, data, sizeof *token);
+  ucp_request_param_t param_out{};
+  param_out.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+  param_out.cb.send = [](void* request, ucs_status_t, void* user_data) {
+    delete static_cast<std::uint64_t*>(user_data);
+    ucp_request_free(request);
+  };
+  param_out.user_data = token;
+  const ucs_status_ptr_t request =
+      ucp_am_send_nbx(param->reply_ep, kHelloAckId, nullptr, 0, token, sizeof *token, &param_out);
+  if (request == nullptr || UCS_PTR_IS_ERR(request)) delete token;  // no callback will come
+  return UCS_OK;
+}
+
 class UcxTransport final : public Transport {
  public:
   explicit UcxTransport(const Options& options);
@@ -135,7 +163,7 @@ class UcxTransport final : public Transport {
 
   // For batches (reading thread).
   void progress() {
-    while (ucp_worker_progress(worker_) != 0) {
+    while (ucp_worker_progress(reader_) != 0) {
     }
   }
   // "" when every owner `state` read from is alive and open, else why not.
@@ -150,6 +178,8 @@ class UcxTransport final : public Transport {
   void release_peer(Peer& p);
   void force_close(Peer& p);
   void close_endpoint(ucp_ep_h ep);
+  void handshake(Peer& p);
+  ucp_worker_h make_worker(int* efd);
   void serve();
   void check_open() const {
     if (closed_) fail<InvalidArgument>("ucx transport of rank ", rank_, " is closed");
@@ -162,11 +192,21 @@ class UcxTransport final : public Transport {
   // endpoint was created); see close().
   mutable bool reachable_ = false;
   ucp_context_h context_ = nullptr;
-  // One worker, shared by the reading thread and the progress thread (UCS_THREAD_MODE_MULTI):
-  // the progress thread answers peers' requests and completes connection handshakes even while
-  // this rank reads nothing.
-  ucp_worker_h worker_ = nullptr;
+  // Two workers, each shared by the reading thread and the progress thread
+  // (UCS_THREAD_MODE_MULTI). The serving worker's address is the one in the descriptor: peers
+  // connect to it, and it never connects to anyone itself. The reading worker holds this rank's
+  // endpoints to peers' serving workers, and its address is never handed out. So no two workers
+  // ever connect to each other from both ends at once: UCX 1.13 mishandles that "simultaneous
+  // connect" of two ranks importing each other at the same moment (a failed assertion in
+  // ucp_ep_update_remote_id). The progress thread serves both.
+  ucp_worker_h worker_ = nullptr;  // serving
+  ucp_worker_h reader_ = nullptr;  // reading
   int efd_ = -1;
+  int reader_efd_ = -1;
+  // The last handshake token echoed back to the reading worker (set on the thread that
+  // progresses it); import_descriptor() waits for its own.
+  std::atomic<std::uint64_t> acked_{0};
+  std::uint64_t hello_token_ = 0;
   int stop_fd_ = -1;
   std::atomic<bool> stop_{false};
   std::thread progress_thread_;
@@ -184,7 +224,7 @@ UcxTransport::UcxTransport(const Options& options)
   EPLB_UCX_CHECK(ucp_config_read(nullptr, nullptr, &config), "cannot read the UCX configuration");
   ucp_params_t params{};
   params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
-  params.features = UCP_FEATURE_RMA | UCP_FEATURE_WAKEUP;
+  params.features = UCP_FEATURE_RMA | UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;
   params.mt_workers_shared = 1;
   const ucs_status_t init = ucp_init(&params, config, &context_);
   ucp_config_release(config);
@@ -194,17 +234,33 @@ UcxTransport::UcxTransport(const Options& options)
                   env_or("UCX_NET_DEVICES", "<unset>"), ")");
   }
   try {
-    ucp_worker_params_t wp{};
-    wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
-    wp.thread_mode = UCS_THREAD_MODE_MULTI;
-    EPLB_UCX_CHECK(ucp_worker_create(context_, &wp, &worker_), "cannot create a worker");
-    ucp_worker_attr_t attr{};
-    attr.field_mask = UCP_WORKER_ATTR_FIELD_THREAD_MODE;
-    EPLB_UCX_CHECK(ucp_worker_query(worker_, &attr), "cannot query the worker");
-    if (attr.thread_mode != UCS_THREAD_MODE_MULTI) {
-      fail<IoError>("ucx: this UCX was built without multi-thread support, which the ",
-                    "progress thread needs");
-    }
+    worker_ = make_worker(&efd_);
+    reader_ = make_worker(&reader_efd_);
+    auto set_handler = [](ucp_worker_h worker, unsigned id, ucp_am_recv_callback_t cb,
+                          void* arg) {
+      ucp_am_handler_param_t hp{};
+      hp.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
+                      UCP_AM_HANDLER_PARAM_FIELD_ARG;
+      hp.id = id;
+      hp.cb = cb;
+      hp.arg = arg;
+      EPLB_UCX_CHECK(ucp_worker_set_am_recv_handler(worker, &hp),
+                     "cannot set an active-message handler");
+    };
+    set_handler(worker_, kHelloId, &on_hello, nullptr);
+    set_handler(
+        reader_, kHelloAckId,
+        [](void* arg, const void*, std::size_t, void* data, std::size_t length,
+           const ucp_am_recv_param_t*) {
+          if (length == sizeof(std::uint64_t)) {
+            std::uint64_t token;
+            std::memcpy(&token, data, sizeof token);
+            static_cast<std::atomic<std::uint64_t>*>(arg)->store(token,
+                                                                 std::memory_order_release);
+          }
+          return UCS_OK;
+        },
+        &acked_);
     ucp_address_t* address = nullptr;
     std::size_t length = 0;
     EPLB_UCX_CHECK(ucp_worker_get_address(worker_, &address, &length),
@@ -212,7 +268,6 @@ UcxTransport::UcxTransport(const Options& options)
     const auto* a = reinterpret_cast<const std::byte*>(address);
     address_.assign(a, a + length);
     ucp_worker_release_address(worker_, address);
-    EPLB_UCX_CHECK(ucp_worker_get_efd(worker_, &efd_), "no event fd for the worker");
     stop_fd_ = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
     if (stop_fd_ < 0) fail<IoError>("ucx: eventfd failed: ", std::strerror(errno));
     control_ = map_memory(nullptr, kControlBytes, /*allocate=*/true);
@@ -225,15 +280,37 @@ UcxTransport::UcxTransport(const Options& options)
   }
 }
 
+ucp_worker_h UcxTransport::make_worker(int* efd) {
+  ucp_worker_params_t wp{};
+  wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+  wp.thread_mode = UCS_THREAD_MODE_MULTI;
+  ucp_worker_h worker = nullptr;
+  EPLB_UCX_CHECK(ucp_worker_create(context_, &wp, &worker), "cannot create a worker");
+  ucp_worker_attr_t attr{};
+  attr.field_mask = UCP_WORKER_ATTR_FIELD_THREAD_MODE;
+  const ucs_status_t queried = ucp_worker_query(worker, &attr);
+  const ucs_status_t got_efd = ucp_worker_get_efd(worker, efd);
+  if (queried != UCS_OK || got_efd != UCS_OK || attr.thread_mode != UCS_THREAD_MODE_MULTI) {
+    ucp_worker_destroy(worker);
+    EPLB_UCX_CHECK(queried, "cannot query the worker");
+    EPLB_UCX_CHECK(got_efd, "no event fd for the worker");
+    fail<IoError>("ucx: this UCX was built without multi-thread support, which the ",
+                  "progress thread needs");
+  }
+  return worker;
+}
+
 void UcxTransport::serve() {
-  pollfd fds[2] = {{efd_, POLLIN, 0}, {stop_fd_, POLLIN, 0}};
+  pollfd fds[3] = {{efd_, POLLIN, 0}, {reader_efd_, POLLIN, 0}, {stop_fd_, POLLIN, 0}};
   while (!stop_.load(std::memory_order_acquire)) {
-    while (ucp_worker_progress(worker_) != 0) {
+    while (ucp_worker_progress(worker_) + ucp_worker_progress(reader_) != 0) {
     }
-    const ucs_status_t armed = ucp_worker_arm(worker_);
-    if (armed == UCS_ERR_BUSY) continue;  // events arrived meanwhile: progress again
-    // The periodic wake-up is only a backstop; requests wake the thread through the event fd.
-    ::poll(fds, 2, 100);
+    // Events that arrived meanwhile: progress again.
+    if (ucp_worker_arm(worker_) == UCS_ERR_BUSY || ucp_worker_arm(reader_) == UCS_ERR_BUSY) {
+      continue;
+    }
+    // The periodic wake-up is only a backstop; requests wake the thread through the event fds.
+    ::poll(fds, 3, 100);
   }
 }
 
@@ -354,7 +431,7 @@ void UcxTransport::import_descriptor(int peer_rank, std::span<const std::byte> d
     static_cast<Peer*>(arg)->failure.compare_exchange_strong(expected, status);
   };
   ep_params.err_handler.arg = p.get();
-  EPLB_UCX_CHECK(ucp_ep_create(worker_, &ep_params, &p->ep), "cannot connect to rank ",
+  EPLB_UCX_CHECK(ucp_ep_create(reader_, &ep_params, &p->ep), "cannot connect to rank ",
                  peer_rank);
   reachable_ = true;
   try {
@@ -375,11 +452,69 @@ void UcxTransport::import_descriptor(int peer_rank, std::span<const std::byte> d
       p->base.push_back(e.base);
       p->direct.push_back(direct);
     }
+    handshake(*p);
   } catch (...) {
     release_peer(*p);
     throw;
   }
   peers_[peer_rank] = std::move(p);
+}
+
+// Completes the connection to `p` before import_descriptor() returns: a token sent to the
+// owner's serving worker and echoed back. Its echo travels behind the owner's handshake reply on
+// the owner's endpoint, so once it is here neither side has a handshake message in flight. That
+// is what lets either rank exit or close at any later moment: UCX 1.13 aborts a process that
+// still holds a handshake message for a peer that is gone (a failed assertion in wireup_ep.c,
+// openucx/ucx#8175), and a read through a mapped key never waits for the handshake by itself.
+void UcxTransport::handshake(Peer& p) {
+  // On the heap: the send holds it until it completes.
+  auto sent_token = std::make_unique<std::uint64_t>(++hello_token_);
+  const std::uint64_t token = *sent_token;
+  ucp_request_param_t param{};
+  param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+  param.flags = UCP_AM_SEND_FLAG_REPLY;
+  ucs_status_ptr_t request = ucp_am_send_nbx(p.ep, kHelloId, nullptr, 0, sent_token.get(),
+                                             sizeof token, &param);
+  if (UCS_PTR_IS_ERR(request)) {
+    EPLB_UCX_CHECK(UCS_PTR_STATUS(request), "cannot connect to rank ", p.rank);
+  }
+  const auto deadline = Clock::now() + kConnectTimeout;
+  std::string failed;
+  while (true) {
+    progress();
+    if (request != nullptr && ucp_request_check_status(request) != UCS_INPROGRESS) {
+      const ucs_status_t sent = ucp_request_check_status(request);
+      ucp_request_free(request);
+      request = nullptr;
+      if (sent != UCS_OK) {
+        failed = std::string("the handshake failed: ") + ucs_status_string(sent);
+        break;
+      }
+    }
+    if (request == nullptr && acked_.load(std::memory_order_acquire) == token) return;
+    if (const int failure = p.failure.load(); failure != UCS_OK) {
+      failed = std::string("the connection failed: ") +
+               ucs_status_string(static_cast<ucs_status_t>(failure));
+      break;
+    }
+    if (p.process.watching() && !p.process.alive()) {
+      failed = "its process exited";
+      break;
+    }
+    if (Clock::now() >= deadline) {
+      failed = "no handshake reply after " + std::to_string(kConnectTimeout.count()) + " s";
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
+  // Closing the endpoint cancels the hello; the peer must be imported again.
+  force_close(p);
+  if (request != nullptr) {
+    // Freed now, or released by UCX when it completes; its token is left to it in that case.
+    if (ucp_request_check_status(request) == UCS_INPROGRESS) (void)sent_token.release();
+    ucp_request_free(request);
+  }
+  fail<IoError>("ucx: cannot connect to rank ", p.rank, ": ", failed);
 }
 
 bool UcxTransport::one_sided_to(int peer_rank) const {
@@ -674,11 +809,6 @@ void UcxTransport::close() {
   for (auto& p : peers_) {
     if (p) release_peer(*p);
   }
-  if (reachable_ && progress_thread_.joinable()) {
-    // Linger a moment, still progressing, so that handshake replies peers are sending here can
-    // land: UCX 1.13 aborts a peer whose reply finds this worker gone (see the end of close()).
-    std::this_thread::sleep_for(kLinger);
-  }
   if (progress_thread_.joinable()) {
     stop_.store(true, std::memory_order_release);
     const std::uint64_t one = 1;
@@ -698,9 +828,11 @@ void UcxTransport::close() {
   // this worker it is therefore left, with its context, to the end of the process (the kernel frees
   // them); the progress thread is stopped and the memory unmapped above either way.
   if (!reachable_) {
+    if (reader_ != nullptr) ucp_worker_destroy(reader_);
     if (worker_ != nullptr) ucp_worker_destroy(worker_);
     if (context_ != nullptr) ucp_cleanup(context_);
   }
+  reader_ = nullptr;
   worker_ = nullptr;
   context_ = nullptr;
 }

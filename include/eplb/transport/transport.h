@@ -113,7 +113,8 @@ class Transport {
   // Makes rank `peer`'s regions readable from here. `descriptor` must come from rank `peer` on
   // the same backend (InvalidArgument otherwise, naming what was wrong). Importing this rank's
   // own descriptor is allowed; own regions are readable without it. Importing again replaces the
-  // peer's previous view (and clears a failure).
+  // peer's previous view (and clears a failure). Where the backend has connections (UCX) the
+  // connection is complete when this returns; a peer that cannot be reached gives IoError.
   virtual void import_descriptor(int peer, std::span<const std::byte> descriptor) = 0;
 
   // Whether reads from `peer`'s allocated regions need no help from the peer's CPU, as measured

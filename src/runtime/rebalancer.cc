@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <bit>
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
@@ -56,6 +57,10 @@ uint64_t config_fingerprint(const Config& c, const WeightSpec& w) {
   mix(c.layout.experts), mix(c.layout.physical), mix(c.layout.ranks), mix(c.layout.nodes);
   mix(c.layout.groups), mix(c.interval), mix(c.window), mix(static_cast<int64_t>(c.policy));
   mix(c.hierarchical), mix(c.lag), mix(static_cast<int64_t>(c.mode)), mix(c.peers_per_round);
+  mix(static_cast<int64_t>(c.agreement));
+  // The placement's options decide the plan (a rank that skips by min_gain while another
+  // installs would diverge): compared bit for bit.
+  mix(std::bit_cast<int64_t>(c.tolerance)), mix(std::bit_cast<int64_t>(c.min_gain));
   mix(w.layers);
   for (const TensorSpec& t : w.tensors) mix(t.expert_bytes);
   return h;
@@ -75,7 +80,6 @@ struct Active {
   // the placement is computed, 1 + the number of moved layers staged.
   std::atomic<int64_t> progress{0};
   RebalancePlan plan;
-  bool plan_done = false;  // plan written (before any progress store that follows)
   std::string error;
   std::exception_ptr error_ptr;
 
@@ -89,6 +93,34 @@ struct Active {
   bool figures_filled = false;
 };
 
+// One agreement contributed by the forward thread, to be acted on at step + lag.
+struct PendingAgreement {
+  int64_t step = 0;
+  int64_t mine = 0;  // this rank's contribution
+  std::future<std::vector<int64_t>> result;  // internal agreement only
+};
+
+// The message of an error of any type. Every catch on a runtime thread takes everything (a
+// foreign exception type from a hook or a backend is still an error to report, never a reason
+// to end the process from a thread the engine does not own, or to leave a rebalance half done).
+std::string describe(const std::exception_ptr& error) {
+  try {
+    std::rethrow_exception(error);
+  } catch (const std::exception& e) {
+    return e.what();
+  } catch (...) {
+    return "an exception that is not a std::exception";
+  }
+}
+
+// What a worker that failed leaves for the forward thread: its message first, then (release)
+// the failure in the progress value.
+void worker_failed(Active& a, int rank, std::string message, std::exception_ptr error) {
+  a.error = std::move(message);
+  a.error_ptr = std::move(error);
+  a.progress.store(-1 - rank, std::memory_order_release);
+}
+
 }  // namespace
 
 Mode parse_mode(std::string_view name) {
@@ -98,6 +130,16 @@ Mode parse_mode(std::string_view name) {
 }
 
 std::string_view mode_name(Mode mode) { return mode == Mode::kAsync ? "async" : "sync"; }
+
+Agreement parse_agreement(std::string_view name) {
+  if (name == "internal") return Agreement::kInternal;
+  if (name == "external") return Agreement::kExternal;
+  fail("unknown agreement '", name, "' (choose internal or external)");
+}
+
+std::string_view agreement_name(Agreement agreement) {
+  return agreement == Agreement::kInternal ? "internal" : "external";
+}
 
 OnError parse_on_error(std::string_view name) {
   if (name == "log") return OnError::kLog;
@@ -141,6 +183,10 @@ void Config::validate() const {
   if (peers_per_round < 1) fail("peers_per_round ", peers_per_round, " must be at least 1");
   if (!(tolerance >= 0 && tolerance < 1)) fail("tolerance ", tolerance, " must be in [0, 1)");
   if (!(min_gain >= -1 && min_gain <= 1)) fail("min_gain ", min_gain, " must be in [-1, 1]");
+  if (agreement == Agreement::kExternal && mode != Mode::kAsync) {
+    fail("agreement external needs mode async (mode ", mode_name(mode),
+         " runs its agreements inside one step_end, where no engine collective can carry them)");
+  }
 }
 
 class Rebalancer::Impl {
@@ -154,7 +200,8 @@ class Rebalancer::Impl {
         rank_(communicator.rank()),
         layers_(spec_.layers),
         recorder_(spec_.layers, config_.layout.experts, std::max<int64_t>(config_.window, 1)),
-        map_(spec_.layers) {
+        map_(spec_.layers),
+        external_(static_cast<size_t>(config_.lag + 2)) {
     const Layout& layout = config_.layout;
     EPLB_CHECK_EQ(static_cast<int64_t>(comm_.size()), layout.ranks,
                   "the communicator's size must equal the layout's ranks");
@@ -293,6 +340,7 @@ class Rebalancer::Impl {
     } else {
       step_end_sync();
     }
+    published_step_.store(step_, std::memory_order_release);
     const double ms = ms_between(start, Clock::now());
     if (!open_) return;
     open_->stall_total_ms += ms;
@@ -344,6 +392,28 @@ class Rebalancer::Impl {
     if (worker_.joinable()) worker_.join();
     if (control_) control_->stop();
     agreements_.clear();
+  }
+
+  int64_t agreement_contribution() const {
+    return contribution_.load(std::memory_order_acquire);
+  }
+
+  void agreement_result(int64_t step, int64_t min_value) {
+    if (config_.agreement != Agreement::kExternal) {
+      fail("agreement_result(): this runtime's agreement is internal (it runs on the control "
+           "plane); set Config::agreement = external to hand results in");
+    }
+    const int64_t now = published_step_.load(std::memory_order_acquire);
+    if (step < 0 || step > now) {
+      fail("agreement_result(step ", step, "): step() is ", now, "; hand in the result of a "
+           "step after the step_end() that ended it");
+    }
+    {
+      std::lock_guard<std::mutex> lock(external_mu_);
+      ExternalResult& slot = external_[static_cast<size_t>(step) % external_.size()];
+      if (step > slot.step) slot = {step, min_value};  // a stale result never hides a newer one
+    }
+    external_cv_.notify_all();
   }
 
   int rank() const { return rank_; }
@@ -449,7 +519,11 @@ class Rebalancer::Impl {
   void step_end_async() {
     if (active_) advance_async();
     if (!active_ && should_trigger()) trigger_async();
-    if (active_) submit_agreement();
+    if (active_) {
+      submit_agreement();
+    } else {
+      contribution_.store(kNoAgreement, std::memory_order_release);
+    }
   }
 
   void trigger_async() {
@@ -471,32 +545,72 @@ class Rebalancer::Impl {
 
   void submit_agreement() {
     const int64_t progress = active_->progress.load(std::memory_order_acquire);
-    agreements_.emplace_back(step_, control_->all_reduce({progress}, control::ReduceOp::kMin,
-                                                         config_.timeout));
+    PendingAgreement pending;
+    pending.step = step_;
+    pending.mine = progress;
+    if (config_.agreement == Agreement::kInternal) {
+      pending.result = control_->all_reduce({progress}, control::ReduceOp::kMin, config_.timeout);
+    }
+    agreements_.push_back(std::move(pending));
+    contribution_.store(progress, std::memory_order_release);
+  }
+
+  // The agreed value of `pending`, waiting for it within its bound. When there is none (a
+  // failed or late collective, a missing or impossible external result) the rebalance is
+  // abandoned here and nothing is returned: the agreement can no longer be trusted to be the
+  // same on every rank, so no rebalance triggers again.
+  std::optional<int64_t> take_agreement(PendingAgreement pending) {
+    const auto broken = [&](std::string message, std::exception_ptr error) {
+      control_broken_.store(true, std::memory_order_release);
+      end_active(std::move(message), std::move(error));
+      return std::nullopt;
+    };
+    if (config_.agreement == Agreement::kExternal) {
+      int64_t value = 0;
+      {
+        std::unique_lock<std::mutex> lock(external_mu_);
+        ExternalResult& slot = external_[static_cast<size_t>(pending.step) % external_.size()];
+        if (!external_cv_.wait_for(lock, config_.timeout,
+                                   [&] { return slot.step == pending.step; })) {
+          lock.unlock();
+          return broken(detail::concat("the agreement result of step ", pending.step,
+                                       " was not handed in (agreement_result) within ",
+                                       config_.timeout.count(), " ms"),
+                        nullptr);
+        }
+        value = slot.value;
+      }
+      if (value > pending.mine) {
+        return broken(detail::concat("agreement_result(", pending.step, ", ", value,
+                                     ") is above this rank's contribution ", pending.mine,
+                                     ": it must be the minimum over all ranks of "
+                                     "agreement_contribution()"),
+                      nullptr);
+      }
+      return value;
+    }
+    if (pending.result.wait_for(result_bound()) != std::future_status::ready) {
+      return broken(detail::concat("the agreement of step ", pending.step,
+                                   " gave no result within ", result_bound().count(), " ms"),
+                    nullptr);
+    }
+    try {
+      return pending.result.get().at(0);
+    } catch (...) {
+      return broken(detail::concat("the agreement of step ", pending.step, " failed: ",
+                                   describe(std::current_exception())),
+                    std::current_exception());
+    }
   }
 
   void advance_async() {
     Active& a = *active_;
-    if (agreements_.empty() || agreements_.front().first != step_ - config_.lag) return;
-    std::future<std::vector<int64_t>> future = std::move(agreements_.front().second);
+    if (agreements_.empty() || agreements_.front().step != step_ - config_.lag) return;
+    PendingAgreement pending = std::move(agreements_.front());
     agreements_.pop_front();
-    int64_t agreed = 0;
-    if (future.wait_for(result_bound()) != std::future_status::ready) {
-      control_broken_.store(true, std::memory_order_release);
-      end_active(detail::concat("the agreement of step ", step_ - config_.lag,
-                                " gave no result within ", result_bound().count(), " ms"),
-                 nullptr);
-      return;
-    }
-    try {
-      agreed = future.get().at(0);
-    } catch (const std::exception& e) {
-      control_broken_.store(true, std::memory_order_release);
-      end_active(detail::concat("the agreement of step ", step_ - config_.lag,
-                                " failed: ", e.what()),
-                 std::current_exception());
-      return;
-    }
+    const std::optional<int64_t> result = take_agreement(std::move(pending));
+    if (!result) return;
+    const int64_t agreed = *result;
     if (agreed < 0) {
       const int64_t failed_rank = -1 - agreed;
       if (a.progress.load(std::memory_order_acquire) < 0) {
@@ -541,13 +655,11 @@ class Rebalancer::Impl {
 
   // Abandons the running rebalance at this step: layers installed so far stay (they are
   // complete on every rank), the others keep their old buffers and tables.
+  //
+  // The record keeps the plan's figures only if an agreement proved every rank had the plan
+  // (figures_filled): filling them from this rank's own plan would make the records of ranks
+  // whose workers were at different points differ.
   void end_active(std::string message, std::exception_ptr error) {
-    // The plan may be read once a progress store that follows it has been seen: >= 1, or a
-    // failure after planning. Otherwise the worker may still be writing it.
-    const int64_t progress = active_->progress.load(std::memory_order_acquire);
-    if (!active_->figures_filled && (progress >= 1 || (progress < 0 && active_->plan_done))) {
-      fill_plan_figures(active_->plan);
-    }
     fail_open(std::move(message), error);
     cancel_worker(*active_);
     finish_active();
@@ -605,7 +717,6 @@ class Rebalancer::Impl {
       const std::vector<int64_t> window = a.window.get();
       if (config_.delay_hook) config_.delay_hook(DelayPoint::kPlacement);
       a.plan = make_plan(window, a.current_phy2log, config_, spec_.expert_bytes());
-      a.plan_done = true;
       a.progress.store(1, std::memory_order_release);
       if (a.plan.skipped) return;
       BufferMap map = a.map;
@@ -620,10 +731,8 @@ class Rebalancer::Impl {
         if (cancelled()) return;
         map.install(layer);
       }
-    } catch (const std::exception& e) {
-      a.error = e.what();
-      a.error_ptr = std::current_exception();
-      a.progress.store(-1 - rank_, std::memory_order_release);
+    } catch (...) {
+      worker_failed(a, rank_, describe(std::current_exception()), std::current_exception());
     }
   }
 
@@ -638,9 +747,10 @@ class Rebalancer::Impl {
     try {
       window = await(control_->all_reduce(std::move(window), control::ReduceOp::kSum,
                                           config_.timeout));
-    } catch (const std::exception& e) {
+    } catch (...) {
       control_broken_.store(true, std::memory_order_release);
-      fail_open(detail::concat("the window all-reduce failed: ", e.what()),
+      fail_open(detail::concat("the window all-reduce failed: ",
+                               describe(std::current_exception())),
                 std::current_exception());
       return;
     }
@@ -650,9 +760,9 @@ class Rebalancer::Impl {
     try {
       if (config_.delay_hook) config_.delay_hook(DelayPoint::kPlacement);
       plan = make_plan(window, phy2log_, config_, spec_.expert_bytes());
-    } catch (const std::exception& e) {
-      local_error = e.what();
+    } catch (...) {
       local_ptr = std::current_exception();
+      local_error = describe(local_ptr);
     }
     if (!agree_sync(local_ptr ? -1 - rank_ : 1, local_error, local_ptr)) return;
     fill_plan_figures(plan);
@@ -666,9 +776,9 @@ class Rebalancer::Impl {
     for (size_t k = 0; k < plan.moved_layers.size(); ++k) {
       try {
         stage_layer(context, map_, plan.moved_layers[k], plan.migrations[k]);
-      } catch (const std::exception& e) {
-        local_error = e.what();
+      } catch (...) {
         local_ptr = std::current_exception();
+        local_error = describe(local_ptr);
       }
       if (!agree_sync(local_ptr ? -1 - rank_ : 1, local_error, local_ptr)) return;
       install(plan, static_cast<int64_t>(k));
@@ -682,9 +792,10 @@ class Rebalancer::Impl {
     int64_t agreed = 0;
     try {
       agreed = await(control_->all_reduce({mine}, control::ReduceOp::kMin, config_.timeout)).at(0);
-    } catch (const std::exception& e) {
+    } catch (...) {
       control_broken_.store(true, std::memory_order_release);
-      fail_open(detail::concat("an agreement failed: ", e.what()), std::current_exception());
+      fail_open(detail::concat("an agreement failed: ", describe(std::current_exception())),
+                std::current_exception());
       return false;
     }
     if (agreed >= 0) return true;
@@ -727,12 +838,24 @@ class Rebalancer::Impl {
   int64_t next_index_ = 0;
   bool shut_down_ = false;
   std::shared_ptr<Active> active_;
-  std::deque<std::pair<int64_t, std::future<std::vector<int64_t>>>> agreements_;  // by step
+  std::deque<PendingAgreement> agreements_;  // by step
   std::optional<RebalanceRecord> open_;  // the running rebalance's record
   bool open_finished_ = false;           // it ended at this step: publish at the end of it
   Clock::time_point open_started_;
   std::exception_ptr raise_;
   std::atomic<bool> control_broken_{false};
+  std::atomic<int64_t> published_step_{0};          // step_, for agreement_result's check
+  std::atomic<int64_t> contribution_{kNoAgreement};  // agreement_contribution()
+
+  // External agreement: results handed in by agreement_result() (any thread), in a ring of
+  // lag + 2 slots by step, so the result of step s is still there when s + lag acts on it.
+  struct ExternalResult {
+    int64_t step = -1;
+    int64_t value = 0;
+  };
+  std::mutex external_mu_;
+  std::condition_variable external_cv_;
+  std::vector<ExternalResult> external_;  // guarded by external_mu_
 
   // Threads.
   std::unique_ptr<ControlThread> control_;
@@ -786,6 +909,10 @@ int64_t Rebalancer::step() const { return impl_->step(); }
 bool Rebalancer::rebalancing() const { return impl_->rebalancing(); }
 int64_t Rebalancer::installed_layers() const { return impl_->installed_layers(); }
 bool Rebalancer::control_broken() const { return impl_->control_broken(); }
+int64_t Rebalancer::agreement_contribution() const { return impl_->agreement_contribution(); }
+void Rebalancer::agreement_result(int64_t step, int64_t min_value) {
+  impl_->agreement_result(step, min_value);
+}
 int64_t Rebalancer::bytes_held() const { return impl_->bytes_held(); }
 std::vector<RebalanceRecord> Rebalancer::history() const { return impl_->history(); }
 const Config& Rebalancer::config() const { return impl_->config(); }

@@ -5,14 +5,17 @@
 
 #include <algorithm>
 #include <atomic>
+#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <sstream>
 #include <thread>
@@ -86,21 +89,31 @@ class DelayHook {
         delays_(s.delays),
         max_us_(s.delay_max_us),
         fail_(s.fail_rank == rank),
-        fail_at_(s.fail_at) {}
+        fail_at_(s.fail_at),
+        fail_not_std_(s.fail_not_std),
+        fail_placement_(s.fail_placement),
+        slow_placement_(s.slow_placement_rank == rank) {}
 
   void operator()(DelayPoint point) {
     int64_t sleep_us = 0;
     bool fail_now = false;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (point == DelayPoint::kRead && fail_ && ++reads_ == fail_at_) fail_now = true;
+      if (point == DelayPoint::kRead && fail_ && !fail_placement_ && ++reads_ == fail_at_) {
+        fail_now = true;
+      }
+      if (point == DelayPoint::kPlacement && fail_ && fail_placement_ && ++placements_ == 1) {
+        fail_now = true;
+      }
+      if (point == DelayPoint::kPlacement && slow_placement_) sleep_us += 100'000;
       if (delays_) {
         std::uniform_int_distribution<int> coin(0, 3);
         std::uniform_int_distribution<int64_t> us(0, max_us_);
-        if (coin(rng_) == 0) sleep_us = us(rng_);
+        if (coin(rng_) == 0) sleep_us += us(rng_);
       }
     }
     if (sleep_us > 0) std::this_thread::sleep_for(std::chrono::microseconds(sleep_us));
+    if (fail_now && fail_not_std_) throw 42;  // what a foreign library might throw
     if (fail_now) fail<IoError>("injected read failure (test)");
   }
 
@@ -111,7 +124,108 @@ class DelayHook {
   int max_us_;
   bool fail_;
   int fail_at_;
+  bool fail_not_std_;
+  bool fail_placement_;
+  bool slow_placement_;
   int reads_ = 0;
+  int placements_ = 0;
+};
+
+// The engine's collective for Carrier::kSharedMemory: rank threads post their contribution of
+// each step; once every rank has, the minimum is ready for each rank's delivery thread.
+class SharedMinReduction {
+ public:
+  explicit SharedMinReduction(int ranks) : ranks_(ranks), stopped_(ranks, false) {}
+
+  void contribute(int64_t step, int64_t value) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      Entry& e = entries_[step];
+      ++e.count;
+      e.min = std::min(e.min, value);
+    }
+    cv_.notify_all();
+  }
+
+  // The minimum of `step` once every rank contributed to it; nothing once `rank` stopped.
+  std::optional<int64_t> take(int rank, int64_t step) {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] {
+      if (stopped_[rank]) return true;
+      const auto it = entries_.find(step);
+      return it != entries_.end() && it->second.count == ranks_;
+    });
+    if (stopped_[rank]) return std::nullopt;
+    Entry& e = entries_[step];
+    const int64_t min = e.min;
+    if (++e.taken == ranks_) entries_.erase(step);
+    return min;
+  }
+
+  void stop(int rank) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stopped_[rank] = true;
+    }
+    cv_.notify_all();
+  }
+
+ private:
+  struct Entry {
+    int count = 0;
+    int taken = 0;
+    int64_t min = kNoAgreement;
+  };
+  const int ranks_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::map<int64_t, Entry> entries_;  // guarded by mu_
+  std::vector<bool> stopped_;         // guarded by mu_
+};
+
+// One rank's delivery thread of Carrier::kSharedMemory: hands the result of every step to the
+// Rebalancer in step order, after a random delay, from a thread that is not the forward
+// thread. Stopped and joined before the Rebalancer shuts down.
+class Delivery {
+ public:
+  Delivery(const Scenario& s, int rank, SharedMinReduction& reduction, Rebalancer& rb)
+      : reduction_(reduction), rank_(rank) {
+    thread_ = std::thread([this, &s, &rb] {
+      std::mt19937_64 rng(mix64(s.seed * 7919 + static_cast<uint64_t>(rank_)));
+      try {
+        for (int64_t step = 0;; ++step) {
+          const std::optional<int64_t> min = reduction_.take(rank_, step);
+          if (!min) return;
+          if (s.delays && std::uniform_int_distribution<int>(0, 1)(rng) == 0) {
+            std::this_thread::sleep_for(std::chrono::microseconds(
+                std::uniform_int_distribution<int>(0, 2 * s.delay_max_us)(rng)));
+          }
+          if (s.drop_results_from >= 0 && step >= s.drop_results_from) continue;
+          rb.agreement_result(step, *min);
+        }
+      } catch (const std::exception& e) {
+        std::lock_guard<std::mutex> lock(mu_);
+        error_ = e.what();
+      }
+    });
+  }
+  ~Delivery() { stop(); }
+
+  void stop() {
+    reduction_.stop(rank_);
+    if (thread_.joinable()) thread_.join();
+  }
+  std::string error() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return error_;
+  }
+
+ private:
+  SharedMinReduction& reduction_;
+  int rank_;
+  std::mutex mu_;
+  std::string error_;  // guarded by mu_
+  std::thread thread_;
 };
 
 // Loads: the FLAME trace's tokens (each rank its own slice of the tokens of every step), or a
@@ -261,7 +375,8 @@ int64_t completed_count(const std::vector<RebalanceRecord>& history) {
                        [](const RebalanceRecord& r) { return r.outcome == Outcome::kCompleted; });
 }
 
-RankResult run_rank(const Scenario& s, int rank, const std::string& rendezvous) {
+RankResult run_rank(const Scenario& s, int rank, const std::string& rendezvous,
+                    SharedMinReduction* reduction) {
   RankResult result;
   result.rank = rank;
   const int ranks = static_cast<int>(s.config.layout.ranks);
@@ -291,6 +406,7 @@ RankResult run_rank(const Scenario& s, int rank, const std::string& rendezvous) 
   CountingTransport transport(std::move(backend));
 
   Config config = s.config;
+  if (s.carrier != Carrier::kControl) config.agreement = Agreement::kExternal;
   auto hook = std::make_shared<DelayHook>(s, rank);
   config.delay_hook = [hook](DelayPoint p) { (*hook)(p); };
   const Placement initial = trivial_placement(s.weights.layers, config.layout.experts,
@@ -306,6 +422,12 @@ RankResult run_rank(const Scenario& s, int rank, const std::string& rendezvous) 
   }
   fill_expected(s, rb);
   LoadSourceState load(s, rank);
+  std::optional<Delivery> delivery;
+  if (s.carrier == Carrier::kSharedMemory) {
+    EPLB_CHECK(reduction != nullptr, "Carrier::kSharedMemory runs ranks as threads");
+    delivery.emplace(s, rank, *reduction, rb);
+    reduction->contribute(rb.step(), rb.agreement_contribution());
+  }
 
   int64_t failure_step = -1;
   int64_t kill_trigger = -1;
@@ -328,10 +450,15 @@ RankResult run_rank(const Scenario& s, int rank, const std::string& rendezvous) 
     }
     // Invariant 2 through the harness's own communicator: max of (h, -h) gives (max, -min).
     if (harness) {
+      // Carrier::kHarnessCollective: this collective also carries the contribution of the
+      // step just ended (max of -c is -min c), and the result comes in before the step_end
+      // that may act on it (lag >= 1).
       std::vector<int64_t> v = {static_cast<int64_t>(hash), -static_cast<int64_t>(hash),
                                 static_cast<int64_t>(history.size()),
-                                -static_cast<int64_t>(history.size()), completed, -completed};
+                                -static_cast<int64_t>(history.size()), completed, -completed,
+                                -rb.agreement_contribution()};
       harness->all_reduce(v, control::ReduceOp::kMax);
+      if (s.carrier == Carrier::kHarnessCollective) rb.agreement_result(rb.step(), -v[6]);
       if (v[0] != -v[1] || v[2] != -v[3] || v[4] != -v[5]) {
         if (result.errors.size() < 20) {
           result.errors.push_back(detail::concat("rank ", rank, " step ", step,
@@ -343,10 +470,9 @@ RankResult run_rank(const Scenario& s, int rank, const std::string& rendezvous) 
                                         rb.rebalancing() ? "R" : "-"));
     result.steps = step + 1;
     // The end: the same step on every rank, since the histories are the same.
-    if (completed >= s.completed && s.fail_rank < 0 && s.kill_rank < 0 && !s.stop_mid_rebalance) {
-      break;
-    }
-    if ((s.fail_rank >= 0 || s.kill_rank >= 0) && failure_step < 0 && failed > 0) {
+    const bool expect_failure = s.fail_rank >= 0 || s.kill_rank >= 0 || s.drop_results_from >= 0;
+    if (completed >= s.completed && !expect_failure && !s.stop_mid_rebalance) break;
+    if (expect_failure && failure_step < 0 && failed > 0) {
       failure_step = step;
     }
     if (failure_step >= 0 && step >= failure_step + s.steps_after_failure &&
@@ -374,13 +500,20 @@ RankResult run_rank(const Scenario& s, int rank, const std::string& rendezvous) 
     }
     try {
       rb.step_end();
-    } catch (const Error& e) {
+    } catch (...) {
       ++result.raised;
       // The message differs by rank (the failing one has the cause); the step must not.
       result.log.push_back(detail::concat("raised at step ", step));
     }
+    if (delivery) reduction->contribute(rb.step(), rb.agreement_contribution());
   }
   if (harness) harness->barrier();
+  if (delivery) {
+    delivery->stop();
+    if (!delivery->error().empty()) {
+      result.errors.push_back(detail::concat("rank ", rank, " delivery: ", delivery->error()));
+    }
+  }
   rb.shutdown();
   result.history = rb.history();
   result.ran = true;
@@ -456,11 +589,12 @@ std::vector<RankResult> run_scenario(const Scenario& s) {
   const std::string rendezvous = unique_rendezvous(s);
   std::vector<RankResult> results(static_cast<size_t>(ranks));
   if (!s.processes) {
+    SharedMinReduction reduction(ranks);
     std::vector<std::thread> threads;
     for (int r = 0; r < ranks; ++r) {
       threads.emplace_back([&, r] {
         try {
-          results[r] = run_rank(s, r, rendezvous);
+          results[r] = run_rank(s, r, rendezvous, &reduction);
         } catch (const std::exception& e) {
           results[r].rank = r;
           results[r].errors.push_back(detail::concat("rank ", r, " threw: ", e.what()));
@@ -482,7 +616,7 @@ std::vector<RankResult> run_scenario(const Scenario& s) {
       [&](int r) {
         RankResult result;
         try {
-          result = run_rank(s, r, rendezvous);
+          result = run_rank(s, r, rendezvous, nullptr);
         } catch (const std::exception& e) {
           result.rank = r;
           result.ran = true;

@@ -23,6 +23,16 @@ namespace eplb::runtime::testing {
 
 enum class LoadSource { kSkewed, kFlame };
 
+// What carries the per-step agreement of an async rebalance.
+enum class Carrier {
+  kControl,  // Config::agreement = internal: the runtime's control plane
+  // Config::agreement = external, the harness standing for the engine's collective:
+  kSharedMemory,  // threads only: a min-reduction shared by the rank threads; each rank's own
+                  // delivery thread hands the results in, in step order, after random delays
+  kHarnessCollective,  // the harness's per-step all-reduce (its own communicator) carries the
+                       // contribution; the forward thread hands the result in before step_end
+};
+
 struct Scenario {
   std::string name;
   bool processes = false;
@@ -31,6 +41,8 @@ struct Scenario {
   Config config;                     // layout, interval, window, mode, lag, policy, ...
   WeightSpec weights;
   LoadSource load = LoadSource::kSkewed;
+  Carrier carrier = Carrier::kControl;
+  int64_t drop_results_from = -1;  // kSharedMemory: results of steps >= this never come
 
   // The loop ends at the first step at which `completed` rebalances have completed (the same
   // step on every rank), or after max_steps.
@@ -43,6 +55,9 @@ struct Scenario {
 
   int fail_rank = -1;            // this rank's worker throws at its fail_at-th read round
   int fail_at = 3;
+  bool fail_not_std = false;     // the injected failure is not a std::exception (an int)
+  bool fail_placement = false;   // ... is thrown at the first placement instead of a read
+  int slow_placement_rank = -1;  // this rank's worker sleeps 100 ms before each placement
   int kill_rank = -1;            // this rank SIGKILLs itself mid-rebalance (processes only)
   int64_t kill_after = 0;        // ... in the first rebalance after this many completed
   int64_t steps_after_failure = 30;  // survivors serve this long after the failure

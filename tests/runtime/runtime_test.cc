@@ -10,7 +10,9 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <set>
+#include <thread>
 
 #include "eplb/control/communicator.h"
 #include "eplb/core/error.h"
@@ -23,6 +25,7 @@
 namespace eplb::runtime {
 namespace {
 
+using testing::Carrier;
 using testing::LoadSource;
 using testing::RankResult;
 using testing::Scenario;
@@ -221,6 +224,147 @@ TEST(RuntimeThreads, ShutdownMidRebalance) {
   }
 }
 
+// A worker that throws something that is not a std::exception fails the rebalance on every
+// rank like any worker error (it used to end the process from the worker thread).
+TEST(RuntimeThreads, AsyncWorkerThrowingNonStdExceptionFailsEverywhere) {
+  Scenario s = skewed("async-not-std", Mode::kAsync);
+  s.fail_rank = 1;
+  s.fail_at = 2;
+  s.fail_not_std = true;
+  s.completed = 2;
+  const auto results = testing::run_scenario(s);
+  expect_consistent(s, results);
+  EXPECT_EQ(count(results[0], Outcome::kFailed), 1);
+  for (const auto& h : results[1].history) {
+    if (h.outcome == Outcome::kFailed) {
+      EXPECT_NE(h.error.find("not a std::exception"), std::string::npos) << h.error;
+    }
+  }
+}
+
+// The same in sync mode, where it used to escape step_end with the rebalance left open (no
+// rebalance ever triggered again, and the peers waited out their timeout).
+TEST(RuntimeThreads, SyncReadThrowingNonStdExceptionFailsEverywhere) {
+  Scenario s = skewed("sync-not-std", Mode::kSync);
+  s.config.on_error = OnError::kRaise;
+  s.fail_rank = 2;
+  s.fail_at = 2;
+  s.fail_not_std = true;
+  s.completed = 2;
+  const auto results = testing::run_scenario(s);
+  expect_consistent(s, results);
+  for (const auto& r : results) {
+    EXPECT_EQ(r.raised, 1) << "rank " << r.rank;
+    EXPECT_EQ(count(r, Outcome::kFailed), 1) << "rank " << r.rank;
+  }
+}
+
+// A rank fails at its placement while another is still placing: every rank's record of the
+// failed rebalance must be the same (plan figures included), whatever point each worker had
+// reached. They used to be filled from each rank's own plan when it had one.
+TEST(RuntimeThreads, FailureWhileAPeerIsPlacingRecordsTheSameEverywhere) {
+  Scenario s = skewed("fail-placing", Mode::kAsync);
+  s.fail_rank = 0;
+  s.fail_placement = true;
+  s.slow_placement_rank = 2;
+  s.completed = 2;
+  const auto results = testing::run_scenario(s);
+  expect_consistent(s, results);  // the per-step logs include layers moved and installed
+  EXPECT_EQ(count(results[0], Outcome::kFailed), 1);
+  for (const auto& r : results) {
+    for (const auto& h : r.history) {
+      if (h.outcome == Outcome::kFailed) {
+        EXPECT_EQ(h.slots_moved, 0) << "rank " << r.rank;
+      }
+    }
+  }
+}
+
+// A predicted gain below min_gain skips the rebalance on every rank at the same step, and
+// nothing moves.
+TEST(RuntimeThreads, MinGainSkipsEverywhere) {
+  for (const Mode mode : {Mode::kAsync, Mode::kSync}) {
+    Scenario s = skewed(std::string("min-gain-") + std::string(mode_name(mode)), mode);
+    s.config.min_gain = 1;  // no placement gains a whole unit of balancedness
+    s.completed = 1'000'000;
+    s.max_steps = 60;
+    s.delays = true;
+    const auto results = testing::run_scenario(s);
+    expect_consistent(s, results);
+    // How many triggers fit in max_steps depends on how long each skip takes to agree on
+    // (random delays), so only "at least one, and every one skipped" is certain.
+    EXPECT_GE(count(results[0], Outcome::kSkipped), 1);
+    EXPECT_EQ(count(results[0], Outcome::kCompleted), 0);
+    for (const auto& h : results[0].history) {
+      if (h.outcome == Outcome::kCancelled) continue;  // the loop may end mid-rebalance
+      EXPECT_NE(h.error.find("below min_gain"), std::string::npos) << h.error;
+    }
+  }
+}
+
+// ---------------------------------------------------------------- external agreement
+
+// The engine carries the agreement on its own collective: here a min-reduction shared by the
+// rank threads, whose results each rank's delivery thread hands in late and out of the
+// forward thread's rhythm (random delays), so that step_end sometimes waits for them.
+TEST(RuntimeThreads, ExternalAgreementWithDelays) {
+  Scenario s = skewed("external", Mode::kAsync);
+  s.carrier = Carrier::kSharedMemory;
+  s.delays = true;
+  s.delay_max_us = 1000;
+  const auto results = testing::run_scenario(s);
+  expect_consistent(s, results);
+  EXPECT_GE(count(results[0], Outcome::kCompleted), s.completed);
+  EXPECT_GT(moved_slots(results[0]), 0);
+}
+
+TEST(RuntimeThreads, ExternalAgreementFlameLagOneAndThree) {
+  for (const int64_t lag : {1, 3}) {
+    Scenario s = flame("external-flame-lag" + std::to_string(lag), Mode::kAsync);
+    s.config.policy = placement::Policy::kSticky;
+    s.config.lag = lag;
+    s.carrier = Carrier::kSharedMemory;
+    s.delays = true;
+    const auto results = testing::run_scenario(s);
+    expect_consistent(s, results);
+    EXPECT_GE(count(results[0], Outcome::kCompleted), s.completed);
+  }
+}
+
+// A worker failure travels through the engine's collective like through the control plane.
+TEST(RuntimeThreads, ExternalAgreementWorkerFailureIsAbandonedEverywhere) {
+  Scenario s = skewed("external-failure", Mode::kAsync);
+  s.carrier = Carrier::kSharedMemory;
+  s.fail_rank = 3;
+  s.fail_at = 4;
+  s.completed = 3;
+  s.delays = true;
+  const auto results = testing::run_scenario(s);
+  expect_consistent(s, results);
+  EXPECT_EQ(count(results[0], Outcome::kFailed), 1);
+  EXPECT_GE(count(results[0], Outcome::kCompleted), s.completed);
+}
+
+// The engine's collective stops delivering mid-run: every rank gives up on the missing result
+// at the same step (after its timeout), abandons the rebalance with complete layers, triggers
+// no more rebalances, and keeps serving with identical tables.
+TEST(RuntimeThreads, ExternalAgreementMissingResultFailsEverywhere) {
+  Scenario s = skewed("external-missing", Mode::kAsync);
+  s.carrier = Carrier::kSharedMemory;
+  s.config.timeout = std::chrono::milliseconds(1'500);
+  s.completed = 0;  // however many rebalances completed before, on every rank alike
+  s.drop_results_from = 40;
+  s.steps_after_failure = 20;
+  const auto results = testing::run_scenario(s);
+  expect_consistent(s, results);
+  for (const auto& r : results) {
+    ASSERT_FALSE(r.history.empty());
+    EXPECT_EQ(r.history.back().outcome, Outcome::kFailed) << "rank " << r.rank;
+    EXPECT_NE(r.history.back().error.find("agreement_result"), std::string::npos)
+        << r.history.back().error;
+  }
+}
+
 // ---------------------------------------------------------------- processes
 
 TEST(RuntimeProcesses, ShmAsyncFlameWithDelays) {
@@ -246,6 +390,17 @@ TEST(RuntimeProcesses, UcxAsyncSkewed) {
   s.completed = 3;
   const auto results = testing::run_scenario(s);
   if (!results[0].skipped.empty()) GTEST_SKIP() << "UCX cannot start here: " << results[0].skipped;
+  expect_consistent(s, results);
+  EXPECT_GE(count(results[0], Outcome::kCompleted), s.completed);
+}
+
+// Processes, with the agreement carried by the harness's own per-step all-reduce (standing for
+// a collective the engine runs anyway), handed in from the forward thread before step_end.
+TEST(RuntimeProcesses, ShmExternalAgreementOnTheEnginesCollective) {
+  Scenario s = as_processes(flame("shm-external", Mode::kAsync), "shm");
+  s.carrier = Carrier::kHarnessCollective;
+  s.delays = true;
+  const auto results = testing::run_scenario(s);
   expect_consistent(s, results);
   EXPECT_GE(count(results[0], Outcome::kCompleted), s.completed);
 }
@@ -389,9 +544,126 @@ TEST(RuntimeConfig, RejectsBadValuesWithTheRule) {
                InvalidArgument);
 }
 
+// Every value that decides the plan or the protocol is compared at connect(): a rank with
+// another min_gain (or tolerance, or agreement) would skip a rebalance that its peers install.
+TEST(RuntimeConfig, ConnectRefusesRanksThatDifferInPlanOptions) {
+  const auto differ = [](const std::function<void(Config&)>& change) {
+    static int runs = 0;
+    const std::string rendezvous = "eplb-rt-fingerprint-" + std::to_string(::getpid()) + "-" +
+                                   std::to_string(runs++);
+    std::vector<std::string> errors(2);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < 2; ++r) {
+      threads.emplace_back([&, r] {
+        control::Options options;
+        options.rank = r;
+        options.size = 2;
+        options.rendezvous = rendezvous;
+        options.timeout = std::chrono::milliseconds(20'000);
+        auto comm = control::connect("inproc", options);
+        auto transport = transport::create("inproc", {.rank = r});
+        Config config = one_rank_config();
+        config.layout = Layout{.experts = 4, .physical = 6, .ranks = 2, .nodes = 1, .groups = 1};
+        if (r == 1) change(config);
+        Rebalancer rb(config, *comm, *transport, WeightSpec{.layers = 2, .tensors = {{"w", 8}}},
+                      trivial_placement(2, 4, 6));
+        try {
+          rb.connect();
+        } catch (const InvalidArgument& e) {
+          errors[r] = e.what();
+        }
+      });
+    }
+    for (auto& t : threads) t.join();
+    return errors;
+  };
+  for (const auto& change : std::vector<std::function<void(Config&)>>{
+           [](Config& c) { c.min_gain = 0.01; }, [](Config& c) { c.tolerance = 0.02; },
+           [](Config& c) { c.agreement = Agreement::kExternal; }}) {
+    for (const std::string& e : differ(change)) {
+      EXPECT_NE(e.find("different configuration"), std::string::npos) << "[" << e << "]";
+    }
+  }
+  for (const std::string& e : differ([](Config&) {})) EXPECT_EQ(e, "");
+}
+
+// The external agreement on one rank, by hand: the contribution is kNoAgreement while no
+// rebalance runs, the rebalance ends on the results handed in, a result that is not a minimum
+// fails it, and misuse is refused with the rule.
+TEST(RuntimeConfig, ExternalAgreementByHand) {
+  Config bad = one_rank_config();
+  bad.agreement = Agreement::kExternal;
+  bad.mode = Mode::kSync;
+  EXPECT_THROW(bad.validate(), InvalidArgument);
+  EXPECT_EQ(parse_agreement("external"), Agreement::kExternal);
+  EXPECT_THROW(parse_agreement("engine"), InvalidArgument);
+
+  const auto run = [](bool honest) {
+    control::Options options;
+    options.rendezvous = "eplb-rt-external-" + std::to_string(::getpid()) + (honest ? "h" : "d");
+    auto comm = control::connect("inproc", options);
+    auto transport = transport::create("inproc", {});
+    Config config = one_rank_config();
+    config.layout = Layout{.experts = 4, .physical = 4, .ranks = 1, .nodes = 1, .groups = 1};
+    config.policy = placement::Policy::kBalanced;
+    config.interval = 4;
+    config.window = 4;
+    config.lag = 1;
+    config.min_gain = -1;
+    config.timeout = std::chrono::milliseconds(20'000);
+    config.agreement = Agreement::kExternal;
+    Rebalancer rb(config, *comm, *transport, WeightSpec{.layers = 2, .tensors = {{"w", 8}}},
+                  trivial_placement(2, 4, 4));
+    rb.connect();
+    EXPECT_EQ(rb.agreement_contribution(), kNoAgreement);
+    EXPECT_THROW(rb.agreement_result(1, 0), InvalidArgument);  // step 1 has not ended
+    // Steps are short here: the worker (which may wait for a core) can take many of them to
+    // place; the rebalance ends when it ends, whatever the number of steps.
+    for (int step = 0; step < 200'000 && rb.history().empty(); ++step) {
+      if (step > 8) std::this_thread::sleep_for(std::chrono::microseconds(50));
+      rb.record_counts(0, std::vector<int64_t>{1, 2, 50, 900});
+      rb.record_counts(1, std::vector<int64_t>{700, 3, 90, 1});
+      rb.step_end();
+      const int64_t mine = rb.agreement_contribution();
+      EXPECT_EQ(mine == kNoAgreement, !rb.rebalancing()) << "step " << rb.step();
+      // One rank: the minimum is its own value; a dishonest engine reduces with max + 1.
+      rb.agreement_result(rb.step(), honest || mine == kNoAgreement ? mine : mine + 1);
+    }
+    const std::vector<RebalanceRecord> history = rb.history();
+    EXPECT_EQ(rb.control_broken(), !honest);
+    rb.shutdown();
+    return history;
+  };
+  const std::vector<RebalanceRecord> honest = run(true);
+  ASSERT_EQ(honest.size(), 1u);
+  // One rank cannot move much (a rank holds no two replicas of an expert): the rebalance ends
+  // on the results handed in, installed or skipped as the plan says (the multi-rank tests
+  // install through the same path).
+  EXPECT_TRUE(honest[0].outcome == Outcome::kCompleted || honest[0].outcome == Outcome::kSkipped)
+      << outcome_name(honest[0].outcome) << ": " << honest[0].error;
+  const std::vector<RebalanceRecord> dishonest = run(false);
+  ASSERT_EQ(dishonest.size(), 1u);
+  EXPECT_EQ(dishonest[0].outcome, Outcome::kFailed);
+  EXPECT_NE(dishonest[0].error.find("must be the minimum"), std::string::npos)
+      << dishonest[0].error;
+
+  // An internal agreement takes no result.
+  control::Options options;
+  options.rendezvous = "eplb-rt-internal-" + std::to_string(::getpid());
+  auto comm = control::connect("inproc", options);
+  auto transport = transport::create("inproc", {});
+  Rebalancer rb(one_rank_config(), *comm, *transport,
+                WeightSpec{.layers = 2, .tensors = {{"w", 8}}}, trivial_placement(2, 4, 4));
+  rb.connect();
+  rb.step_end();
+  EXPECT_THROW(rb.agreement_result(1, 0), InvalidArgument);
+  rb.shutdown();
+}
+
 // ---------------------------------------------------------------- soak (not in the default run)
 
-// Hundreds of rebalances with random delays, threads and processes, async and sync.
+// Hundreds of rebalances with random delays, threads and processes, async and sync, internal
+// and external agreement.
 // Run: EPLB_RUNTIME_SOAK=1 eplb_runtime_tests --gtest_filter='RuntimeSoak.*'
 TEST(RuntimeSoak, HundredsOfRebalancesWithDelays) {
   const char* env = std::getenv("EPLB_RUNTIME_SOAK");
@@ -401,9 +673,13 @@ TEST(RuntimeSoak, HundredsOfRebalancesWithDelays) {
                                  : 150;
   const uint64_t base = testing::test_seed(1000);
   int64_t total = 0;
-  for (int round = 0; round < 4; ++round) {
+  // Rounds: threads async, threads sync, processes async, processes sync, and threads async
+  // with the external agreement (shared-memory reduction, results handed in late).
+  for (int round = 0; round < 5; ++round) {
     const Mode mode = round % 2 == 0 ? Mode::kAsync : Mode::kSync;
-    Scenario s = round < 2 ? skewed("soak", mode) : as_processes(flame("soak-p", mode), "shm");
+    Scenario s = round < 2 || round == 4 ? skewed("soak", mode)
+                                         : as_processes(flame("soak-p", mode), "shm");
+    if (round == 4) s.carrier = Carrier::kSharedMemory;
     s.seed = base + static_cast<uint64_t>(round);
     s.delays = true;
     s.delay_max_us = 200;

@@ -29,6 +29,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <span>
 #include <string>
@@ -54,6 +55,21 @@ enum class Mode { kAsync, kSync };
 Mode parse_mode(std::string_view name);
 std::string_view mode_name(Mode mode);
 
+// Where the per-step agreement of an async rebalance runs (DESIGN.md, "The runtime protocol",
+// step 4). The window all-reduce at a trigger always runs on eplb's control plane.
+enum class Agreement {
+  kInternal,  // an all-reduce (min) of one value per step on the control thread
+  kExternal,  // the engine carries agreement_contribution() on a collective it already runs
+              // every step and hands the minimum in with agreement_result()
+};
+// "internal" | "external"; else InvalidArgument listing them.
+Agreement parse_agreement(std::string_view name);
+std::string_view agreement_name(Agreement agreement);
+
+// agreement_contribution() at a step where no rebalance runs: the identity of min, so an
+// engine can carry a value at every step without asking whether one is needed.
+inline constexpr int64_t kNoAgreement = std::numeric_limits<int64_t>::max();
+
 enum class OnError { kLog, kRaise };
 OnError parse_on_error(std::string_view name);  // "log" | "raise"
 
@@ -74,6 +90,7 @@ std::string_view outcome_name(Outcome outcome);
 
 // What one rebalance did, as seen from this rank. Every rank records the same trigger_step,
 // end_step, outcome and (for the same load) the same plan figures; timings are this rank's.
+// A rebalance that failed before every rank had its plan records no plan figures.
 struct RebalanceRecord {
   int64_t index = 0;         // 0, 1, ... in order of triggering
   int64_t trigger_step = 0;  // step() when it was triggered
@@ -122,6 +139,7 @@ struct Config {
   int64_t lag = 2;             // agreement of step s is acted on at step s + lag (>= 1)
   std::chrono::milliseconds timeout{30'000};  // every collective and every batch of reads
   Mode mode = Mode::kAsync;
+  Agreement agreement = Agreement::kInternal;  // kExternal needs mode kAsync
   int64_t peers_per_round = 1;  // read schedule: peers per rank per round
   routing::DispatchPolicy dispatch = routing::DispatchPolicy::kStatic;
   OnError on_error = OnError::kLog;
@@ -176,6 +194,21 @@ class Rebalancer {
   void save_stats(const std::string& path, stats::LoadFormat format = stats::LoadFormat::kEplb)
       const;
 
+  // ---- external agreement (Config::agreement = kExternal) ----
+  // The value this rank contributes to the agreement of step(): read it after step_end(),
+  // min-reduce it over the ranks on a collective the engine runs anyway, and hand the minimum
+  // to agreement_result(step, min) on every rank. kNoAgreement when no rebalance runs at
+  // step() (handing that result in is then optional). Forward thread, or any thread the
+  // engine orders after the step_end() of that step.
+  int64_t agreement_contribution() const;
+  // The minimum over all ranks of their agreement_contribution() at `step`. It must come
+  // before the step_end() that makes step() == step + lag: that step_end acts on it, waiting
+  // at most `timeout` for a late one; a result still missing then fails the rebalance on this
+  // rank like a failed collective (no rebalance triggers again, control_broken()). Results of
+  // steps where no rebalance ran are ignored. Any thread. InvalidArgument with an internal
+  // agreement, or for a step after step().
+  void agreement_result(int64_t step, int64_t min_value);
+
   // Drains the control thread's queue and joins both threads; idempotent. Call it on every
   // rank at the same step (a rank leaving alone mid-rebalance is, to its peers, a dead peer).
   void shutdown();
@@ -185,7 +218,8 @@ class Rebalancer {
   int64_t step() const;                // step_end() calls so far; forward thread
   bool rebalancing() const;            // forward thread
   int64_t installed_layers() const;    // layer installs so far, all rebalances; forward thread
-  bool control_broken() const;         // a collective failed: no rebalance will trigger again
+  bool control_broken() const;         // a collective (or an external agreement) failed: no
+                                       // rebalance will trigger again
   int64_t bytes_held() const;          // any thread, after connect()
   std::vector<RebalanceRecord> history() const;  // any thread
   const Config& config() const;

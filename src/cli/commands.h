@@ -9,6 +9,7 @@ namespace eplb::cli {
 
 void add_plan(CLI::App& app);          // plan.cc
 void add_migrate_plan(CLI::App& app);  // migrate_plan.cc
+void add_simulate(CLI::App& app);  // simulate.cc
 void add_bench(CLI::App& app);         // bench.cc: the `bench` verb, calls the add_bench_* below
 
 void add_bench_placement(CLI::App& bench);  // bench.cc

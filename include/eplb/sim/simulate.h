@@ -1,0 +1,104 @@
+#pragma once
+// Trace replay (DESIGN.md layer `sim`): what rebalancing every `interval` steps would buy on a
+// recorded load history, per placement policy. Pure: plain structs in, plain results out; no
+// threads, no I/O, deterministic.
+//
+// The schedule, the same for every policy:
+//
+//   steps     0 .. window-1 | window .. window+interval-1 | window+interval .. | ... steps-1
+//   placement   (trivial)   |  placed from [0, window)    |  placed from the window ending there
+//   scored        no        |            yes              |           yes
+//
+// A rebalance happens at every step t = window + k * interval below `steps`; it places from the
+// loads of steps [t - window, t) and that placement serves steps [t, next rebalance). Every
+// scored step is thus scored out of sample, with a placement that never saw it (as the public
+// ADRS EPLB benchmark does: plan on window i, score on window i + 1). The first `window` steps
+// only feed the first placement; the run starts from the trivial placement (slot p holds expert
+// p mod E, what engines start with), so the first rebalance's moves are counted from it.
+// `sticky` takes the placement in force in its own run as its previous placement.
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "eplb/core/types.h"
+#include "eplb/migration/migration.h"
+#include "eplb/placement/policy.h"
+#include "eplb/stats/load_file.h"
+
+namespace eplb::sim {
+
+// A policy of the replay: one of placement's policies, or `none` (never rebalance: the trivial
+// placement throughout, the baseline the others are compared with).
+struct SimPolicy {
+  std::string name;  // "deepseek" | "balanced" | "sticky" | "none"
+  bool rebalances = true;
+  placement::Policy policy = placement::Policy::kBalanced;  // when rebalances
+};
+
+// "deepseek,sticky" -> two policies, in order. Names are trimmed of spaces; an empty list, an
+// empty name, a duplicate or an unknown name throws InvalidArgument naming it and the choices.
+std::vector<SimPolicy> parse_policies(std::string_view list);
+
+struct SimOptions {
+  Layout layout;                    // experts must be the history's
+  int64_t interval = 0;             // steps between rebalances, >= 1
+  int64_t window = 0;               // steps a placement is computed from, in [1, steps)
+  std::vector<SimPolicy> policies;  // at least one
+  bool hierarchical = false;        // balanced / sticky: pack groups to nodes first
+  double tolerance = 0.01;          // sticky: accepted balancedness loss against balanced
+  // Migration accounting of each rebalance (expert_bytes >= 1, peers per round).
+  migration::MigrationOptions migration;
+};
+
+// One rebalance of one policy: the moves from the placement in force to the new one.
+struct Rebalance {
+  int64_t step = 0;         // the first step the new placement serves
+  int64_t moved_slots = 0;  // slots whose expert changed, all layers
+  int64_t bytes = 0;        // bytes read from other ranks (migration totals' bytes_total)
+  int64_t rounds = 0;       // rounds of reads, summed over the layers (layers move in turn)
+};
+
+struct PolicyResult {
+  std::string policy;
+  double balancedness = 1;                // mean over scored (step, layer) of mean / max rank load
+  double balancedness_step = 1;           // sum over scored (step, layer) of mean / sum of max
+  std::vector<double> step_balancedness;  // [scored steps]: mean over layers, step by step
+  std::vector<Rebalance> rebalances;      // [rebalances]; empty for `none`
+  // Means over `rebalances` (0 when there are none), the first one counted from the trivial
+  // placement; steady_moved_slots_per_rebalance leaves the first one out (-1 with fewer than two).
+  double moved_slots_per_rebalance = 0;
+  double bytes_per_rebalance = 0;
+  double rounds_per_rebalance = 0;
+  double steady_moved_slots_per_rebalance = -1;
+};
+
+struct SimResult {
+  int64_t steps = 0;
+  int64_t layers = 0;
+  int64_t first_scored_step = 0;         // = window
+  std::vector<int64_t> rebalance_steps;  // [rebalances]: window + k * interval
+  // The best any placement could do on each scored window (the steps one placement serves),
+  // from the window's summed loads: mean rank load / layer_lower_bound. The step-weighted
+  // figure (sum of means / sum of bounds) bounds every policy's balancedness_step from above;
+  // the mean over (window, layer) is its counterpart of `balancedness`.
+  std::vector<double> window_lower_bound_balancedness;  // [rebalances]: mean over layers
+  double lower_bound_balancedness = 1;
+  double lower_bound_balancedness_step = 1;
+  std::vector<PolicyResult> policies;  // in the order of SimOptions::policies
+  int64_t layer_steps = 0;             // steps x layers x policies replayed (for a speed figure)
+};
+
+// Replays `history` under every policy of `options`. Throws InvalidArgument for a bad option or
+// a history that does not fit the layout, naming the value and the rule.
+SimResult simulate(const stats::LoadHistory& history, const SimOptions& options);
+
+// Groups consecutive tokens of a routing trace into steps of `tokens_per_step` tokens (every
+// layer's tokens t of step s = t / tokens_per_step); each listed expert of a token counts 1.
+// A last, partial step is dropped. experts = max(trace.experts, min_experts).
+// Throws InvalidArgument when tokens_per_step < 1 or exceeds the trace's tokens.
+stats::LoadHistory history_from_trace(const stats::RoutingTrace& trace, int64_t tokens_per_step,
+                                      int64_t min_experts = 0);
+
+}  // namespace eplb::sim

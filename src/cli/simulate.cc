@@ -1,0 +1,374 @@
+// `eplb simulate`: replay a load history or routing trace under placement policies, rebalancing
+// every --interval steps from the last --window steps, and report out-of-sample balancedness and
+// the moves each rebalance costs, side by side (see eplb/sim/simulate.h for the schedule).
+
+#include "eplb/sim/simulate.h"
+
+#include <fmt/core.h>
+#include <sys/wait.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <ctime>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "cli/commands.h"
+#include "eplb/core/error.h"
+#include "eplb/stats/load_file.h"
+
+namespace eplb::cli {
+namespace {
+
+// DeepSeek-V3's routed expert in one layer: gate, up and down projections of 7168 x 2048
+// weights in FP8, one byte each.
+constexpr int64_t kDeepseekV3ExpertBytes = int64_t{7168} * 2048 * 3;
+
+struct SimulateArgs {
+  std::string load_path;
+  std::string trace_path;
+  std::string format = "auto";
+  int64_t experts = 0;
+  int64_t ranks = 0;
+  int64_t nodes = 1;
+  int64_t groups = 1;
+  std::optional<int64_t> physical;
+  std::optional<int64_t> redundant;
+  int64_t interval = 0;
+  int64_t window = 0;
+  std::string policies = "none,deepseek,balanced,sticky";
+  bool hierarchical = false;
+  double tolerance = 0.01;
+  int64_t tokens_per_step = 256;
+  int64_t expert_bytes = kDeepseekV3ExpertBytes;
+  int64_t peers_per_round = 1;
+  bool json = false;
+  std::string plot_path;
+};
+
+// The input as a load history: steps of a load file as they are, a routing trace's tokens
+// grouped into steps of --tokens-per-step.
+stats::LoadHistory read_history(const SimulateArgs& args) {
+  if (args.load_path.empty() == args.trace_path.empty()) {
+    fail("give exactly one of --load-history FILE and --trace FILE");
+  }
+  if (args.experts < 0) fail("--experts ", args.experts, " must not be negative");
+  if (args.tokens_per_step < 1) {
+    fail("--tokens-per-step ", args.tokens_per_step, " must be at least 1");
+  }
+  const bool trace = !args.trace_path.empty();
+  const std::string& path = trace ? args.trace_path : args.load_path;
+  const std::string content = stats::read_file(path);
+  stats::LoadFormat format = stats::parse_load_format(args.format);
+  if (format == stats::LoadFormat::kAuto) format = stats::detect_load_format(content);
+  if (trace && format != stats::LoadFormat::kTrace) {
+    fail("--trace ", path,
+         " is not a routing trace (CSV with the header "
+         "\"layer,token,experts[,weights]\"; it reads as ",
+         stats::load_format_name(format), "): pass load files with --load-history");
+  }
+  if (format == stats::LoadFormat::kTrace) {
+    const stats::RoutingTrace routes = stats::parse_routing_trace(content, args.experts, path);
+    if (args.tokens_per_step > routes.tokens) {
+      fail("--tokens-per-step ", args.tokens_per_step, " exceeds the ", routes.tokens,
+           " tokens of ", path, " (not even one step)");
+    }
+    return sim::history_from_trace(routes, args.tokens_per_step, args.experts);
+  }
+  stats::LoadReadOptions options;
+  options.format = format;
+  options.experts = args.experts;
+  return stats::parse_load_history(content, options, path);
+}
+
+Layout make_layout(const SimulateArgs& args, int64_t experts) {
+  if (args.ranks < 1) fail("--ranks ", args.ranks, " must be at least 1");
+  if (args.physical && args.redundant) {
+    fail("give either --physical or --redundant, not both (physical = experts + redundant)");
+  }
+  Layout layout;
+  layout.experts = experts;
+  layout.ranks = args.ranks;
+  layout.nodes = args.nodes;
+  layout.groups = args.groups;
+  if (args.redundant) {
+    if (*args.redundant < 0) fail("--redundant ", *args.redundant, " must not be negative");
+    layout.physical = experts + *args.redundant;
+    if (layout.physical % layout.ranks != 0) {
+      fail("--redundant ", *args.redundant, " gives ", layout.physical,
+           " physical slots, not a multiple of --ranks ", layout.ranks,
+           " (physical slots must divide evenly)");
+    }
+  } else {
+    layout.physical = args.physical.value_or(experts);
+  }
+  if (layout.physical < experts) {
+    fail("--physical ", layout.physical, " is below the ", experts,
+         " experts of the input (every logical expert needs a slot)");
+  }
+  layout.validate();
+  return layout;
+}
+
+void check_options(const SimulateArgs& args) {
+  if (args.interval < 1) fail("--interval ", args.interval, " must be at least 1 step");
+  if (args.window < 1) fail("--window ", args.window, " must be at least 1 step");
+  if (args.expert_bytes < 1) {
+    fail("--expert-bytes ", args.expert_bytes,
+         " must be at least 1 (the bytes of one expert's weights in one layer)");
+  }
+  if (args.peers_per_round < 1) {
+    fail("--peers-per-round ", args.peers_per_round, " must be at least 1");
+  }
+}
+
+// CPU time of this thread: the replay runs on one core, and its speed on that core should not
+// depend on what else the machine runs.
+double thread_cpu_seconds() {
+  timespec ts{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + static_cast<double>(ts.tv_nsec) * 1e-9;
+}
+
+bool have_gnuplot() { return std::system("command -v gnuplot >/dev/null 2>&1") == 0; }
+
+// Balancedness per scored step, one line per policy, a dashed line at every rebalance.
+void plot(const std::string& path, const sim::SimResult& r) {
+  std::string script = "$data << EOD\n";
+  for (size_t i = 0; i < r.policies.front().step_balancedness.size(); ++i) {
+    script += std::to_string(r.first_scored_step + static_cast<int64_t>(i));
+    for (const sim::PolicyResult& p : r.policies) {
+      script += fmt::format(" {:.6f}", p.step_balancedness[i]);
+    }
+    script += "\n";
+  }
+  script += "EOD\n";
+  script += "set terminal pngcairo size 1200,600\n";
+  std::string quoted;
+  for (const char c : path) {
+    if (c == '"' || c == '\\') quoted += '\\';
+    quoted += c;
+  }
+  script += fmt::format("set output \"{}\"\n", quoted);
+  script +=
+      "set title \"eplb simulate: out-of-sample balancedness per step (dashed: rebalances)\"\n";
+  script += "set xlabel \"step\"\nset ylabel \"balancedness (mean / max rank load)\"\n";
+  script += "set yrange [0:1.05]\nset key bottom right\nset grid ytics\n";
+  for (const int64_t t : r.rebalance_steps) {
+    script +=
+        fmt::format("set arrow from {0},graph 0 to {0},graph 1 nohead dt 2 lc rgb \"gray60\"\n", t);
+  }
+  script += "plot ";
+  for (size_t i = 0; i < r.policies.size(); ++i) {
+    script += fmt::format("{}$data using 1:{} with lines lw 2 title \"{}\"", i ? ", " : "", i + 2,
+                          r.policies[i].policy);
+  }
+  script += "\n";
+  FILE* pipe = popen("gnuplot", "w");
+  if (pipe == nullptr) fail<IoError>("cannot start gnuplot to draw ", path);
+  const bool written = std::fwrite(script.data(), 1, script.size(), pipe) == script.size();
+  const int status = pclose(pipe);
+  if (!written || status == -1 || !WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+    fail<IoError>("gnuplot failed to draw ", path, " (is the folder writable?)");
+  }
+}
+
+double mib(double bytes) { return bytes / (1 << 20); }
+
+nlohmann::json result_json(const sim::SimResult& r, const sim::PolicyResult& p) {
+  nlohmann::json moved = nlohmann::json::array(), bytes = nlohmann::json::array(),
+                 rounds = nlohmann::json::array();
+  for (const sim::Rebalance& b : p.rebalances) {
+    moved.push_back(b.moved_slots);
+    bytes.push_back(b.bytes);
+    rounds.push_back(b.rounds);
+  }
+  return {
+      {"balancedness", p.balancedness},
+      {"balancedness_step", p.balancedness_step},
+      {"moved_slots_per_rebalance", p.moved_slots_per_rebalance},
+      {"steady_moved_slots_per_rebalance", p.steady_moved_slots_per_rebalance >= 0
+                                               ? nlohmann::json(p.steady_moved_slots_per_rebalance)
+                                               : nlohmann::json(nullptr)},
+      {"bytes_per_rebalance", p.bytes_per_rebalance},
+      {"rounds_per_rebalance", p.rounds_per_rebalance},
+      {"lower_bound_balancedness", r.lower_bound_balancedness},
+      {"rebalances", p.rebalances.size()},
+      {"moved_slots", std::move(moved)},
+      {"bytes", std::move(bytes)},
+      {"rounds", std::move(rounds)},
+  };
+}
+
+void print_table(const SimulateArgs& args, const stats::LoadHistory& history, const Layout& layout,
+                 const sim::SimResult& r, double seconds, double cpu_seconds) {
+  const std::string source =
+      args.trace_path.empty()
+          ? fmt::format("{} ({})", args.load_path, stats::load_format_name(history.format))
+          : fmt::format("{} ({} tokens per step)", args.trace_path, args.tokens_per_step);
+  fmt::print("eplb simulate: {}: {} steps x {} layers, {}\n", source, r.steps, r.layers,
+             layout.describe());
+  fmt::print(
+      "rebalance every {} steps from the last {}: {} rebalances, steps {}..{} scored out "
+      "of sample; expert {:.1f} MiB, {} peer{} per round\n",
+      args.interval, args.window, r.rebalance_steps.size(), r.first_scored_step, r.steps - 1,
+      mib(static_cast<double>(args.expert_bytes)), args.peers_per_round,
+      args.peers_per_round == 1 ? "" : "s");
+  fmt::print("{:>9}  {:>12}  {:>13}  {:>10}  {:>12}  {:>14}  {:>10}\n", "policy", "balancedness",
+             "step-weighted", "moved/reb", "steady moved", "MiB read/reb", "rounds/reb");
+  for (const sim::PolicyResult& p : r.policies) {
+    const std::string steady = p.steady_moved_slots_per_rebalance >= 0
+                                   ? fmt::format("{:.1f}", p.steady_moved_slots_per_rebalance)
+                                   : "-";
+    fmt::print("{:>9}  {:>12.4f}  {:>13.4f}  {:>10.1f}  {:>12}  {:>14.1f}  {:>10.1f}\n", p.policy,
+               p.balancedness, p.balancedness_step, p.moved_slots_per_rebalance, steady,
+               mib(p.bytes_per_rebalance), p.rounds_per_rebalance);
+  }
+  fmt::print("lower bound on the scored windows: {:.4f} (mean), {:.4f} (step-weighted)\n",
+             r.lower_bound_balancedness, r.lower_bound_balancedness_step);
+  fmt::print(
+      "moved/reb counts the first rebalance from the trivial placement; steady moved "
+      "leaves it out\n");
+  fmt::print("replay: {:.3f} s ({:.3f} s of CPU), {:.2f}M layer-steps per CPU second\n", seconds,
+             cpu_seconds, static_cast<double>(r.layer_steps) / cpu_seconds / 1e6);
+  if (!args.plot_path.empty()) fmt::print("wrote {}\n", args.plot_path);
+}
+
+void run_simulate(const SimulateArgs& args) {
+  // Step 1: everything that needs no file.
+  check_options(args);
+  sim::SimOptions options;
+  options.policies = sim::parse_policies(args.policies);
+  options.interval = args.interval;
+  options.window = args.window;
+  options.hierarchical = args.hierarchical;
+  options.tolerance = args.tolerance;
+  options.migration.expert_bytes = args.expert_bytes;
+  options.migration.schedule.peers_per_round = args.peers_per_round;
+  if (!args.plot_path.empty() && !have_gnuplot()) {
+    fail<NotSupported>(
+        "--plot needs gnuplot, which is not installed (apt-get install "
+        "gnuplot-nox), or drop --plot");
+  }
+
+  // Step 2: the input, its layout, and the checks that need its shape.
+  const stats::LoadHistory history = read_history(args);
+  options.layout = make_layout(args, history.experts);
+  if (args.window >= history.steps) {
+    fail("--window ", args.window, " leaves no step to score: the input has ", history.steps,
+         " steps",
+         history.format == stats::LoadFormat::kTrace
+             ? fmt::format(" of {} tokens", args.tokens_per_step)
+             : std::string(),
+         "; the first placement is made from steps [0, window) and scored on the steps after "
+         "it, so --window must be below ",
+         history.steps);
+  }
+
+  // Step 3: the replay, timed without the parsing: wall-clock, and CPU time for the speed.
+  const auto start = std::chrono::steady_clock::now();
+  const double cpu_start = thread_cpu_seconds();
+  const sim::SimResult result = sim::simulate(history, options);
+  const double cpu_seconds = std::max(thread_cpu_seconds() - cpu_start, 1e-9);
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  if (!args.plot_path.empty()) plot(args.plot_path, result);
+
+  if (args.json) {
+    nlohmann::json results = nlohmann::json::object();
+    for (const sim::PolicyResult& p : result.policies) results[p.policy] = result_json(result, p);
+    nlohmann::json out = {
+        {"source", args.trace_path.empty() ? args.load_path : args.trace_path},
+        {"format", stats::load_format_name(history.format)},
+        {"steps", result.steps},
+        {"layers", result.layers},
+        {"experts", options.layout.experts},
+        {"physical", options.layout.physical},
+        {"ranks", options.layout.ranks},
+        {"nodes", options.layout.nodes},
+        {"groups", options.layout.groups},
+        {"interval", args.interval},
+        {"window", args.window},
+        {"expert_bytes", args.expert_bytes},
+        {"peers_per_round", args.peers_per_round},
+        {"first_scored_step", result.first_scored_step},
+        {"rebalance_steps", result.rebalance_steps},
+        {"lower_bound_balancedness", result.lower_bound_balancedness},
+        {"lower_bound_balancedness_step", result.lower_bound_balancedness_step},
+        {"window_lower_bound_balancedness", result.window_lower_bound_balancedness},
+        {"results", std::move(results)},
+        {"layer_steps", result.layer_steps},
+        {"replay_s", seconds},
+        {"replay_cpu_s", cpu_seconds},
+        // Per second of CPU time on the one core the replay runs on.
+        {"layer_steps_per_s", static_cast<double>(result.layer_steps) / cpu_seconds},
+    };
+    if (!args.trace_path.empty() || history.format == stats::LoadFormat::kTrace) {
+      out["tokens_per_step"] = args.tokens_per_step;
+    }
+    if (!args.plot_path.empty()) out["plot"] = args.plot_path;
+    fmt::print("{}\n", out.dump());
+  } else {
+    print_table(args, history, options.layout, result, seconds, cpu_seconds);
+  }
+}
+
+}  // namespace
+
+void add_simulate(CLI::App& app) {
+  auto args = std::make_shared<SimulateArgs>();
+  CLI::App* cmd = app.add_subcommand(
+      "simulate",
+      "Replay a load history or routing trace: rebalance every --interval steps from the last "
+      "--window steps and score the steps after each rebalance, per policy");
+  cmd->add_option("--load-history", args->load_path,
+                  "Loads per step: vLLM load_history, eplb or SGLang JSON with steps (a routing "
+                  "trace CSV is grouped like --trace)");
+  cmd->add_option("--trace", args->trace_path,
+                  "Routing trace CSV \"layer,token,experts[,weights]\"; consecutive tokens are "
+                  "grouped into steps of --tokens-per-step");
+  cmd->add_option("--format", args->format,
+                  "Format of --load-history: auto, eplb, sglang, vllm, csv, trace")
+      ->capture_default_str();
+  cmd->add_option("--experts", args->experts,
+                  "Logical experts per layer (default: as the input says)");
+  cmd->add_option("--ranks", args->ranks, "Ranks (GPUs) G")->required();
+  cmd->add_option("--nodes", args->nodes, "Nodes N (ranks are split evenly)")
+      ->capture_default_str();
+  cmd->add_option("--physical", args->physical, "Physical slots per layer P (a multiple of G)");
+  cmd->add_option("--redundant", args->redundant, "Redundant slots per layer R (P = E + R)");
+  cmd->add_option("--groups", args->groups, "Expert groups (DeepSeek group-limited routing)")
+      ->capture_default_str();
+  cmd->add_option("--interval", args->interval, "Steps between rebalances")->required();
+  cmd->add_option("--window", args->window, "Steps each placement is computed from")->required();
+  cmd->add_option("--policy", args->policies,
+                  "Comma-separated policies to compare: deepseek, balanced, sticky, none "
+                  "(never rebalance)")
+      ->capture_default_str();
+  cmd->add_flag("--hierarchical", args->hierarchical,
+                "balanced/sticky: pack groups to nodes first, like deepseek");
+  cmd->add_option("--tolerance", args->tolerance,
+                  "sticky: balancedness it may give up against balanced")
+      ->capture_default_str();
+  cmd->add_option("--tokens-per-step", args->tokens_per_step,
+                  "Routing traces: tokens per step (a trailing partial step is dropped)")
+      ->capture_default_str();
+  cmd->add_option("--expert-bytes", args->expert_bytes,
+                  "Bytes of one expert's weights in one layer (default: DeepSeek-V3's, "
+                  "3 x 7168 x 2048 FP8)")
+      ->capture_default_str();
+  cmd->add_option("--peers-per-round", args->peers_per_round,
+                  "Peers a rank reads from (and serves) per round of a migration")
+      ->capture_default_str();
+  cmd->add_flag("--json", args->json, "Print one JSON object instead of the table");
+  cmd->add_option("--plot", args->plot_path,
+                  "Draw balancedness per step per policy, rebalances marked, to a PNG (gnuplot)");
+  cmd->callback([args] { run_simulate(*args); });
+}
+
+}  // namespace eplb::cli

@@ -16,6 +16,7 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   eplb::cli::add_plan(app);
   eplb::cli::add_migrate_plan(app);
+  eplb::cli::add_run(app);
   eplb::cli::add_simulate(app);
   eplb::cli::add_bench(app);
   try {

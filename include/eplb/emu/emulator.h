@@ -1,0 +1,120 @@
+#pragma once
+// The serving emulator behind `eplb run` (DESIGN.md, layer `emu`; docs/run.md): G rank
+// processes, each an expert-parallel worker with real expert weights in the runtime's arena,
+// routing a trace's tokens through the dispatch tables, computing every expert output on CPU,
+// checking outputs bit for bit against reference weights, and rebalancing live through the
+// runtime. Every step ends with a lockstep collective that stands for the all-to-alls keeping
+// expert-parallel ranks in step, then step_end(), timed: that time is the stall a rebalance
+// adds to the serving loop.
+//
+// Every rank replays every rank's tokens through the same tables (identical on all ranks at
+// every step), so each knows which tokens its slots receive, and the global load of each step,
+// without moving activations.
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "eplb/emu/expert.h"
+#include "eplb/emu/workload.h"
+
+namespace eplb::control {
+class Communicator;
+}
+namespace eplb::transport {
+class Transport;
+}
+
+namespace eplb::emu {
+
+struct RunOptions {
+  int ranks = 4;
+  int nodes = 1;
+  int64_t tokens_per_rank = 32;
+  ExpertShape shape{.hidden = 256, .intermediate = 192};
+  int64_t steps = 48;
+  int64_t interval = 16;
+  int64_t window = 16;
+  int64_t redundant = -1;  // -1: one slot per rank
+  int64_t lag = 2;
+  std::string policy = "balanced";
+  std::string mode = "async";  // async | sync | off (no rebalancing)
+  std::string dispatch = "static";
+  int64_t verify_every = 16;   // verify the tokens whose hash picks 1 in this many; 1: all
+  uint64_t seed = 1;
+  int64_t timeout_ms = 60'000;
+  std::string transport = "auto";  // auto: shm on one node, ucx across emulated nodes
+  bool progress = false;           // rank 0 draws a progress line on stdout
+
+  void validate(const Workload& workload) const;  // InvalidArgument naming the option
+};
+
+// What one step looked like, merged over ranks.
+struct StepFigures {
+  double balancedness = 0;   // sum_l mean rank load / sum_l max rank load, global loads
+  double moe_ms = 0;         // max over ranks of the rank's expert compute time
+  double stall_ms = 0;       // max over ranks of the time in step_end
+  int64_t installs = 0;      // layers installed at this step's step_end
+};
+
+struct RebalanceFigures {
+  int64_t trigger_step = 0;
+  int64_t end_step = 0;
+  std::string outcome;
+  std::string error;
+  int64_t slots_moved = 0;
+  int64_t bytes_moved = 0;      // remote reads, all ranks
+  int64_t bytes_local_copy = 0;
+  double stall_total_ms = 0;    // max over ranks
+  double stall_max_ms = 0;      // max over ranks
+  double predicted_before = 0;
+  double predicted_after = 0;
+};
+
+struct RunResult {
+  std::string mode;
+  int64_t steps = 0;             // steps run (fewer than asked when interrupted)
+  bool interrupted = false;
+  int64_t rebalances = 0;        // completed
+  int64_t rebalances_triggered = 0;
+  int64_t before_first = 0, before_last = 0;  // [first, last) steps measured "before"
+  int64_t after_first = 0, after_last = 0;    // and "after"
+  double balancedness_before = 0;
+  double balancedness_after = 0;
+  double moe_ms_before = 0;      // mean over the same steps
+  double moe_ms_after = 0;
+  int64_t bytes_moved = 0;
+  int64_t bytes_local_copy = 0;
+  double stall_max_ms = 0;
+  double stall_total_ms = 0;
+  int64_t mismatches = 0;
+  int64_t verified = 0;          // expert outputs checked
+  int64_t outputs = 0;           // expert outputs computed
+  int64_t bytes_held = 0;        // per rank
+  double wall_s = 0;
+  std::vector<StepFigures> per_step;
+  std::vector<RebalanceFigures> per_rebalance;
+};
+
+// One rank's part. `lockstep` is a communicator of its own (not the runtime's) on which the
+// ranks meet once per step; `stop` (may be null) asks every rank to stop at the same step.
+// Returns this rank's report as JSON text; merge the reports of all ranks with merge_reports.
+std::string run_rank(const RunOptions& options, const Workload& workload,
+                     control::Communicator& communicator, control::Communicator& lockstep,
+                     transport::Transport& transport, const std::atomic<int>* stop);
+
+RunResult merge_reports(const RunOptions& options, const Workload& workload,
+                        const std::vector<std::string>& reports);
+
+// Runs the ranks as forked processes of this machine and merges their reports. A rank that
+// fails stops the run: IoError naming it. SIGINT/SIGTERM during the run stop every rank at the
+// same step; the result then says interrupted.
+RunResult run_local(const RunOptions& options, const Workload& workload);
+
+// One rank per process under mpirun or a torchrun-style launcher (control::connect_from_env);
+// every rank returns the merged result (rank 0 prints it).
+RunResult run_from_env(RunOptions options, const Workload& workload);
+
+}  // namespace eplb::emu

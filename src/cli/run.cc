@@ -1,0 +1,358 @@
+// `eplb run`: the serving emulator (docs/run.md). G rank processes with real expert weights
+// route a trace's tokens, compute every expert output, verify them, and rebalance live through
+// the runtime; the summary says what rebalancing bought and what it cost the serving loop.
+
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <fmt/core.h>
+#include <nlohmann/json.hpp>
+#include <spdlog/spdlog.h>
+
+#include "cli/commands.h"
+#include "eplb/control/launch.h"
+#include "eplb/core/error.h"
+#include "eplb/emu/emulator.h"
+#include "eplb/emu/workload.h"
+
+namespace eplb::cli {
+namespace {
+
+struct RunArgs {
+  emu::RunOptions options;
+  std::string trace;
+  std::string load;
+  int64_t top_k = 6;
+  int64_t sample_tokens = 4096;
+  std::string verify = "16";
+  bool compare = false;
+  bool json = false;
+  std::string plot;
+  bool verbose = false;
+};
+
+std::string human_bytes(double bytes) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  int u = 0;
+  while (bytes >= 1024 && u < 4) {
+    bytes /= 1024;
+    ++u;
+  }
+  return u == 0 ? fmt::format("{:.0f} B", bytes) : fmt::format("{:.1f} {}", bytes, units[u]);
+}
+
+nlohmann::json to_json(const emu::RunOptions& o, const emu::RunResult& r) {
+  nlohmann::json rebalances = nlohmann::json::array();
+  for (const emu::RebalanceFigures& f : r.per_rebalance) {
+    rebalances.push_back({{"trigger_step", f.trigger_step},
+                          {"end_step", f.end_step},
+                          {"outcome", f.outcome},
+                          {"error", f.error},
+                          {"slots_moved", f.slots_moved},
+                          {"bytes_moved", f.bytes_moved},
+                          {"bytes_local_copy", f.bytes_local_copy},
+                          {"stall_total_ms", f.stall_total_ms},
+                          {"stall_max_ms", f.stall_max_ms},
+                          {"predicted_balancedness_before", f.predicted_before},
+                          {"predicted_balancedness_after", f.predicted_after}});
+  }
+  std::vector<double> balancedness, stall_ms, moe_ms;
+  for (const emu::StepFigures& f : r.per_step) {
+    balancedness.push_back(f.balancedness);
+    stall_ms.push_back(f.stall_ms);
+    moe_ms.push_back(f.moe_ms);
+  }
+  return {{"mode", r.mode},
+          {"ranks", o.ranks},
+          {"nodes", o.nodes},
+          {"steps", r.steps},
+          {"interrupted", r.interrupted},
+          {"rebalances", r.rebalances},
+          {"rebalances_triggered", r.rebalances_triggered},
+          {"balancedness_before", r.balancedness_before},
+          {"balancedness_after", r.balancedness_after},
+          {"before_steps", {r.before_first, r.before_last}},
+          {"after_steps", {r.after_first, r.after_last}},
+          {"moe_ms_before", r.moe_ms_before},
+          {"moe_ms_after", r.moe_ms_after},
+          {"bytes_moved", r.bytes_moved},
+          {"bytes_local_copy", r.bytes_local_copy},
+          {"stall_max_ms", r.stall_max_ms},
+          {"stall_total_ms", r.stall_total_ms},
+          {"mismatches", r.mismatches},
+          {"verified", r.verified},
+          {"outputs", r.outputs},
+          {"bytes_held_per_rank", r.bytes_held},
+          {"wall_s", r.wall_s},
+          {"per_rebalance", rebalances},
+          {"per_step", {{"balancedness", balancedness}, {"stall_ms", stall_ms}, {"moe_ms", moe_ms}}}};
+}
+
+void print_header(const RunArgs& a, const emu::Workload& w) {
+  const emu::RunOptions& o = a.options;
+  const int64_t redundant = o.redundant < 0 ? o.ranks : o.redundant;
+  const std::string transport =
+      o.transport != "auto" ? o.transport : (o.nodes > 1 ? "ucx over tcp" : "shm");
+  fmt::print("eplb run: {} ranks on {} node{} ({}), {} layers x {} experts top-{}, {} slots per "
+             "layer ({} redundant), {} tokens per rank per step\n",
+             o.ranks, o.nodes, o.nodes > 1 ? "s" : "", transport, w.layers, w.experts, w.top_k,
+             w.experts + redundant, redundant, o.tokens_per_rank);
+  fmt::print("  experts: fp32 FFN hidden {} x intermediate {} ({} each); trace {}\n",
+             o.shape.hidden, o.shape.intermediate,
+             human_bytes(static_cast<double>(o.shape.expert_bytes())), w.source);
+  fmt::print("  {} steps, rebalance every {} steps from the last {} ({} policy, {} dispatch)\n\n",
+             o.steps, o.interval, o.window, o.policy, o.dispatch);
+}
+
+void print_result(const emu::RunResult& r) {
+  fmt::print("  {:<14}{}{}\n", "mode", r.mode == "off" ? "off (no rebalancing)" : r.mode,
+             r.interrupted ? fmt::format("  (interrupted at step {})", r.steps) : "");
+  fmt::print("  {:<14}{:.3f} (steps {}-{})  ->  {:.3f} (steps {}-{})\n", "balancedness",
+             r.balancedness_before, r.before_first, r.before_last - 1, r.balancedness_after,
+             r.after_first, r.after_last - 1);
+  fmt::print("  {:<14}{:.2f} ms  ->  {:.2f} ms  (max over ranks of expert compute, same steps)\n",
+             "MoE per step", r.moe_ms_before, r.moe_ms_after);
+  fmt::print("  {:<14}{} completed ({} triggered), {} moved, {} copied locally\n", "rebalances",
+             r.rebalances, r.rebalances_triggered, human_bytes(static_cast<double>(r.bytes_moved)),
+             human_bytes(static_cast<double>(r.bytes_local_copy)));
+  fmt::print("  {:<14}max step {:.3f} ms, total {:.3f} ms (forward thread, in step_end)\n",
+             "stall", r.stall_max_ms, r.stall_total_ms);
+  fmt::print("  {:<14}{} of {} expert outputs checked bit for bit, {} mismatches\n", "verified",
+             r.verified, r.outputs, r.mismatches);
+  fmt::print("  {:<14}{:.1f} s\n", "wall time", r.wall_s);
+}
+
+void print_compare(const std::vector<emu::RunResult>& results) {
+  fmt::print("  {:<26}", "");
+  for (const auto& r : results) fmt::print("{:>14}", r.mode);
+  fmt::print("\n");
+  const auto row = [&](const char* name, auto&& cell) {
+    fmt::print("  {:<26}", name);
+    for (const auto& r : results) fmt::print("{:>14}", cell(r));
+    fmt::print("\n");
+  };
+  row("balancedness before", [](const emu::RunResult& r) { return fmt::format("{:.3f}", r.balancedness_before); });
+  row("balancedness after", [](const emu::RunResult& r) { return fmt::format("{:.3f}", r.balancedness_after); });
+  row("MoE ms per step after", [](const emu::RunResult& r) { return fmt::format("{:.2f}", r.moe_ms_after); });
+  row("rebalances", [](const emu::RunResult& r) { return fmt::format("{}", r.rebalances); });
+  row("bytes moved", [](const emu::RunResult& r) { return human_bytes(static_cast<double>(r.bytes_moved)); });
+  row("stall max step (ms)", [](const emu::RunResult& r) { return fmt::format("{:.3f}", r.stall_max_ms); });
+  row("stall total (ms)", [](const emu::RunResult& r) { return fmt::format("{:.3f}", r.stall_total_ms); });
+  row("mismatches", [](const emu::RunResult& r) { return fmt::format("{}", r.mismatches); });
+  row("wall time (s)", [](const emu::RunResult& r) { return fmt::format("{:.1f}", r.wall_s); });
+}
+
+bool on_path(const std::string& program) {
+  const char* path = std::getenv("PATH");
+  if (path == nullptr) return false;
+  std::string dirs = path;
+  size_t start = 0;
+  while (start <= dirs.size()) {
+    const size_t end = std::min(dirs.find(':', start), dirs.size());
+    const std::string file = dirs.substr(start, end - start) + "/" + program;
+    if (::access(file.c_str(), X_OK) == 0) return true;
+    start = end + 1;
+  }
+  return false;
+}
+
+// Balancedness and step stall per step, one line per mode, rebalances marked.
+void plot(const std::string& png, const std::vector<emu::RunResult>& results) {
+  if (!on_path("gnuplot")) {
+    fail<NotSupported>("--plot needs gnuplot, which is not on PATH (Debian: apt-get install "
+                       "gnuplot-nox)");
+  }
+  const char* tmp = std::getenv("TMPDIR");
+  std::string dir = std::string(tmp && *tmp ? tmp : "/tmp") + "/eplb-plot-XXXXXX";
+  if (::mkdtemp(dir.data()) == nullptr) fail<IoError>("mkdtemp failed for ", dir);
+  std::string marks, balance, stall;
+  for (size_t i = 0; i < results.size(); ++i) {
+    const emu::RunResult& r = results[i];
+    const std::string data = fmt::format("{}/{}.dat", dir, r.mode);
+    std::ofstream out(data);
+    for (size_t s = 0; s < r.per_step.size(); ++s) {
+      out << s << ' ' << r.per_step[s].balancedness << ' ' << r.per_step[s].stall_ms << '\n';
+    }
+    const std::string sep = i == 0 ? "" : ", ";
+    balance += fmt::format("{}'{}' using 1:2 with lines lw 2 title '{}'", sep, data, r.mode);
+    stall += fmt::format("{}'{}' using 1:3 with lines lw 2 title '{}'", sep, data, r.mode);
+    for (const emu::RebalanceFigures& f : r.per_rebalance) {
+      if (f.outcome != "completed") continue;
+      marks += fmt::format("set arrow from {0},graph 0 to {0},graph 1 nohead dt 2 lc {1}\n",
+                           f.trigger_step, i + 1);
+      marks += fmt::format("set arrow from {0},graph 0 to {0},graph 1 nohead dt 3 lc {1}\n",
+                           f.end_step, i + 1);
+    }
+  }
+  const std::string script = fmt::format(
+      "set terminal pngcairo size 1000,700 noenhanced\n"
+      "set output '{}'\n"
+      "set multiplot layout 2,1 title 'eplb run (dashed: rebalance triggered, dotted: installed)'\n"
+      "set grid\nset key bottom right\n{}"
+      "set ylabel 'balancedness (mean/max rank load)'\nset yrange [0:1.05]\n"
+      "plot {}\n"
+      "set yrange [*:*]\nset logscale y\nset xlabel 'step'\nset ylabel 'step_end stall (ms)'\n"
+      "plot {}\nunset multiplot\n",
+      png, marks, balance, stall);
+  std::ofstream(dir + "/plot.gp") << script;
+  // pngcairo may be missing from a minimal gnuplot: fall back to the plain png terminal.
+  int rc = std::system(fmt::format("gnuplot '{}/plot.gp' 2>'{}/err.txt'", dir, dir).c_str());
+  if (rc != 0) {
+    std::string fallback = script;
+    fallback.replace(fallback.find("pngcairo"), 8, "png");
+    std::ofstream(dir + "/plot2.gp") << fallback;
+    rc = std::system(fmt::format("gnuplot '{}/plot2.gp' 2>>'{}/err.txt'", dir, dir).c_str());
+  }
+  std::string err;
+  if (rc != 0) {
+    std::ifstream in(dir + "/err.txt");
+    std::getline(in, err, '\0');
+  }
+  std::error_code ignored;
+  std::filesystem::remove_all(dir, ignored);
+  if (rc != 0) fail<IoError>("gnuplot failed to write ", png, ": ", err);
+}
+
+void run(RunArgs a) {
+  if (!a.verbose) spdlog::set_level(spdlog::level::warn);
+  emu::RunOptions& o = a.options;
+  if (a.verify == "all") {
+    o.verify_every = 1;
+  } else if (a.verify == "sample") {
+    o.verify_every = 16;
+  } else {
+    try {
+      size_t used = 0;
+      o.verify_every = std::stoll(a.verify, &used);
+      if (used != a.verify.size()) throw std::invalid_argument("trailing");
+    } catch (const std::exception&) {
+      fail("--verify '", a.verify, "' is not all, sample or a number N (one token in N)");
+    }
+  }
+  if (!a.trace.empty() && !a.load.empty()) fail("--trace and --load exclude each other");
+  const emu::Workload workload =
+      a.load.empty()
+          ? emu::workload_from_trace(a.trace.empty() ? emu::default_trace_path() : a.trace)
+          : emu::workload_from_load(a.load, a.top_k, a.sample_tokens, o.seed);
+
+  const bool launched = control::launched_by_mpirun() || std::getenv("RANK") != nullptr;
+  if (launched) {
+    if (a.compare) fail("--compare runs forked ranks: not under mpirun or a launcher");
+    o.progress = false;
+    const control::LaunchInfo info = *control::launch_info_from_env();
+    o.ranks = info.size;  // as run_from_env sees them, for the summary
+    if (info.local_size >= 1 && info.size % info.local_size == 0) {
+      o.nodes = info.size / info.local_size;
+    }
+    const emu::RunResult r = emu::run_from_env(o, workload);
+    const bool rank0 = info.rank == 0;
+    if (rank0) {
+      if (a.json) {
+        fmt::print("{}\n", to_json(o, r).dump());
+      } else {
+        print_result(r);
+      }
+      if (!a.plot.empty()) plot(a.plot, {r});
+    }
+    if (r.mismatches > 0) fail<IoError>(r.mismatches, " expert outputs differ from the reference");
+    return;
+  }
+
+  o.progress = !a.json && ::isatty(STDOUT_FILENO) != 0;
+  std::vector<std::string> modes = {o.mode};
+  if (a.compare) modes = {"off", "sync", "async"};
+  o.validate(workload);
+  if (!a.json) print_header(a, workload);
+  std::vector<emu::RunResult> results;
+  for (const std::string& mode : modes) {
+    emu::RunOptions m = o;
+    m.mode = mode;
+    results.push_back(emu::run_local(m, workload));
+    if (results.back().interrupted) break;
+  }
+  if (a.json) {
+    if (a.compare) {
+      nlohmann::json out = nlohmann::json::object();
+      for (const auto& r : results) out[r.mode] = to_json(o, r);
+      fmt::print("{}\n", out.dump());
+    } else {
+      fmt::print("{}\n", to_json(o, results[0]).dump());
+    }
+  } else if (a.compare) {
+    print_compare(results);
+  } else {
+    print_result(results[0]);
+  }
+  if (!a.plot.empty()) {
+    plot(a.plot, results);
+    if (!a.json) fmt::print("  plot written to {}\n", a.plot);
+  }
+  int64_t mismatches = 0;
+  bool interrupted = false;
+  for (const auto& r : results) {
+    mismatches += r.mismatches;
+    interrupted = interrupted || r.interrupted;
+  }
+  if (mismatches > 0) {
+    fail<IoError>(mismatches, " expert outputs differ from the reference (see docs/run.md)");
+  }
+  if (interrupted) {
+    std::fflush(stdout);
+    std::_Exit(130);
+  }
+}
+
+}  // namespace
+
+void add_run(CLI::App& app) {
+  auto a = std::make_shared<RunArgs>();
+  emu::RunOptions& o = a->options;
+  CLI::App* cmd = app.add_subcommand(
+      "run", "Serve a routing trace on G emulated expert-parallel ranks, rebalancing live");
+  cmd->add_option("--ranks", o.ranks, "Rank processes")->capture_default_str();
+  cmd->add_option("--nodes", o.nodes, "Emulated nodes (cross-node reads: UCX over TCP)")
+      ->capture_default_str();
+  cmd->add_option("--tokens-per-rank", o.tokens_per_rank, "Tokens per rank per step")
+      ->capture_default_str();
+  cmd->add_option("--hidden", o.shape.hidden, "Expert hidden size")->capture_default_str();
+  cmd->add_option("--intermediate", o.shape.intermediate, "Expert intermediate size")
+      ->capture_default_str();
+  cmd->add_option("--steps", o.steps)->capture_default_str();
+  cmd->add_option("--interval", o.interval, "Steps between rebalance triggers")
+      ->capture_default_str();
+  cmd->add_option("--window", o.window, "Steps of load history a placement sees")
+      ->capture_default_str();
+  cmd->add_option("--redundant", o.redundant, "Redundant slots per layer (-1: one per rank)")
+      ->capture_default_str();
+  cmd->add_option("--policy", o.policy, "deepseek, balanced or sticky")->capture_default_str();
+  cmd->add_option("--mode", o.mode, "async, sync or off (no rebalancing)")->capture_default_str();
+  cmd->add_option("--dispatch", o.dispatch, "static, random, hash or weighted")
+      ->capture_default_str();
+  cmd->add_option("--lag", o.lag, "Steps between an agreement and its action")
+      ->capture_default_str();
+  cmd->add_option("--verify", a->verify, "all, sample, or N: check the outputs of 1 token in N")
+      ->capture_default_str();
+  cmd->add_option("--trace", a->trace, "Routing trace CSV (default: the bundled FLAME trace)");
+  cmd->add_option("--load", a->load, "Load file to sample tokens from (any `eplb plan` format)");
+  cmd->add_option("--top-k", a->top_k, "With --load: experts per token")->capture_default_str();
+  cmd->add_option("--sample-tokens", a->sample_tokens, "With --load: tokens in one pass")
+      ->capture_default_str();
+  cmd->add_option("--seed", o.seed, "Sampler and random dispatch seed")->capture_default_str();
+  cmd->add_option("--transport", o.transport, "auto, shm or ucx")->capture_default_str();
+  cmd->add_option("--timeout-ms", o.timeout_ms, "Every collective and every batch of reads")
+      ->capture_default_str();
+  cmd->add_flag("--compare", a->compare, "Run EPLB off, sync and async on the same workload");
+  cmd->add_flag("--json", a->json, "Print one JSON object");
+  cmd->add_option("--plot", a->plot, "Write balancedness and stall per step to a PNG (gnuplot)");
+  cmd->add_flag("--verbose", a->verbose, "Log every rebalance");
+  cmd->callback([a] { run(*a); });
+}
+
+}  // namespace eplb::cli

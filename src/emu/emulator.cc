@@ -1,0 +1,569 @@
+#include "eplb/emu/emulator.h"
+
+#include <signal.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <array>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <new>
+#include <optional>
+#include <sstream>
+
+#include <fmt/core.h>
+#include <nlohmann/json.hpp>
+
+#include "eplb/control/communicator.h"
+#include "eplb/control/launch.h"
+#include "eplb/core/error.h"
+#include "eplb/placement/policy.h"
+#include "eplb/routing/dispatch.h"
+#include "eplb/stats/load_file.h"
+#include "eplb/runtime/rebalancer.h"
+#include "eplb/transport/registry.h"
+#include "eplb/transport/transport.h"
+
+namespace eplb::emu {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using nlohmann::json;
+
+double ms_since(Clock::time_point start) {
+  return std::chrono::duration<double, std::milli>(Clock::now() - start).count();
+}
+
+uint64_t mix(uint64_t x) {
+  x ^= x >> 30;
+  x *= 0xBF58476D1CE4E5B9ull;
+  x ^= x >> 27;
+  x *= 0x94D049BB133111EBull;
+  x ^= x >> 31;
+  return x;
+}
+
+// Whether the outputs of global token `token` at `step` are verified this step.
+bool verified_token(int64_t verify_every, int64_t step, int64_t token) {
+  if (verify_every <= 1) return true;
+  const uint64_t h = mix((static_cast<uint64_t>(step) << 32) ^ static_cast<uint64_t>(token) ^
+                         0x3C6EF372FE94F82Bull);
+  return h % static_cast<uint64_t>(verify_every) == 0;
+}
+
+int64_t physical_of(const RunOptions& options, const Workload& workload) {
+  const int64_t redundant = options.redundant < 0 ? options.ranks : options.redundant;
+  return workload.experts + redundant;
+}
+
+runtime::Config make_config(const RunOptions& options, const Workload& workload) {
+  runtime::Config config;
+  config.layout = Layout{.experts = workload.experts,
+                         .physical = physical_of(options, workload),
+                         .ranks = options.ranks,
+                         .nodes = options.nodes,
+                         .groups = 1};
+  const bool off = options.mode == "off";
+  // EPLB off: the same workers and the same runtime, with a trigger that never comes.
+  config.interval = off ? options.steps + 1 : options.interval;
+  config.window = options.window;
+  config.policy = placement::parse_policy(options.policy);
+  config.mode = off ? runtime::Mode::kAsync : runtime::parse_mode(options.mode);
+  config.lag = options.lag;
+  config.dispatch = routing::parse_dispatch_policy(options.dispatch);
+  config.timeout = std::chrono::milliseconds(options.timeout_ms);
+  return config;
+}
+
+// A verification waiting for its reference: the output computed from the slot's weights.
+struct Pending {
+  int32_t expert = 0;
+  int64_t token = 0;
+  size_t output = 0;  // offset in the outputs buffer
+};
+
+}  // namespace
+
+void RunOptions::validate(const Workload& workload) const {
+  if (ranks < 1) fail("--ranks ", ranks, " must be at least 1");
+  if (nodes < 1 || ranks % nodes != 0) {
+    fail("--nodes ", nodes, " must divide --ranks ", ranks, " (every node has as many ranks)");
+  }
+  if (tokens_per_rank < 1) fail("--tokens-per-rank ", tokens_per_rank, " must be at least 1");
+  shape.validate();
+  if (steps < 1) fail("--steps ", steps, " must be at least 1");
+  if (interval < 1) fail("--interval ", interval, " must be at least 1");
+  if (window < 1) fail("--window ", window, " must be at least 1");
+  if (lag < 1) fail("--lag ", lag, " must be at least 1");
+  if (verify_every < 1) fail("--verify-every ", verify_every, " must be at least 1");
+  if (timeout_ms < 1) fail("--timeout-ms ", timeout_ms, " must be at least 1");
+  if (mode != "async" && mode != "sync" && mode != "off") {
+    fail("--mode '", mode, "' is not one of async, sync, off");
+  }
+  placement::parse_policy(policy);
+  routing::parse_dispatch_policy(dispatch);
+  const int64_t redundant_slots = redundant < 0 ? ranks : redundant;
+  if (redundant_slots % ranks != 0) {
+    fail("--redundant ", redundant_slots, " is not a multiple of --ranks ", ranks,
+         " (physical slots must divide evenly)");
+  }
+  if (workload.experts + redundant_slots < ranks) {
+    fail("--ranks ", ranks, " is more than the ", workload.experts + redundant_slots,
+         " physical slots (experts + --redundant): every rank needs a slot");
+  }
+  if (transport != "auto" && !transport::has_backend(transport)) {
+    fail("--transport '", transport, "' is not built in");
+  }
+  if (transport == "auto" && nodes > 1 && !transport::has_backend("ucx")) {
+    fail("--nodes ", nodes, " needs the ucx transport, which this build lacks (use --nodes 1)");
+  }
+  make_config(*this, workload).validate();
+}
+
+std::string run_rank(const RunOptions& options, const Workload& workload,
+                     control::Communicator& communicator, control::Communicator& lockstep,
+                     transport::Transport& transport, const std::atomic<int>* stop) {
+  const int me = communicator.rank();
+  const int64_t G = options.ranks;
+  const int64_t T = options.tokens_per_rank;
+  const int64_t L = workload.layers;
+  const int64_t k = workload.top_k;
+  const ExpertShape& shape = options.shape;
+  const runtime::Config config = make_config(options, workload);
+  const int64_t spr = config.layout.slots_per_rank();
+  const routing::DispatchPolicy dispatch = config.dispatch;
+
+  runtime::WeightSpec spec{.layers = L,
+                           .tensors = {{"gate_up", shape.gate_up_bytes()},
+                                       {"down", shape.down_bytes()}}};
+  runtime::Rebalancer rb(config, communicator, transport, spec,
+                         trivial_placement(L, workload.experts, config.layout.physical));
+  const int64_t bytes_held = rb.connect();
+  runtime::fill_weights(rb, [&](int64_t layer, int64_t tensor, int32_t expert,
+                                std::span<std::byte> bytes) {
+    generate_weights_bytes(shape, layer, expert, static_cast<Tensor>(tensor), bytes);
+  });
+
+  // Every rank replays every sender's replica choice, so each sender has its random stream here.
+  std::vector<uint64_t> random_state(static_cast<size_t>(G));
+  for (int64_t g = 0; g < G; ++g) random_state[g] = mix(options.seed * 1000003 + g) | 1;
+
+  std::vector<int32_t> experts(static_cast<size_t>(T * k));
+  std::vector<int32_t> slots(static_cast<size_t>(G * T * k));
+  std::vector<int64_t> rank_load(static_cast<size_t>(G));
+  std::vector<float> x(static_cast<size_t>(shape.hidden));
+  std::vector<float> scratch(static_cast<size_t>(2 * shape.intermediate));
+  std::vector<float> y(static_cast<size_t>(shape.hidden));
+  std::vector<float> reference_y(static_cast<size_t>(shape.hidden));
+  std::vector<float> reference_gate_up(static_cast<size_t>(shape.gate_up_floats()));
+  std::vector<float> reference_down(static_cast<size_t>(shape.down_floats()));
+  std::vector<float> outputs;  // the outputs to verify, this layer
+  std::vector<Pending> pending;
+
+  std::vector<double> moe_ms, stall_ms, balancedness;
+  std::vector<int64_t> installs;
+  int64_t mismatches = 0, verified = 0, computed = 0;
+  std::string first_mismatch;
+  bool interrupted = false;
+  const bool progress = options.progress && me == 0;
+
+  int64_t step = 0;
+  for (; step < options.steps; ++step) {
+    double compute_ms = 0;
+    double sum_mean = 0, sum_max = 0;
+    for (int64_t l = 0; l < L; ++l) {
+      // Step 1: route every sender's tokens through this layer's tables, as each sender would.
+      const routing::DispatchTables& tables = rb.dispatch(l);
+      std::fill(rank_load.begin(), rank_load.end(), 0);
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t first = (step * G + g) * T;
+        for (int64_t t = 0; t < T; ++t) {
+          const auto e = workload.experts_of(l, first + t);
+          std::copy(e.begin(), e.end(), experts.begin() + t * k);
+        }
+        std::span<int32_t> out{slots.data() + g * T * k, static_cast<size_t>(T * k)};
+        routing::route(tables, dispatch, experts, k, out, static_cast<uint64_t>(first), g,
+                       random_state[g]);
+        if (g == me) rb.record(l, experts);
+        for (const int32_t s : out) ++rank_load[s / spr];
+      }
+      const int64_t max_load = *std::max_element(rank_load.begin(), rank_load.end());
+      sum_mean += static_cast<double>(T * k);  // G*T*k assignments over G ranks
+      sum_max += static_cast<double>(max_load);
+
+      // Step 2: compute the expert outputs of every (token, expert) this rank's slots received.
+      const auto* gate_up = reinterpret_cast<const float*>(rb.weights(l, 0).data());
+      const auto* down = reinterpret_cast<const float*>(rb.weights(l, 1).data());
+      outputs.clear();
+      pending.clear();
+      const auto start = Clock::now();
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t first = (step * G + g) * T;
+        for (int64_t t = 0; t < T; ++t) {
+          for (int64_t j = 0; j < k; ++j) {
+            const int32_t slot = slots[(g * T + t) * k + j];
+            if (slot / spr != me) continue;
+            const int64_t local = slot % spr;
+            const int64_t token = first + t;
+            generate_activation(shape.hidden, step, token, l, x);
+            expert_forward(shape, gate_up + local * shape.gate_up_floats(),
+                           down + local * shape.down_floats(), x.data(), scratch.data(),
+                           y.data());
+            ++computed;
+            if (verified_token(options.verify_every, step, token)) {
+              pending.push_back({workload.experts_of(l, token)[j], token, outputs.size()});
+              outputs.insert(outputs.end(), y.begin(), y.end());
+            }
+          }
+        }
+      }
+      compute_ms += ms_since(start);
+
+      // Step 3: check the sampled outputs against the logical expert the token chose, from
+      // reference weights generated afresh (once per expert).
+      std::sort(pending.begin(), pending.end(), [](const Pending& a, const Pending& b) {
+        return a.expert != b.expert ? a.expert < b.expert : a.output < b.output;
+      });
+      int32_t generated = -1;
+      for (const Pending& p : pending) {
+        if (p.expert != generated) {
+          generate_weights(shape, l, p.expert, Tensor::kGateUp, reference_gate_up);
+          generate_weights(shape, l, p.expert, Tensor::kDown, reference_down);
+          generated = p.expert;
+        }
+        generate_activation(shape.hidden, step, p.token, l, x);
+        expert_forward(shape, reference_gate_up.data(), reference_down.data(), x.data(),
+                       scratch.data(), reference_y.data());
+        ++verified;
+        if (std::memcmp(reference_y.data(), outputs.data() + p.output,
+                        reference_y.size() * sizeof(float)) != 0) {
+          if (mismatches == 0) {
+            first_mismatch = fmt::format("step {} layer {} token {} expert {} on rank {}", step,
+                                         l, p.token, p.expert, me);
+          }
+          ++mismatches;
+        }
+      }
+    }
+    moe_ms.push_back(compute_ms);
+    balancedness.push_back(sum_max > 0 ? sum_mean / sum_max : 1.0);
+
+    // Step 4: the all-to-alls that keep expert-parallel ranks in step, carrying the stop flag
+    // so that every rank stops at the same step.
+    std::array<int64_t, 1> flag{stop != nullptr && stop->load() != 0 ? 1 : 0};
+    lockstep.all_reduce(flag, control::ReduceOp::kMax);
+
+    const int64_t installed = rb.installed_layers();
+    const auto start = Clock::now();
+    rb.step_end();
+    stall_ms.push_back(ms_since(start));
+    installs.push_back(rb.installed_layers() - installed);
+    if (progress) {
+      fmt::print("\r  step {}/{}  rebalances {}  balancedness {:.3f}", step + 1, options.steps,
+                 rb.history().size(), balancedness.back());
+      std::fflush(stdout);
+    }
+    if (flag[0] != 0) {
+      interrupted = true;
+      ++step;
+      break;
+    }
+  }
+  if (progress) {
+    fmt::print("\r\033[K");
+    std::fflush(stdout);
+  }
+  rb.shutdown();
+
+  json history = json::array();
+  for (const runtime::RebalanceRecord& r : rb.history()) {
+    history.push_back({{"trigger_step", r.trigger_step},
+                       {"end_step", r.end_step},
+                       {"outcome", std::string(runtime::outcome_name(r.outcome))},
+                       {"error", r.error},
+                       {"slots_moved", r.slots_moved},
+                       {"bytes_intra_node", r.bytes_intra_node},
+                       {"bytes_inter_node", r.bytes_inter_node},
+                       {"bytes_local_copy", r.bytes_local_copy},
+                       {"stall_total_ms", r.stall_total_ms},
+                       {"stall_max_ms", r.stall_max_ms},
+                       {"balancedness_before", r.balancedness_before},
+                       {"balancedness_after", r.balancedness_after}});
+  }
+  const json report = {{"rank", me},
+                       {"steps", step},
+                       {"interrupted", interrupted},
+                       {"bytes_held", bytes_held},
+                       {"computed", computed},
+                       {"verified", verified},
+                       {"mismatches", mismatches},
+                       {"first_mismatch", first_mismatch},
+                       {"moe_ms", moe_ms},
+                       {"stall_ms", stall_ms},
+                       {"balancedness", balancedness},
+                       {"installs", installs},
+                       {"history", history}};
+  return report.dump();
+}
+
+namespace {
+
+// Mean of values[first, last); 0 for an empty range.
+double mean_of(const std::vector<StepFigures>& steps, int64_t first, int64_t last,
+               double StepFigures::*field) {
+  if (last <= first) return 0;
+  double sum = 0;
+  for (int64_t s = first; s < last; ++s) sum += steps[s].*field;
+  return sum / static_cast<double>(last - first);
+}
+
+}  // namespace
+
+RunResult merge_reports(const RunOptions& options, const Workload& workload,
+                        const std::vector<std::string>& reports) {
+  EPLB_CHECK_EQ(static_cast<int64_t>(reports.size()), static_cast<int64_t>(options.ranks),
+                "rank reports");
+  std::vector<json> r;
+  for (const std::string& text : reports) r.push_back(json::parse(text));
+  RunResult result;
+  result.mode = options.mode;
+  result.steps = r[0]["steps"].get<int64_t>();
+  result.interrupted = r[0]["interrupted"].get<bool>();
+  result.bytes_held = r[0]["bytes_held"].get<int64_t>();
+  result.per_step.resize(static_cast<size_t>(result.steps));
+  for (int64_t s = 0; s < result.steps; ++s) {
+    StepFigures& f = result.per_step[s];
+    f.balancedness = r[0]["balancedness"][s].get<double>();
+    f.installs = r[0]["installs"][s].get<int64_t>();
+    for (const json& rank : r) {
+      f.moe_ms = std::max(f.moe_ms, rank["moe_ms"][s].get<double>());
+      f.stall_ms = std::max(f.stall_ms, rank["stall_ms"][s].get<double>());
+    }
+  }
+  for (const json& rank : r) {
+    result.mismatches += rank["mismatches"].get<int64_t>();
+    result.verified += rank["verified"].get<int64_t>();
+    result.outputs += rank["computed"].get<int64_t>();
+  }
+  const json& history = r[0]["history"];
+  for (size_t i = 0; i < history.size(); ++i) {
+    const json& h = history[i];
+    RebalanceFigures f;
+    f.trigger_step = h["trigger_step"].get<int64_t>();
+    f.end_step = h["end_step"].get<int64_t>();
+    f.outcome = h["outcome"].get<std::string>();
+    f.error = h["error"].get<std::string>();
+    f.slots_moved = h["slots_moved"].get<int64_t>();
+    f.bytes_moved = h["bytes_intra_node"].get<int64_t>() + h["bytes_inter_node"].get<int64_t>();
+    f.bytes_local_copy = h["bytes_local_copy"].get<int64_t>();
+    f.predicted_before = h["balancedness_before"].get<double>();
+    f.predicted_after = h["balancedness_after"].get<double>();
+    for (const json& rank : r) {
+      if (i >= rank["history"].size()) continue;
+      f.stall_total_ms = std::max(f.stall_total_ms, rank["history"][i]["stall_total_ms"].get<double>());
+      f.stall_max_ms = std::max(f.stall_max_ms, rank["history"][i]["stall_max_ms"].get<double>());
+    }
+    ++result.rebalances_triggered;
+    if (f.outcome == "completed") {
+      ++result.rebalances;
+      result.bytes_moved += f.bytes_moved;
+      result.bytes_local_copy += f.bytes_local_copy;
+    }
+    result.stall_total_ms += f.stall_total_ms;
+    result.stall_max_ms = std::max(result.stall_max_ms, f.stall_max_ms);
+    result.per_rebalance.push_back(f);
+  }
+
+  // "Before": the steps ahead of the first trigger; "after": the steps after the first completed
+  // rebalance ended. Both are cut to whole periods of the workload (each period replays the same
+  // tokens), so they score the same traffic; without a rebalance (EPLB off) the same split is
+  // made at the first step that would have triggered one.
+  const int64_t period = workload.period(options.ranks, options.tokens_per_rank);
+  int64_t split_before = std::min(options.interval, result.steps);
+  int64_t split_after = split_before;
+  if (!result.per_rebalance.empty()) split_before = result.per_rebalance[0].trigger_step;
+  for (const RebalanceFigures& f : result.per_rebalance) {
+    if (f.outcome == "completed") {
+      split_after = std::min(f.end_step, result.steps);
+      break;
+    }
+  }
+  result.before_first = 0;
+  result.before_last = split_before >= period ? split_before / period * period : split_before;
+  result.after_last = result.steps;
+  const int64_t after_len = result.steps - split_after;
+  result.after_first =
+      after_len >= period ? result.steps - after_len / period * period : split_after;
+  result.balancedness_before = mean_of(result.per_step, result.before_first, result.before_last,
+                                       &StepFigures::balancedness);
+  result.balancedness_after = mean_of(result.per_step, result.after_first, result.after_last,
+                                      &StepFigures::balancedness);
+  result.moe_ms_before = mean_of(result.per_step, result.before_first, result.before_last,
+                                 &StepFigures::moe_ms);
+  result.moe_ms_after = mean_of(result.per_step, result.after_first, result.after_last,
+                                &StepFigures::moe_ms);
+  return result;
+}
+
+namespace {
+
+std::atomic<int>* g_stop = nullptr;  // shared with the ranks (MAP_SHARED), set by the handler
+
+void on_stop_signal(int signal) {
+  if (g_stop == nullptr) return;
+  if (g_stop->exchange(1) != 0) {
+    // A second Ctrl-C: stop now (forked ranks die with the launcher).
+    ::signal(signal, SIG_DFL);
+    ::raise(signal);
+  }
+}
+
+std::unique_ptr<transport::Transport> make_transport(const RunOptions& options, int rank) {
+  std::string name = options.transport;
+  if (name == "auto") name = options.nodes > 1 ? "ucx" : "shm";
+  // Emulated nodes: make UCX use TCP for every read, as between machines, unless the caller
+  // chose its transports.
+  if (name == "ucx" && options.nodes > 1) ::setenv("UCX_TLS", "tcp", 0);
+  return transport::create(name, transport::Options{.rank = rank});
+}
+
+std::string describe_failures(const std::vector<control::RankExit>& exits) {
+  // The rank that died on its own first, then the ones that stopped because of it.
+  std::string died, others;
+  for (const control::RankExit& e : exits) {
+    if (e.ok()) continue;
+    const bool own = !e.killed_by_launcher && e.signal != 0 && e.signal != SIGINT;
+    (own ? died : others) += ((own ? died : others).empty() ? "" : "; ") + e.describe();
+  }
+  if (!died.empty()) {
+    return fmt::format("{} died; the run stopped{}", died,
+                       others.empty() ? "" : " (then: " + others + ")");
+  }
+  return "ranks failed: " + others;
+}
+
+}  // namespace
+
+RunResult run_local(const RunOptions& options, const Workload& workload) {
+  options.validate(workload);
+  const char* tmp = std::getenv("TMPDIR");
+  std::string dir = std::string(tmp && *tmp ? tmp : "/tmp") + "/eplb-run-XXXXXX";
+  if (::mkdtemp(dir.data()) == nullptr) fail<IoError>("mkdtemp failed for ", dir);
+  struct Cleanup {
+    std::string dir;
+    ~Cleanup() {
+      std::error_code ignored;
+      std::filesystem::remove_all(dir, ignored);
+    }
+  } cleanup{dir};
+
+  // The stop flag lives in shared memory: a signal to the launcher or to any rank reaches all.
+  void* shared = ::mmap(nullptr, sizeof(std::atomic<int>), PROT_READ | PROT_WRITE,
+                        MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+  if (shared == MAP_FAILED) fail<IoError>("mmap of the stop flag failed: ", std::strerror(errno));
+  auto* stop = new (shared) std::atomic<int>(0);
+  g_stop = stop;
+  struct sigaction action {};
+  action.sa_handler = on_stop_signal;
+  sigemptyset(&action.sa_mask);
+  struct sigaction old_int {}, old_term {};
+  ::sigaction(SIGINT, &action, &old_int);
+  ::sigaction(SIGTERM, &action, &old_term);
+
+  const std::string rendezvous =
+      fmt::format("eplb-run-{}-{}-{}", ::getpid(), options.mode,
+                  Clock::now().time_since_epoch().count() % 1000000);
+  control::ForkOptions fork_options;
+  fork_options.timeout = std::chrono::hours(24);  // collectives time out on their own
+  fork_options.grace = std::chrono::milliseconds(options.timeout_ms) + std::chrono::seconds(5);
+  const auto start = Clock::now();
+  std::vector<control::RankExit> exits;
+  try {
+    exits = control::fork_ranks(
+        options.ranks,
+        [&](int rank) {
+          control::Options o;
+          o.rank = rank;
+          o.size = options.ranks;
+          o.rendezvous = rendezvous;
+          o.timeout = std::chrono::milliseconds(options.timeout_ms);
+          auto communicator = control::connect("shm", o);
+          o.rendezvous = rendezvous + "-lockstep";
+          o.group = "lockstep";
+          auto lockstep = control::connect("shm", o);
+          auto transport = make_transport(options, rank);
+          const std::string report =
+              run_rank(options, workload, *communicator, *lockstep, *transport, stop);
+          std::ofstream(fmt::format("{}/rank{}.json", dir, rank)) << report;
+          return 0;
+        },
+        fork_options);
+  } catch (...) {
+    ::sigaction(SIGINT, &old_int, nullptr);
+    ::sigaction(SIGTERM, &old_term, nullptr);
+    g_stop = nullptr;
+    throw;
+  }
+  ::sigaction(SIGINT, &old_int, nullptr);
+  ::sigaction(SIGTERM, &old_term, nullptr);
+  g_stop = nullptr;
+  const bool stopped = stop->load() != 0;
+  ::munmap(shared, sizeof(std::atomic<int>));
+
+  bool all_ok = true;
+  for (const control::RankExit& e : exits) all_ok = all_ok && e.ok();
+  if (!all_ok) {
+    fail<IoError>(describe_failures(exits), stopped ? " (after an interrupt)" : "");
+  }
+  std::vector<std::string> reports;
+  for (int rank = 0; rank < options.ranks; ++rank) {
+    reports.push_back(stats::read_file(fmt::format("{}/rank{}.json", dir, rank)));
+  }
+  RunResult result = merge_reports(options, workload, reports);
+  result.wall_s = std::chrono::duration<double>(Clock::now() - start).count();
+  return result;
+}
+
+RunResult run_from_env(RunOptions options, const Workload& workload) {
+  const std::optional<control::LaunchInfo> info = control::launch_info_from_env();
+  if (!info) {
+    fail("no launcher environment: set RANK and WORLD_SIZE (and EPLB_RENDEZVOUS), or start "
+         "under mpirun");
+  }
+  options.ranks = info->size;
+  if (info->local_size >= 1 && info->size % info->local_size == 0) {
+    options.nodes = info->size / info->local_size;
+  }
+  options.progress = options.progress && info->rank == 0;
+  options.validate(workload);
+  control::Options o;
+  o.rank = info->rank;
+  o.size = info->size;
+  o.rendezvous = info->rendezvous;
+  o.timeout = info->timeout;
+  const auto start = Clock::now();
+  auto communicator = control::connect(info->backend, o);
+  o.group = "lockstep";
+  auto lockstep = control::connect(info->backend, o);
+  if (options.transport == "auto") options.transport = "ucx";
+  auto transport = transport::create(options.transport, transport::Options{.rank = info->rank});
+  const std::string report =
+      run_rank(options, workload, *communicator, *lockstep, *transport, nullptr);
+  const auto bytes = std::as_bytes(std::span(report.data(), report.size()));
+  const std::vector<control::Bytes> all = lockstep->all_gather(bytes);
+  std::vector<std::string> reports;
+  for (const control::Bytes& b : all) {
+    reports.emplace_back(reinterpret_cast<const char*>(b.data()), b.size());
+  }
+  RunResult result = merge_reports(options, workload, reports);
+  result.wall_s = std::chrono::duration<double>(Clock::now() - start).count();
+  return result;
+}
+
+}  // namespace eplb::emu

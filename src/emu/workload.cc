@@ -1,0 +1,112 @@
+#include "eplb/emu/workload.h"
+
+#include <cstdlib>
+#include <filesystem>
+#include <numeric>
+
+#include "eplb/core/error.h"
+#include "eplb/stats/load_file.h"
+
+namespace eplb::emu {
+namespace {
+
+uint64_t splitmix(uint64_t& state) {
+  uint64_t x = (state += 0x9E3779B97F4A7C15ull);
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
+double uniform(uint64_t& state) {
+  return static_cast<double>(splitmix(state) >> 11) * (1.0 / 9007199254740992.0);
+}
+
+}  // namespace
+
+int64_t Workload::period(int64_t ranks, int64_t tokens_per_rank) const {
+  return tokens / std::gcd(tokens, ranks * tokens_per_rank);
+}
+
+std::string default_trace_path() {
+  if (const char* dir = std::getenv("EPLB_DATA_DIR"); dir != nullptr && *dir != '\0') {
+    return std::string(dir) + "/flame-moe-290m/routing_top6.csv";
+  }
+#ifdef EPLB_EMU_DATA_DIR
+  return EPLB_EMU_DATA_DIR "/flame-moe-290m/routing_top6.csv";
+#else
+  return "data/flame-moe-290m/routing_top6.csv";
+#endif
+}
+
+Workload workload_from_trace(const std::string& path) {
+  if (!std::filesystem::exists(path)) {
+    fail<IoError>("routing trace ", path,
+                  " not found (pass --trace FILE, or set EPLB_DATA_DIR to the source tree's "
+                  "data folder)");
+  }
+  const stats::RoutingTrace trace = stats::read_routing_trace(path);
+  Workload w;
+  w.layers = trace.layers;
+  w.experts = trace.experts;
+  w.top_k = trace.top_k;
+  w.tokens = trace.tokens;
+  w.routes = trace.routes;
+  w.source = path;
+  if (w.layers < 1 || w.tokens < 1 || w.top_k < 1) {
+    fail("routing trace ", path, " has no routed tokens");
+  }
+  return w;
+}
+
+Workload workload_from_load(const std::string& path, int64_t top_k, int64_t tokens,
+                            uint64_t seed) {
+  if (top_k < 1) fail("--top-k ", top_k, " must be at least 1");
+  if (tokens < 1) fail("--sample-tokens ", tokens, " must be at least 1");
+  const LoadMatrix load = stats::read_load(path);
+  if (load.experts < top_k) {
+    fail("--top-k ", top_k, " is more than the ", load.experts, " experts of ", path);
+  }
+  Workload w;
+  w.layers = load.layers;
+  w.experts = load.experts;
+  w.top_k = top_k;
+  w.tokens = tokens;
+  w.source = path + " (sampled, seed " + std::to_string(seed) + ")";
+  w.routes.resize(static_cast<size_t>(w.layers * tokens * top_k));
+  uint64_t state = seed;
+  std::vector<double> weight(static_cast<size_t>(w.experts));
+  for (int64_t l = 0; l < w.layers; ++l) {
+    for (int64_t t = 0; t < tokens; ++t) {
+      // Step 1: draw top_k distinct experts, each in proportion to its load among those left;
+      // when every expert left has zero load, the lowest id left.
+      for (int64_t e = 0; e < w.experts; ++e) weight[e] = load.at(l, e);
+      for (int64_t j = 0; j < top_k; ++j) {
+        double total = 0;
+        for (const double v : weight) total += v > 0 ? v : 0;
+        int64_t pick = -1;
+        if (total > 0) {
+          double u = uniform(state) * total;
+          for (int64_t e = 0; e < w.experts; ++e) {
+            if (weight[e] <= 0) continue;
+            pick = e;
+            if (u < weight[e]) break;
+            u -= weight[e];
+          }
+        } else {
+          for (int64_t e = 0; e < w.experts && pick < 0; ++e) {
+            bool used = false;
+            for (int64_t i = 0; i < j; ++i) {
+              used |= w.routes[(l * tokens + t) * top_k + i] == e;
+            }
+            if (!used) pick = e;
+          }
+        }
+        w.routes[(l * tokens + t) * top_k + j] = static_cast<int32_t>(pick);
+        weight[pick] = -1;  // drawn: never again for this token
+      }
+    }
+  }
+  return w;
+}
+
+}  // namespace eplb::emu

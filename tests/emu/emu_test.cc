@@ -1,0 +1,107 @@
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <set>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "eplb/core/error.h"
+#include "eplb/emu/expert.h"
+#include "eplb/emu/workload.h"
+
+namespace eplb::emu {
+namespace {
+
+const ExpertShape kShape{.hidden = 24, .intermediate = 12};
+
+std::vector<float> forward(int64_t layer, int32_t expert, int64_t step, int64_t token) {
+  std::vector<float> gate_up(kShape.gate_up_floats()), down(kShape.down_floats());
+  generate_weights(kShape, layer, expert, Tensor::kGateUp, gate_up);
+  generate_weights(kShape, layer, expert, Tensor::kDown, down);
+  std::vector<float> x(kShape.hidden), scratch(2 * kShape.intermediate), y(kShape.hidden);
+  generate_activation(kShape.hidden, step, token, layer, x);
+  expert_forward(kShape, gate_up.data(), down.data(), x.data(), scratch.data(), y.data());
+  return y;
+}
+
+bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+TEST(Expert, OutputsAreDeterministicAndDifferPerExpertLayerAndToken) {
+  const std::vector<float> y = forward(3, 17, 5, 99);
+  EXPECT_TRUE(same_bits(y, forward(3, 17, 5, 99)));
+  EXPECT_FALSE(same_bits(y, forward(3, 18, 5, 99)));  // another expert
+  EXPECT_FALSE(same_bits(y, forward(4, 17, 5, 99)));  // another layer
+  EXPECT_FALSE(same_bits(y, forward(3, 17, 6, 99)));  // another step
+  EXPECT_FALSE(same_bits(y, forward(3, 17, 5, 98)));  // another token
+  bool nonzero = false;
+  for (const float v : y) nonzero = nonzero || v != 0;
+  EXPECT_TRUE(nonzero);
+}
+
+TEST(Expert, BytesMatchFloats) {
+  std::vector<float> floats(kShape.down_floats());
+  std::vector<std::byte> bytes(kShape.down_bytes());
+  generate_weights(kShape, 1, 2, Tensor::kDown, floats);
+  generate_weights_bytes(kShape, 1, 2, Tensor::kDown, bytes);
+  EXPECT_EQ(std::memcmp(floats.data(), bytes.data(), bytes.size()), 0);
+  EXPECT_EQ(kShape.expert_bytes(), 3 * 24 * 12 * 4);
+}
+
+TEST(Expert, ShapeIsValidated) {
+  EXPECT_THROW((ExpertShape{.hidden = 0, .intermediate = 4}.validate()), InvalidArgument);
+  EXPECT_THROW((ExpertShape{.hidden = 4, .intermediate = -1}.validate()), InvalidArgument);
+}
+
+TEST(Workload, BundledTraceCyclesWithItsPeriod) {
+  const Workload w = workload_from_trace(EPLB_SOURCE_DIR "/data/flame-moe-290m/routing_top6.csv");
+  EXPECT_EQ(w.layers, 8);
+  EXPECT_EQ(w.experts, 64);
+  EXPECT_EQ(w.top_k, 6);
+  EXPECT_EQ(w.tokens, 2048);
+  EXPECT_EQ(w.period(4, 128), 4);
+  EXPECT_EQ(w.period(4, 96), 16);  // 2048 / gcd(2048, 384)
+  const auto a = w.experts_of(2, 5);
+  const auto b = w.experts_of(2, 5 + 2048);
+  EXPECT_TRUE(std::equal(a.begin(), a.end(), b.begin(), b.end()));
+}
+
+TEST(Workload, MissingTraceNamesThePath) {
+  try {
+    workload_from_trace("/nonexistent/trace.csv");
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("/nonexistent/trace.csv"), std::string::npos);
+  }
+}
+
+TEST(Workload, SamplerDrawsDistinctExpertsInProportionToLoad) {
+  const std::string path = testing::TempDir() + "/emu_load.json";
+  std::ofstream(path) << R"({"load": [[100, 0, 300, 600], [1, 1, 1, 1]]})";
+  const Workload w = workload_from_load(path, 2, 4000, 7);
+  ASSERT_EQ(w.layers, 2);
+  ASSERT_EQ(w.experts, 4);
+  std::vector<int64_t> first(4, 0);
+  for (int64_t t = 0; t < w.tokens; ++t) {
+    for (int64_t l = 0; l < 2; ++l) {
+      const auto e = w.experts_of(l, t);
+      EXPECT_NE(e[0], e[1]);
+      for (const int32_t x : e) ASSERT_TRUE(x >= 0 && x < 4);
+    }
+    ++first[w.experts_of(0, t)[0]];
+  }
+  // Expert 1 has no load: drawn only when nothing else is left, which top-2 of 3 never needs.
+  EXPECT_EQ(first[1], 0);
+  EXPECT_GT(first[3], first[2]);
+  EXPECT_GT(first[2], first[0]);
+  // Same seed, same trace.
+  EXPECT_EQ(workload_from_load(path, 2, 4000, 7).routes, w.routes);
+  EXPECT_THROW(workload_from_load(path, 5, 10, 7), InvalidArgument);
+  std::remove(path.c_str());
+}
+
+}  // namespace
+}  // namespace eplb::emu

@@ -5,6 +5,9 @@ placement policies, the placement metrics, and the migration planner, all comput
 the GIL released. Inputs may be numpy arrays, nested lists or torch tensors; torch is imported
 only when a torch tensor is passed in.
 
+``Rebalancer`` is the runtime an engine embeds: it records loads, serves dispatch tables, holds
+the expert weights and rebalances them while the engine serves (see ``eplb.runtime``).
+
 Words (as in the C++ library): layer ``l``, logical expert ``e`` (``E`` per layer), physical
 slot ``p`` (``P`` per layer), rank ``g`` (``G``, a GPU: slot ``p`` is on rank ``p // (P // G)``),
 node (``N``), group (DeepSeek's expert groups).
@@ -62,8 +65,12 @@ balancedness: float64 [layers], mean rank load / per_layer, the best reachable b
 balancedness_mean: float, the mean of balancedness
 """
 
+NO_AGREEMENT = _eplb.NO_AGREEMENT
+control_backends = _eplb.control_backends
+transport_backends = _eplb.transport_backends
+
 __all__ = [
-    "rebalance_experts", "balancedness", "lower_bound", "plan_migration", "Balancedness",
+    "Rebalancer", "NO_AGREEMENT", "control_backends", "transport_backends", "rebalance_experts", "balancedness", "lower_bound", "plan_migration", "Balancedness",
     "LowerBound", "ACTIONS", "Error", "InvalidArgument", "NotSupported", "IoError", "Timeout",
 ]
 
@@ -248,3 +255,7 @@ def plan_migration(old_phy2log, new_phy2log, num_gpus, num_nodes, expert_bytes,
         _as_int(num_gpus, "num_gpus"), _as_int(num_nodes, "num_nodes"),
         _as_int(expert_bytes, "expert_bytes"), _as_int(peers_per_round, "peers_per_round"),
         bool(half_duplex))
+
+
+# Last: the runtime module imports names defined above.
+from .runtime import Rebalancer  # noqa: E402

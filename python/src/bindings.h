@@ -37,5 +37,6 @@ py::array_t<int64_t> to_numpy(const int32_t* values, std::initializer_list<py::s
 void bind_errors(py::module_& m);
 void bind_placement(py::module_& m);
 void bind_migration(py::module_& m);
+void bind_runtime(py::module_& m);
 
 }  // namespace eplb::python

@@ -116,4 +116,5 @@ PYBIND11_MODULE(_eplb, m) {
   eplb::python::bind_errors(m);
   eplb::python::bind_placement(m);
   eplb::python::bind_migration(m);
+  eplb::python::bind_runtime(m);
 }

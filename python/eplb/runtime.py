@@ -1,0 +1,449 @@
+"""The runtime for Python engines: ``eplb.Rebalancer``.
+
+One ``Rebalancer`` per rank records expert loads, serves the dispatch tables, owns the expert
+weights (the arena, handed to the engine as numpy arrays or torch tensors without a copy) and
+rebalances the experts while the engine keeps serving (docs/runtime.md).
+
+    rb = eplb.Rebalancer({"experts": 64, "physical": 72, "interval": 100, "window": 100},
+                         rank, world_size, control="gloo", rendezvous=shared_folder,
+                         transport="shm", layers=L,
+                         weights={"gate_up": ((2 * I, H), "float32"), "down": ((H, I), "float32")})
+    rb.connect()                                   # all memory, all peers, before the KV cache
+    rb.fill_weights(lambda layer, tensor, expert: load(layer, tensor, expert))
+    while serving:                                 # the forward thread
+        for layer in range(L):
+            w13 = rb.weights(layer, "gate_up", as_torch=True)   # [slots_per_rank, 2I, H]
+            rb.record(layer, topk_ids)
+            slots = rb.route(layer, topk_ids, first_token)     # or rb.dispatch(layer)
+            ...
+        rb.step_end()                              # every rank, once per forward pass
+    rb.shutdown()                                  # every rank, at the same step
+
+WEIGHT VIEWS ARE VALID ONLY UNTIL THE NEXT ``step_end()``. A rebalance installs a layer by
+swapping its buffer with the staging buffer, so after ``step_end()`` a view fetched before may
+show a buffer that is being overwritten with another layer's next placement. Fetch the views of
+a layer again after every ``step_end()`` (it costs a few microseconds), or at least whenever
+``installed_layers`` changed. The same holds for ``dispatch()`` and ``phy2log()`` (they are
+copies, so they stay readable, but describe the old placement).
+
+External agreement (config "agreement": "external", async mode): instead of eplb running one
+tiny all-reduce per step on its control plane, the engine carries it on its own collective:
+
+    rb.step_end()
+    mine = torch.tensor([rb.agreement_contribution()])     # eplb.NO_AGREEMENT when idle
+    torch.distributed.all_reduce(mine, op=torch.distributed.ReduceOp.MIN)
+    rb.agreement_result(rb.step, int(mine))
+
+Threads: record*, dispatch, route, weights, phy2log and step_end belong to one thread (the
+engine's forward thread). The GIL is released while connect(), step_end() and shutdown() run,
+and while the constructor joins the control group.
+"""
+
+import math
+import operator
+import os
+import sys
+import uuid
+
+import numpy as np
+
+from . import _eplb
+
+InvalidArgument = _eplb.InvalidArgument
+
+
+def _torch():
+    import torch
+    return torch
+
+
+def _is_torch_tensor(x):
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+def _is_torch_dtype(x):
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.dtype)
+
+
+def _itemsize(dtype):
+    if _is_torch_dtype(dtype):
+        return _torch().empty((), dtype=dtype).element_size()
+    return np.dtype(dtype).itemsize
+
+
+def _parse_tensor(name, spec):
+    """(name, expert_bytes, shape or None, dtype or None) of one entry of `weights`."""
+    if not isinstance(name, str) or not name:
+        raise InvalidArgument(f"weights: tensor names must be non-empty strings, got {name!r}")
+    if isinstance(spec, (int, np.integer)) and not isinstance(spec, bool):
+        return name, int(spec), None, None
+    try:
+        shape, dtype = spec
+        shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(
+            operator.index(s) for s in shape)
+        size = _itemsize(dtype)
+    except (TypeError, ValueError) as e:
+        raise InvalidArgument(
+            f"weights: tensor '{name}' must be given as expert_bytes (an int) or "
+            f"(shape, dtype), got {spec!r}: {e}") from None
+    if any(s < 1 for s in shape):
+        raise InvalidArgument(f"weights: tensor '{name}' has shape {shape}; every dimension "
+                              "must be at least 1")
+    return name, math.prod(shape) * size, shape, dtype
+
+
+class Rebalancer:
+    """One rank of eplb's runtime (C++ ``eplb::runtime::Rebalancer``).
+
+    Parameters:
+        config: dict keyed by the C++ Config's field names: ``experts`` and ``physical``
+            (required), ``ranks`` (default world_size), ``nodes``, ``groups``, ``interval``,
+            ``window``, ``policy`` ("sticky", "balanced", "deepseek"), ``hierarchical``,
+            ``tolerance``, ``min_gain``, ``lag``, ``timeout_ms``, ``mode`` ("async", "sync"),
+            ``agreement`` ("internal", or "external": see agreement_result()),
+            ``peers_per_round``, ``dispatch`` ("static", "random", "hash", "weighted": what
+            route() uses), ``on_error`` ("log", "raise"); defaults as in docs/runtime.md.
+        rank, world_size: this rank and the number of ranks.
+        control: control-plane backend, "shm" (processes of one machine), "gloo" (TCP; the
+            rendezvous is a shared folder or redis://host:port), "inproc" (ranks are threads of
+            this process), "mpi" where built; eplb.control_backends() lists them.
+        rendezvous: where the ranks meet: a name (inproc, shm), a folder or redis:// (gloo).
+            Required with more than one rank.
+        transport: weight transport, "shm", "ucx" or "inproc"; eplb.transport_backends().
+        weights: the tensors of one layer's expert, as a list of (name, spec) or a dict
+            name -> spec, where spec is the bytes of one expert (an int: views default to
+            uint8 [slots_per_rank, bytes]) or (shape, dtype) (views default to
+            dtype [slots_per_rank, *shape]; dtype may be a numpy or a torch dtype).
+        layers: number of MoE layers (may be left out when `initial` is an array).
+        initial: the starting placement: None or "trivial" (slot p holds expert p % experts),
+            a placement file (eplb's JSON or SGLang's physical_to_logical_map), or a
+            [layers, physical] phy2log array.
+        group: separates several groups meeting through one rendezvous.
+
+    The constructor joins the control group: it returns once every rank has constructed its
+    Rebalancer (or raises eplb.Timeout after timeout_ms). Bad arguments raise
+    eplb.InvalidArgument (a ValueError) with the library's message, before joining.
+
+    The object owns the communicator, the transport and the C++ Rebalancer; the arena lives as
+    long as the object or any view of it. Use it as a context manager to shut down on exit.
+    """
+
+    def __init__(self, config, rank, world_size, *, control="shm", rendezvous=None,
+                 transport="shm", weights, layers=None, initial=None, group="eplb"):
+        if not isinstance(config, dict):
+            raise TypeError(f"config must be a dict, got {type(config).__name__}")
+        rank = operator.index(rank)
+        world_size = operator.index(world_size)
+        items = weights.items() if isinstance(weights, dict) else weights
+        try:
+            items = list(items)
+        except TypeError:
+            raise InvalidArgument("weights must be a dict or a list of (name, spec) pairs, got "
+                                  f"{weights!r}") from None
+        tensors = []
+        for item in items:
+            try:
+                name, spec = item
+            except (TypeError, ValueError):
+                raise InvalidArgument(
+                    f"weights: each entry must be a (name, spec) pair, got {item!r}") from None
+            tensors.append(_parse_tensor(name, spec))
+        names = [t[0] for t in tensors]
+        if len(set(names)) != len(names):
+            raise InvalidArgument(f"weights: tensor names must be distinct, got {names}")
+
+        initial_array, initial_path = None, None
+        if initial is None or (isinstance(initial, str) and initial == "trivial"):
+            pass
+        elif isinstance(initial, (str, os.PathLike)):
+            initial_path = os.fspath(initial)
+        else:
+            if _is_torch_tensor(initial):
+                initial = initial.detach().cpu().numpy()
+            a = np.asarray(initial)
+            if a.dtype.kind not in "iu" or a.ndim != 2:
+                raise InvalidArgument(
+                    "initial must be None, 'trivial', a placement file or an integer "
+                    f"[layers, physical] phy2log array, got dtype {a.dtype} shape {a.shape}")
+            initial_array = np.ascontiguousarray(a, dtype=np.int64)
+            if layers is None:
+                layers = a.shape[0]
+        if layers is None:
+            raise InvalidArgument("layers is required (the number of MoE layers) unless "
+                                  "initial is a phy2log array")
+        layers = operator.index(layers)
+        if rendezvous is None:
+            if world_size != 1:
+                raise InvalidArgument(
+                    "rendezvous is required with more than one rank: a name shared by the ranks "
+                    "(inproc, shm), or a shared folder or redis://host:port (gloo)")
+            rendezvous = f"eplb-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        else:
+            rendezvous = os.fspath(rendezvous)
+
+        self._tensors = tensors
+        self._index = {name: i for i, name in enumerate(names)}
+        self._world_size = world_size
+        self._layers = layers
+        self._rt = _eplb._Runtime(dict(config), rank, world_size, str(control), rendezvous,
+                                  str(group), str(transport), [(t[0], t[1]) for t in tensors],
+                                  layers, initial_array, initial_path)
+        self._config = self._rt.config()
+        self._slots_per_rank = self._config["physical"] // world_size
+        self._connected = False
+
+    # ------------------------------------------------------------------ start-up
+    def connect(self):
+        """Start-up, on every rank together: allocates the arena (layers + 1 layer buffers,
+        zero-filled), connects to every peer and reads from each once, starts the runtime's
+        threads. Returns the bytes held; nothing is allocated or connected later."""
+        held = self._rt.connect()
+        self._connected = True
+        return held
+
+    def fill_weights(self, fill):
+        """Fills this rank's slots of every layer and tensor: ``fill(layer, tensor_name,
+        expert)`` returns the weights of `expert` (array-like or torch tensor of the tensor's
+        shape and dtype, or its bytes), copied into the slot."""
+        for layer in range(self._layers):
+            experts = self.local_experts(layer)
+            for name, _, _, _ in self._tensors:
+                view = self.weights(layer, name)
+                raw = self._rt.weights(layer, self._index[name])
+                for j, expert in enumerate(experts):
+                    value = fill(layer, name, int(expert))
+                    if _is_torch_tensor(view):
+                        value = _torch().as_tensor(value)
+                        if value.dtype == _torch().uint8 and value.numel() == raw.shape[1]:
+                            raw[j] = value.reshape(-1).numpy()
+                        else:
+                            view[j].copy_(value.reshape(view[j].shape))
+                        continue
+                    if _is_torch_tensor(value):
+                        value = value.detach().cpu().contiguous().numpy()
+                    value = np.asarray(value)
+                    if value.dtype == np.uint8 and value.size == raw.shape[1]:
+                        raw[j] = value.reshape(-1)
+                    else:
+                        view[j] = value
+
+    # ------------------------------------------------------------------ forward thread
+    def record(self, layer, topk_ids):
+        """Counts the tokens routed to each listed logical expert of `layer` in this step.
+        `topk_ids`: integer numpy array or CPU torch tensor, any shape (e.g. [tokens, top_k]);
+        int32 C-contiguous input is read in place, other integer dtypes are converted."""
+        self._rt.record(layer, _ids(topk_ids, "topk_ids"))
+
+    def record_counts(self, layer, counts):
+        """Adds a count vector [experts] (integers) to `layer` in this step."""
+        if _is_torch_tensor(counts):
+            counts = counts.detach().cpu().numpy()
+        counts = np.asarray(counts)
+        if counts.dtype.kind not in "iu":
+            raise InvalidArgument(f"counts must be integers, got dtype {counts.dtype}")
+        self._rt.record_counts(layer, counts)
+
+    def dispatch(self, layer, as_torch=False):
+        """The dispatch tables of `layer` now (copies; they describe the placement until the
+        next step_end()): a dict of int32 arrays ``log2phy`` [experts, max_replicas] (padded
+        with -1), ``replica_count`` [experts], ``static_slot`` [ranks, experts] (the slot rank g
+        sends e to under static dispatch) and uint32 ``cumulative_share``
+        [experts, max_replicas] (weighted dispatch). Torch CPU tensors with as_torch=True."""
+        tables = self._rt.dispatch(layer)
+        if as_torch:
+            torch = _torch()
+            return {k: torch.from_numpy(v.astype(np.int64) if v.dtype == np.uint32 else v)
+                    for k, v in tables.items()}
+        return tables
+
+    def route(self, layer, topk_ids, first_token=0):
+        """The physical slot of every (token, k) of `topk_ids` [tokens, top_k] under the
+        config's dispatch policy; row t is the token with index first_token + t (hash and
+        weighted dispatch hash it). Slot p lives on rank p // slots_per_rank. Returns int32
+        numpy, or an int64 torch tensor for a torch input (torch indexes with int64)."""
+        torch_in = _is_torch_tensor(topk_ids)
+        slots = self._rt.route(layer, _ids(topk_ids, "topk_ids"), operator.index(first_token))
+        if torch_in:
+            return _torch().from_numpy(slots.astype(np.int64))
+        return slots
+
+    def weights(self, layer, tensor, dtype=None, shape=None, as_torch=False):
+        """This rank's weights of one tensor of `layer`, a view of the arena (no copy): slot j
+        holds the expert ``local_experts(layer)[j]``.
+
+        `tensor`: its name or index. `dtype`, `shape`: how to view one expert (default: as
+        declared in `weights`, else uint8 [expert_bytes]); a torch dtype, or as_torch=True,
+        gives a torch CPU tensor (through DLPack). Shape of the result: [slots_per_rank, *shape].
+
+        VALID ONLY UNTIL THE NEXT step_end(): fetch it again after every step_end().
+        """
+        index = self._tensor_index(tensor)
+        name, nbytes, declared_shape, declared_dtype = self._tensors[index]
+        raw = self._rt.weights(layer, index)  # uint8 [slots_per_rank, nbytes]
+        if dtype is None:
+            dtype = declared_dtype if declared_dtype is not None else np.uint8
+            if shape is None and declared_shape is not None:
+                shape = declared_shape
+        size = _itemsize(dtype)
+        if shape is None:
+            if nbytes % size:
+                raise InvalidArgument(f"weights: tensor '{name}' has {nbytes} bytes per expert, "
+                                      f"not a multiple of {dtype}'s {size}")
+            shape = (nbytes // size,)
+        shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
+        if math.prod(shape) * size != nbytes:
+            raise InvalidArgument(f"weights: tensor '{name}' has {nbytes} bytes per expert; "
+                                  f"shape {shape} of {dtype} needs {math.prod(shape) * size}")
+        if as_torch or _is_torch_dtype(dtype):
+            t = _to_torch(raw)
+            target = dtype if _is_torch_dtype(dtype) else _torch_dtype(dtype)
+            if target != t.dtype:
+                t = t.view(target)
+            return t.view(self._slots_per_rank, *shape)
+        return raw.view(dtype).reshape(self._slots_per_rank, *shape)
+
+    def phy2log(self, layer):
+        """The placement of `layer` in force now: int32 [physical], the expert of each slot."""
+        return self._rt.phy2log(layer)
+
+    def local_experts(self, layer):
+        """The logical experts of this rank's slots of `layer` now: int32 [slots_per_rank]."""
+        begin = self.rank * self._slots_per_rank
+        return self._rt.phy2log(layer)[begin:begin + self._slots_per_rank]
+
+    def placement(self):
+        """The placement in force now, all layers: int32 [layers, physical]."""
+        return self._rt.placement()
+
+    def step_end(self):
+        """Once after every forward pass, on every rank. Advances the rebalance protocol (in
+        async mode it stays in the microseconds); releases the GIL. With on_error="raise",
+        raises the error of a rebalance that failed at this step (already abandoned
+        consistently; later calls go on serving). Invalidates weights() views."""
+        self._rt.step_end()
+
+    # ------------------------------------------------------------------ external agreement
+    def agreement_contribution(self):
+        """With config agreement="external": this rank's value for the agreement of step
+        ``self.step``, read after step_end(). Min-reduce it over the ranks on a collective the
+        engine runs anyway and hand the minimum to agreement_result() on every rank.
+        eplb.NO_AGREEMENT (the identity of min) when no rebalance runs."""
+        return self._rt.agreement_contribution()
+
+    def agreement_result(self, step, min_value):
+        """The minimum over all ranks of their agreement_contribution() at `step`; it must come
+        before the step_end() that makes ``self.step == step + lag`` (that call waits for it at
+        most timeout_ms, then fails the rebalance and stops rebalancing). Any thread."""
+        self._rt.agreement_result(operator.index(step), operator.index(min_value))
+
+    # ------------------------------------------------------------------ observability
+    def history(self):
+        """One dict per rebalance so far: index, trigger_step, end_step, outcome ("completed",
+        "skipped", "failed", "cancelled"), error, placement_ms, balancedness_before/after,
+        layers_moved, layers_installed, slots_moved, bytes_intra_node, bytes_inter_node,
+        bytes_local_copy, rounds, steps, seconds, stall_total_ms, stall_max_ms."""
+        return self._rt.history()
+
+    def stats(self):
+        """State and history: rank, step, rebalancing, installed_layers, control_broken,
+        bytes_held, and "history" (see history())."""
+        state = self._rt.state()
+        state["history"] = self._rt.history()
+        return state
+
+    def save_stats(self, path, format="eplb"):
+        """Writes the recorded window ([steps][layers][experts]) as eplb's load JSON ("eplb")
+        or SGLang's logical_count ("sglang"); it can seed a later run's placement."""
+        self._rt.save_stats(os.fspath(path), str(format))
+
+    def shutdown(self):
+        """Stops the runtime's threads (a running rebalance is cancelled); idempotent. Call it
+        on every rank at the same step. Views of the arena stay readable afterwards."""
+        self._rt.shutdown()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()
+        return False
+
+    # ------------------------------------------------------------------ state
+    @property
+    def rank(self):
+        return self._rt.rank()
+
+    @property
+    def world_size(self):
+        return self._world_size
+
+    @property
+    def layers(self):
+        return self._layers
+
+    @property
+    def slots_per_rank(self):
+        return self._slots_per_rank
+
+    @property
+    def tensors(self):
+        """Names of the tensors of one layer, in arena order."""
+        return [t[0] for t in self._tensors]
+
+    @property
+    def config(self):
+        """The configuration in force, as a dict (every field, defaults included)."""
+        return dict(self._config)
+
+    @property
+    def step(self):
+        """step_end() calls so far."""
+        return self._rt.step()
+
+    @property
+    def installed_layers(self):
+        """Layer installs so far, all rebalances: when it changes, views must be re-fetched."""
+        return self._rt.installed_layers()
+
+    @property
+    def bytes_held(self):
+        return self._rt.state()["bytes_held"]
+
+    def _tensor_index(self, tensor):
+        if isinstance(tensor, str):
+            if tensor not in self._index:
+                raise InvalidArgument(
+                    f"weights: no tensor '{tensor}' (tensors: {', '.join(self._index)})")
+            return self._index[tensor]
+        index = operator.index(tensor)
+        if not 0 <= index < len(self._tensors):
+            raise InvalidArgument(
+                f"weights: tensor {index} is outside [0, {len(self._tensors)})")
+        return index
+
+
+def _ids(topk_ids, name):
+    """An integer numpy array for the C++ side; int32 C-contiguous input passes unchanged."""
+    if _is_torch_tensor(topk_ids):
+        topk_ids = topk_ids.detach()
+        if topk_ids.device.type != "cpu":
+            topk_ids = topk_ids.to("cpu")
+        topk_ids = topk_ids.numpy()
+    a = np.asarray(topk_ids)
+    if a.dtype.kind not in "iu":
+        raise InvalidArgument(f"{name} must hold integer expert ids, got dtype {a.dtype}")
+    return a
+
+
+def _to_torch(array):
+    torch = _torch()
+    if hasattr(array, "__dlpack__"):
+        return torch.from_dlpack(array)
+    return torch.from_numpy(array)
+
+
+def _torch_dtype(dtype):
+    """The torch dtype of a numpy dtype (via an empty array)."""
+    return _torch().from_numpy(np.empty(0, dtype=dtype)).dtype

@@ -1,0 +1,425 @@
+// Bindings of the runtime: one Python object owning a rank's communicator, transport and
+// Rebalancer (docs/runtime.md), with the weight arena exposed as numpy views without a copy.
+//
+// Ownership. The C++ Rebalancer keeps references to its communicator and transport, which must
+// outlive it; here all three belong to one Runtime and are destroyed in the reverse order of
+// their creation (rebalancer, then transport, then communicator). The weight views returned by
+// weights() hold a reference to the Runtime object, so the arena (transport memory) lives as
+// long as any view of it, even after shutdown().
+//
+// The GIL is released wherever a call may wait on other ranks: joining the group, connect(),
+// step_end(), shutdown() and destruction. Ranks that are threads of one process (inproc
+// backends) then make progress while one of them waits.
+
+#include "eplb/runtime/rebalancer.h"
+
+#include <chrono>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "bindings.h"
+#include "eplb/control/communicator.h"
+#include "eplb/core/error.h"
+#include "eplb/routing/dispatch.h"
+#include "eplb/stats/load_file.h"
+#include "eplb/transport/registry.h"
+
+namespace eplb::python {
+namespace {
+
+using IdArray = py::array_t<int32_t, py::array::c_style | py::array::forcecast>;
+using CountArray = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
+
+int64_t int_of(const py::handle& value, const std::string& key) {
+  if (PyBool_Check(value.ptr()) || !PyIndex_Check(value.ptr())) {
+    fail("config['", key, "'] must be an integer, got ", py::str(py::repr(value)).cast<std::string>());
+  }
+  return value.cast<int64_t>();
+}
+
+double float_of(const py::handle& value, const std::string& key) {
+  if (PyBool_Check(value.ptr()) || !(PyFloat_Check(value.ptr()) || PyIndex_Check(value.ptr()))) {
+    fail("config['", key, "'] must be a number, got ", py::str(py::repr(value)).cast<std::string>());
+  }
+  return value.cast<double>();
+}
+
+std::string string_of(const py::handle& value, const std::string& key) {
+  if (!py::isinstance<py::str>(value)) {
+    fail("config['", key, "'] must be a string, got ", py::str(py::repr(value)).cast<std::string>());
+  }
+  return value.cast<std::string>();
+}
+
+bool bool_of(const py::handle& value, const std::string& key) {
+  if (!PyBool_Check(value.ptr())) {
+    fail("config['", key, "'] must be True or False, got ",
+         py::str(py::repr(value)).cast<std::string>());
+  }
+  return value.cast<bool>();
+}
+
+constexpr const char* kConfigKeys =
+    "experts, physical, ranks, nodes, groups, interval, window, policy, hierarchical, "
+    "tolerance, min_gain, lag, timeout_ms, mode, agreement, peers_per_round, dispatch, on_error";
+
+// A runtime::Config from a dict whose keys are the C++ field names (the layout's flattened in,
+// timeout as timeout_ms). `ranks` defaults to the world size.
+runtime::Config to_config(const py::dict& d, int world_size) {
+  runtime::Config c;
+  c.layout.ranks = world_size;
+  bool has_experts = false, has_physical = false;
+  for (const auto& [k, v] : d) {
+    if (!py::isinstance<py::str>(k)) {
+      fail("config keys must be strings, got ", py::str(py::repr(k)).cast<std::string>());
+    }
+    const std::string key = k.cast<std::string>();
+    if (key == "experts") {
+      c.layout.experts = int_of(v, key);
+      has_experts = true;
+    } else if (key == "physical") {
+      c.layout.physical = int_of(v, key);
+      has_physical = true;
+    } else if (key == "ranks") {
+      c.layout.ranks = int_of(v, key);
+    } else if (key == "nodes") {
+      c.layout.nodes = int_of(v, key);
+    } else if (key == "groups") {
+      c.layout.groups = int_of(v, key);
+    } else if (key == "interval") {
+      c.interval = int_of(v, key);
+    } else if (key == "window") {
+      c.window = int_of(v, key);
+    } else if (key == "policy") {
+      c.policy = placement::parse_policy(string_of(v, key));
+    } else if (key == "hierarchical") {
+      c.hierarchical = bool_of(v, key);
+    } else if (key == "tolerance") {
+      c.tolerance = float_of(v, key);
+    } else if (key == "min_gain") {
+      c.min_gain = float_of(v, key);
+    } else if (key == "lag") {
+      c.lag = int_of(v, key);
+    } else if (key == "timeout_ms") {
+      c.timeout = std::chrono::milliseconds(int_of(v, key));
+    } else if (key == "mode") {
+      c.mode = runtime::parse_mode(string_of(v, key));
+    } else if (key == "agreement") {
+      c.agreement = runtime::parse_agreement(string_of(v, key));
+    } else if (key == "peers_per_round") {
+      c.peers_per_round = int_of(v, key);
+    } else if (key == "dispatch") {
+      c.dispatch = routing::parse_dispatch_policy(string_of(v, key));
+    } else if (key == "on_error") {
+      c.on_error = runtime::parse_on_error(string_of(v, key));
+    } else {
+      fail("unknown config key '", key, "' (known: ", kConfigKeys, ")");
+    }
+  }
+  if (!has_experts) fail("config needs 'experts' (logical experts per layer)");
+  if (!has_physical) fail("config needs 'physical' (physical slots per layer, experts + redundant)");
+  if (c.layout.ranks != world_size) {
+    fail("config['ranks'] ", c.layout.ranks, " differs from world_size ", world_size,
+         " (the layout's ranks are the control group's size)");
+  }
+  c.validate();
+  return c;
+}
+
+py::dict config_dict(const runtime::Config& c) {
+  py::dict d;
+  d["experts"] = c.layout.experts;
+  d["physical"] = c.layout.physical;
+  d["ranks"] = c.layout.ranks;
+  d["nodes"] = c.layout.nodes;
+  d["groups"] = c.layout.groups;
+  d["interval"] = c.interval;
+  d["window"] = c.window;
+  d["policy"] = std::string(placement::policy_name(c.policy));
+  d["hierarchical"] = c.hierarchical;
+  d["tolerance"] = c.tolerance;
+  d["min_gain"] = c.min_gain;
+  d["lag"] = c.lag;
+  d["timeout_ms"] = static_cast<int64_t>(c.timeout.count());
+  d["mode"] = std::string(runtime::mode_name(c.mode));
+  d["agreement"] = std::string(runtime::agreement_name(c.agreement));
+  d["peers_per_round"] = c.peers_per_round;
+  d["dispatch"] = std::string(routing::dispatch_policy_name(c.dispatch));
+  d["on_error"] = c.on_error == runtime::OnError::kRaise ? "raise" : "log";
+  return d;
+}
+
+py::dict record_dict(const runtime::RebalanceRecord& r) {
+  py::dict d;
+  d["index"] = r.index;
+  d["trigger_step"] = r.trigger_step;
+  d["end_step"] = r.end_step;
+  d["outcome"] = std::string(runtime::outcome_name(r.outcome));
+  d["error"] = r.error;
+  d["placement_ms"] = r.placement_ms;
+  d["balancedness_before"] = r.balancedness_before;
+  d["balancedness_after"] = r.balancedness_after;
+  d["layers_moved"] = r.layers_moved;
+  d["layers_installed"] = r.layers_installed;
+  d["slots_moved"] = r.slots_moved;
+  d["bytes_intra_node"] = r.bytes_intra_node;
+  d["bytes_inter_node"] = r.bytes_inter_node;
+  d["bytes_local_copy"] = r.bytes_local_copy;
+  d["rounds"] = r.rounds;
+  d["steps"] = r.steps;
+  d["seconds"] = r.seconds;
+  d["stall_total_ms"] = r.stall_total_ms;
+  d["stall_max_ms"] = r.stall_max_ms;
+  return d;
+}
+
+py::array_t<int32_t> int32s(const std::vector<int32_t>& v, std::vector<py::ssize_t> shape) {
+  py::array_t<int32_t> out(shape);
+  std::copy(v.begin(), v.end(), out.mutable_data());
+  return out;
+}
+
+// One rank of the runtime. Members are declared in the order they are built, so they are
+// destroyed rebalancer first, communicator last.
+class Runtime {
+ public:
+  Runtime(runtime::Config config, int rank, const std::string& control,
+          const control::Options& options, const std::string& transport,
+          runtime::WeightSpec spec, std::optional<Placement> initial,
+          std::optional<std::string> initial_path)
+      : layout_(config.layout),
+        dispatch_policy_(config.dispatch),
+        random_state_(0x9E3779B97F4A7C15ull ^ (static_cast<uint64_t>(rank) + 1)) {
+    spec.validate();
+    // Everything that can be checked alone is checked before joining the group, so a bad
+    // argument raises here instead of leaving the other ranks waiting at the rendezvous.
+    Placement start;
+    if (initial) {
+      start = std::move(*initial);
+    } else if (initial_path) {
+      start = runtime::placement_from_file(*initial_path, layout_);
+    } else {
+      start = trivial_placement(spec.layers, layout_.experts, layout_.physical);
+    }
+    if (start.layers != spec.layers) {
+      fail("the initial placement has ", start.layers, " layers but layers is ", spec.layers);
+    }
+    if (!transport::has_backend(transport)) {
+      // create() names the built backends.
+      transport::create(transport, transport::Options{.rank = rank});
+    }
+    py::gil_scoped_release release;
+    comm_ = control::connect(control, options);
+    transport_ = transport::create(transport, transport::Options{.rank = rank});
+    rebalancer_ = std::make_unique<runtime::Rebalancer>(std::move(config), *comm_, *transport_,
+                                                        std::move(spec), std::move(start));
+  }
+
+  ~Runtime() {
+    // shutdown() may wait on the control thread's last collectives, which other ranks of this
+    // process (threads) can only finish if they can run Python.
+    if (PyGILState_Check()) {
+      py::gil_scoped_release release;
+      destroy();
+    } else {
+      destroy();
+    }
+  }
+
+  runtime::Rebalancer& rb() { return *rebalancer_; }
+  const Layout& layout() const { return layout_; }
+
+  routing::DispatchPolicy dispatch_policy() const { return dispatch_policy_; }
+  uint64_t& random_state() { return random_state_; }
+
+ private:
+  void destroy() {
+    rebalancer_.reset();
+    transport_.reset();
+    comm_.reset();
+  }
+
+  const Layout layout_;
+  const routing::DispatchPolicy dispatch_policy_;
+  uint64_t random_state_;
+  std::unique_ptr<control::Communicator> comm_;
+  std::unique_ptr<transport::Transport> transport_;
+  std::unique_ptr<runtime::Rebalancer> rebalancer_;
+};
+
+std::unique_ptr<Runtime> make_runtime(const py::dict& config, int rank, int world_size,
+                                      const std::string& control, const std::string& rendezvous,
+                                      const std::string& group, const std::string& transport,
+                                      const std::vector<std::pair<std::string, int64_t>>& tensors,
+                                      int64_t layers, const std::optional<IndexArray>& initial,
+                                      const std::optional<std::string>& initial_path) {
+  if (world_size < 1) fail("world_size ", world_size, " must be at least 1");
+  if (rank < 0 || rank >= world_size) {
+    fail("rank ", rank, " is outside [0, ", world_size, ") (world_size ", world_size, ")");
+  }
+  runtime::Config c = to_config(config, world_size);
+  runtime::WeightSpec spec;
+  spec.layers = layers;
+  for (const auto& [name, bytes] : tensors) spec.tensors.push_back({name, bytes});
+  std::optional<Placement> start;
+  if (initial) {
+    if (initial->ndim() == 2 && initial->shape(1) != c.layout.physical) {
+      fail("initial has ", initial->shape(1), " slots per layer but config['physical'] is ",
+           c.layout.physical);
+    }
+    start = to_placement(*initial, c.layout.experts, "initial", true);
+  }
+  control::Options options;
+  options.rank = rank;
+  options.size = world_size;
+  options.rendezvous = rendezvous;
+  options.group = group;
+  options.timeout = c.timeout;
+  return std::make_unique<Runtime>(std::move(c), rank, control, options, transport,
+                                   std::move(spec), std::move(start), initial_path);
+}
+
+// This rank's bytes of one tensor of `layer`, [slots_per_rank][expert_bytes] uint8, a view
+// that keeps `self` (and so the arena) alive.
+py::array weights_view(py::object self, int64_t layer, int64_t tensor) {
+  Runtime& r = self.cast<Runtime&>();
+  std::span<std::byte> bytes = r.rb().weights(layer, tensor);
+  const py::ssize_t slots = r.layout().slots_per_rank();
+  const py::ssize_t per_slot = static_cast<py::ssize_t>(bytes.size()) / slots;
+  return py::array(py::dtype::of<uint8_t>(), {slots, per_slot}, {per_slot, py::ssize_t{1}},
+                   bytes.data(), self);
+}
+
+py::dict dispatch_dict(Runtime& r, int64_t layer) {
+  const routing::DispatchTables& t = r.rb().dispatch(layer);
+  py::dict d;
+  d["log2phy"] = int32s(t.log2phy, {t.experts, t.max_replicas});
+  d["replica_count"] = int32s(t.replica_count, {t.experts});
+  d["static_slot"] = int32s(t.static_slot, {t.ranks, t.experts});
+  py::array_t<uint32_t> share(std::vector<py::ssize_t>{
+      static_cast<py::ssize_t>(t.cumulative_share.size() / std::max<int64_t>(t.max_replicas, 1)),
+      t.max_replicas});
+  std::copy(t.cumulative_share.begin(), t.cumulative_share.end(), share.mutable_data());
+  d["cumulative_share"] = share;
+  return d;
+}
+
+// experts [tokens][top_k] (int32) -> slots of the same shape, with the config's dispatch policy.
+py::array_t<int32_t> route(Runtime& r, int64_t layer, const IdArray& experts,
+                           uint64_t first_token) {
+  if (experts.ndim() != 2) {
+    fail("route: topk_ids must be a 2-D [tokens, top_k] array, got ", experts.ndim(),
+         " dimensions");
+  }
+  const routing::DispatchTables& tables = r.rb().dispatch(layer);
+  const int32_t* ids = experts.data();
+  const py::ssize_t n = experts.size();
+  for (py::ssize_t i = 0; i < n; ++i) {
+    if (ids[i] < 0 || ids[i] >= tables.experts) {
+      fail("route: layer ", layer, " expert id ", ids[i], " at position ", i,
+           " is outside [0, ", tables.experts, ")");
+    }
+  }
+  py::array_t<int32_t> slots(std::vector<py::ssize_t>{experts.shape(0), experts.shape(1)});
+  routing::route(tables, r.dispatch_policy(), {ids, static_cast<size_t>(n)}, experts.shape(1),
+                 {slots.mutable_data(), static_cast<size_t>(n)}, first_token, r.rb().rank(),
+                 r.random_state());
+  return slots;
+}
+
+}  // namespace
+
+void bind_runtime(py::module_& m) {
+  m.attr("NO_AGREEMENT") = runtime::kNoAgreement;
+  m.def("control_backends", &control::backend_names,
+        "Names of the control-plane backends this build has.");
+  m.def("transport_backends", &transport::backend_names,
+        "Names of the transport backends this build has.");
+
+  py::class_<Runtime>(m, "_Runtime")
+      .def(py::init(&make_runtime), py::arg("config"), py::arg("rank"), py::arg("world_size"),
+           py::arg("control"), py::arg("rendezvous"), py::arg("group"), py::arg("transport"),
+           py::arg("tensors"), py::arg("layers"), py::arg("initial"), py::arg("initial_path"))
+      .def("connect",
+           [](Runtime& r) {
+             runtime::Rebalancer& rb = r.rb();
+             py::gil_scoped_release release;
+             return rb.connect();
+           })
+      .def("record",
+           [](Runtime& r, int64_t layer, const IdArray& ids) {
+             r.rb().record(layer, {ids.data(), static_cast<size_t>(ids.size())});
+           })
+      .def("record_counts",
+           [](Runtime& r, int64_t layer, const CountArray& counts) {
+             if (counts.ndim() != 1) {
+               fail("record_counts: counts must be a 1-D [experts] array, got ", counts.ndim(),
+                    " dimensions");
+             }
+             r.rb().record_counts(layer, {counts.data(), static_cast<size_t>(counts.size())});
+           })
+      .def("dispatch", &dispatch_dict)
+      .def("route", &route)
+      .def("weights", &weights_view)
+      .def("phy2log",
+           [](Runtime& r, int64_t layer) {
+             std::span<const int32_t> p = r.rb().phy2log(layer);
+             return py::array_t<int32_t>(static_cast<py::ssize_t>(p.size()), p.data());
+           })
+      .def("placement",
+           [](Runtime& r) {
+             const Placement p = r.rb().placement();
+             return int32s(p.phy2log, {p.layers, p.physical});
+           })
+      .def("step_end",
+           [](Runtime& r) {
+             runtime::Rebalancer& rb = r.rb();
+             py::gil_scoped_release release;
+             rb.step_end();
+           })
+      .def("save_stats",
+           [](Runtime& r, const std::string& path, const std::string& format) {
+             r.rb().save_stats(path, stats::parse_load_format(format));
+           })
+      .def("shutdown",
+           [](Runtime& r) {
+             runtime::Rebalancer& rb = r.rb();
+             py::gil_scoped_release release;
+             rb.shutdown();
+           })
+      .def("agreement_contribution",
+           [](Runtime& r) { return r.rb().agreement_contribution(); })
+      .def("agreement_result",
+           [](Runtime& r, int64_t step, int64_t min_value) {
+             r.rb().agreement_result(step, min_value);
+           })
+      .def("history",
+           [](Runtime& r) {
+             py::list out;
+             for (const runtime::RebalanceRecord& rec : r.rb().history()) {
+               out.append(record_dict(rec));
+             }
+             return out;
+           })
+      .def("state",
+           [](Runtime& r) {
+             runtime::Rebalancer& rb = r.rb();
+             py::dict d;
+             d["rank"] = rb.rank();
+             d["step"] = rb.step();
+             d["rebalancing"] = rb.rebalancing();
+             d["installed_layers"] = rb.installed_layers();
+             d["control_broken"] = rb.control_broken();
+             d["bytes_held"] = rb.bytes_held();
+             return d;
+           })
+      .def("config", [](Runtime& r) { return config_dict(r.rb().config()); })
+      .def("rank", [](Runtime& r) { return r.rb().rank(); })
+      .def("step", [](Runtime& r) { return r.rb().step(); })
+      .def("installed_layers", [](Runtime& r) { return r.rb().installed_layers(); });
+}
+
+}  // namespace eplb::python

@@ -1,0 +1,416 @@
+"""eplb.Rebalancer: the runtime binding.
+
+Single-rank checks of the API, multi-rank runs with ranks as threads of this process (inproc
+control and transport: the GIL is released while a rank waits) and as forked processes (shm),
+and the PyTorch example run small. Every run checks the runtime's invariants at every step:
+each local slot holds the weights of its expert, and every rank sees the same placement and
+tables. Nothing here depends on timing: a run that needs a completed rebalance steps until the
+history shows one (every rank ends a rebalance at the same step, so all stop together).
+"""
+
+import multiprocessing
+import os
+import subprocess
+import sys
+import threading
+import uuid
+
+import numpy as np
+import pytest
+
+import eplb
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+EXPERTS = 8
+PHYSICAL = 12
+LAYERS = 3
+WEIGHTS = [("w13", ((2, 3), "float32")), ("w2", 10)]
+
+
+def expert_value(layer, tensor, expert):
+    """What slot weights hold for (layer, tensor, expert): every element distinct per triple."""
+    if tensor == "w13":
+        return np.full((2, 3), 1000 * layer + 10 * expert + 1, dtype=np.float32) + \
+            np.arange(6, dtype=np.float32).reshape(2, 3) / 8
+    return np.full(10, (7 * layer + 3 * expert + 5) % 251, dtype=np.uint8)
+
+
+def check_weights(rb):
+    for layer in range(rb.layers):
+        experts = rb.local_experts(layer)
+        for name in rb.tensors:
+            view = rb.weights(layer, name)
+            for j, e in enumerate(experts):
+                np.testing.assert_array_equal(view[j], expert_value(layer, name, int(e)),
+                                              err_msg=f"layer {layer} {name} slot {j}")
+
+
+def skewed_counts(rank, step, layer):
+    """A load whose hot experts all sit on rank 0 under the trivial placement."""
+    counts = np.full(EXPERTS, 1, dtype=np.int64)
+    counts[[0, 1, 2]] = 50 + layer + rank
+    return counts
+
+
+P_SKEW = skewed_counts(0, 0, 0) / skewed_counts(0, 0, 0).sum()
+
+
+def unique(prefix):
+    return f"{prefix}-{os.getpid()}-{uuid.uuid4().hex[:10]}"
+
+
+def config(**extra):
+    c = {"experts": EXPERTS, "physical": PHYSICAL, "interval": 4, "window": 4, "lag": 1,
+         "timeout_ms": 20000}
+    c.update(extra)
+    return c
+
+
+# ------------------------------------------------------------------------------ one rank
+def make_single(**kw):
+    args = dict(control="inproc", transport="inproc", weights=WEIGHTS, layers=LAYERS)
+    args.update(kw)
+    return eplb.Rebalancer(config(), 0, 1, **args)
+
+
+def test_single_rank_api(tmp_path):
+    with make_single() as rb:
+        assert rb.rank == 0 and rb.world_size == 1 and rb.layers == LAYERS
+        assert rb.slots_per_rank == PHYSICAL
+        assert rb.tensors == ["w13", "w2"]
+        assert rb.config["policy"] == "sticky" and rb.config["ranks"] == 1
+        held = rb.connect()
+        assert held == (LAYERS + 1) * PHYSICAL * (24 + 10)
+        assert rb.bytes_held == held
+
+        w = rb.weights(0, "w13")
+        assert w.dtype == np.float32 and w.shape == (PHYSICAL, 2, 3)
+        assert rb.weights(0, 1).shape == (PHYSICAL, 10) and rb.weights(0, 1).dtype == np.uint8
+        assert rb.weights(0, "w13", dtype=np.uint8).shape == (PHYSICAL, 24)
+        assert rb.weights(0, "w13", dtype="float32", shape=6).shape == (PHYSICAL, 6)
+        assert not w.flags.owndata and w.flags.writeable
+        # A view of the arena: writes through one view show in another.
+        w[1, 0, 0] = 42.5
+        assert rb.weights(0, "w13")[1, 0, 0] == 42.5
+
+        np.testing.assert_array_equal(rb.phy2log(0), np.arange(PHYSICAL) % EXPERTS)
+        np.testing.assert_array_equal(rb.local_experts(2), np.arange(PHYSICAL) % EXPERTS)
+        assert rb.placement().shape == (LAYERS, PHYSICAL)
+        rb.fill_weights(expert_value)
+        check_weights(rb)
+
+        d = rb.dispatch(0)
+        assert set(d) == {"log2phy", "replica_count", "static_slot", "cumulative_share"}
+        assert d["log2phy"].shape[0] == EXPERTS and d["static_slot"].shape == (1, EXPERTS)
+        np.testing.assert_array_equal(d["replica_count"], [2, 2, 2, 2, 1, 1, 1, 1])
+
+        ids = np.array([[0, 5], [3, 7], [0, 0]], dtype=np.int32)
+        rb.record(0, ids)
+        rb.record(1, ids.astype(np.int64))
+        rb.record(2, ids.astype(np.uint8).T)  # any integer dtype and layout
+        rb.record_counts(0, np.ones(EXPERTS, dtype=np.int32))
+        slots = rb.route(0, ids, first_token=0)
+        assert slots.shape == ids.shape and slots.dtype == np.int32
+        phy2log = rb.phy2log(0)
+        np.testing.assert_array_equal(phy2log[slots], ids)
+
+        for _ in range(3):
+            rb.step_end()
+        assert rb.step == 3
+        stats = rb.stats()
+        assert stats["step"] == 3 and stats["history"] == [] and not stats["rebalancing"]
+        rb.save_stats(tmp_path / "load.json")
+        rb.save_stats(str(tmp_path / "sglang.json"), "sglang")
+        assert (tmp_path / "load.json").stat().st_size > 0
+        assert "logical_count" in (tmp_path / "sglang.json").read_text()
+    rb.shutdown()  # idempotent
+    # Views outlive shutdown (they keep the arena alive).
+    assert w.shape == (PHYSICAL, 2, 3)
+
+
+def test_failed_rebalance_raises():
+    # One rank of 12 slots cannot place 8 experts without two replicas on a rank: the
+    # rebalance fails (on the worker), is abandoned, and on_error="raise" raises it.
+    c = config(mode="sync", interval=3, window=3, on_error="raise")
+    with eplb.Rebalancer(c, 0, 1, control="inproc", transport="inproc", weights=WEIGHTS,
+                         layers=LAYERS) as rb:
+        rb.connect()
+        rb.fill_weights(expert_value)
+        for step in range(1, 4):
+            rb.record_counts(0, skewed_counts(0, step, 0))
+            if step < 3:
+                rb.step_end()
+        with pytest.raises(eplb.Error, match="two replicas of one expert"):
+            rb.step_end()
+        history = rb.history()
+        assert [h["outcome"] for h in history] == ["failed"]
+        assert "physical / ranks" in history[0]["error"]
+        check_weights(rb)
+        rb.step_end()  # serving goes on
+        assert rb.step == 4
+
+
+def test_initial_placement_forms(tmp_path):
+    phy2log = np.tile(np.array([7, 6, 5, 4, 3, 2, 1, 0, 0, 1, 2, 3]), (LAYERS, 1))
+    with make_single(initial=phy2log, layers=None) as rb:
+        np.testing.assert_array_equal(rb.placement(), phy2log)
+        assert rb.layers == LAYERS
+    path = tmp_path / "placement.json"
+    path.write_text('{"physical_to_logical_map": %s}' % phy2log.tolist())
+    with make_single(initial=path) as rb:
+        np.testing.assert_array_equal(rb.placement(), phy2log)
+    with make_single(initial="trivial") as rb:
+        np.testing.assert_array_equal(rb.phy2log(1), np.arange(PHYSICAL) % EXPERTS)
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"physical": 13, "ranks": 2}, "differs from world_size"),
+    ({"unknown": 1}, "unknown config key 'unknown'"),
+    ({"policy": "best"}, "best"),
+    ({"mode": "later"}, "choose async or sync"),
+    ({"interval": 0}, "interval 0 must be at least 1"),
+    ({"lag": "2"}, "must be an integer"),
+    ({"physical": 6}, "physical"),
+])
+def test_config_errors(changes, message):
+    with pytest.raises(ValueError, match=message):
+        eplb.Rebalancer(config(**changes), 0, 1, control="inproc", transport="inproc",
+                        weights=WEIGHTS, layers=LAYERS)
+
+
+def test_argument_errors():
+    ok = dict(control="inproc", transport="inproc", weights=WEIGHTS, layers=LAYERS)
+    with pytest.raises(ValueError, match="not a multiple of ranks 5"):
+        eplb.Rebalancer(config(), 0, 5, rendezvous="x", **ok)
+    with pytest.raises(ValueError, match="rank 2 is outside"):
+        eplb.Rebalancer(config(), 2, 1, **ok)
+    with pytest.raises(ValueError, match="rendezvous is required"):
+        eplb.Rebalancer(config(), 0, 2, **ok)
+    with pytest.raises(ValueError, match="layers is required"):
+        eplb.Rebalancer(config(), 0, 1, control="inproc", transport="inproc", weights=WEIGHTS)
+    with pytest.raises(ValueError, match="expert_bytes 0"):
+        eplb.Rebalancer(config(), 0, 1, control="inproc", transport="inproc",
+                        weights={"w": 0}, layers=1)
+    with pytest.raises(ValueError, match="must be given as expert_bytes"):
+        eplb.Rebalancer(config(), 0, 1, control="inproc", transport="inproc",
+                        weights={"w": "big"}, layers=1)
+    with pytest.raises(ValueError, match="unknown|inproc"):
+        eplb.Rebalancer(config(), 0, 1, control="carrier-pigeon", transport="inproc",
+                        weights=WEIGHTS, layers=LAYERS)
+    with pytest.raises(ValueError, match="teleport|inproc"):
+        eplb.Rebalancer(config(), 0, 1, control="inproc", transport="teleport",
+                        weights=WEIGHTS, layers=LAYERS)
+    with pytest.raises(ValueError, match="expert 9"):
+        eplb.Rebalancer(config(), 0, 1, initial=np.full((LAYERS, PHYSICAL), 9), **ok)
+
+
+def test_agreement_api():
+    assert eplb.NO_AGREEMENT == 2 ** 63 - 1
+    with make_single() as rb:
+        rb.connect()
+        rb.step_end()
+        assert rb.config["agreement"] == "internal"
+        with pytest.raises(ValueError, match="internal"):
+            rb.agreement_result(1, 0)
+    with pytest.raises(ValueError, match="sync"):
+        eplb.Rebalancer(config(mode="sync", agreement="external"), 0, 1, control="inproc",
+                        transport="inproc", weights=WEIGHTS, layers=LAYERS)
+    with eplb.Rebalancer(config(agreement="external"), 0, 1, control="inproc",
+                         transport="inproc", weights=WEIGHTS, layers=LAYERS) as rb:
+        rb.connect()
+        rb.step_end()
+        assert rb.agreement_contribution() == eplb.NO_AGREEMENT  # no rebalance running
+        rb.agreement_result(1, eplb.NO_AGREEMENT)
+        with pytest.raises(ValueError, match="step"):
+            rb.agreement_result(5, 0)
+
+
+def test_call_errors():
+    with make_single() as rb:
+        with pytest.raises(ValueError, match="connect"):
+            rb.weights(0, 0)
+        rb.connect()
+        with pytest.raises(ValueError, match="integer expert ids"):
+            rb.record(0, np.zeros(3, dtype=np.float32))
+        with pytest.raises(ValueError, match="expert id 8 at position 1"):
+            rb.record(0, np.array([1, 8], dtype=np.int32))
+        with pytest.raises(ValueError, match="layer 3 is outside"):
+            rb.record(3, np.array([1], dtype=np.int32))
+        with pytest.raises(ValueError, match="expected one per expert"):
+            rb.record_counts(0, np.ones(3, dtype=np.int64))
+        with pytest.raises(ValueError, match="no tensor 'w4'"):
+            rb.weights(0, "w4")
+        with pytest.raises(ValueError, match="needs 28"):
+            rb.weights(0, "w13", shape=(7,))
+        with pytest.raises(ValueError, match="2-D"):
+            rb.route(0, np.array([1, 2], dtype=np.int32))
+        with pytest.raises(ValueError, match="no step recorded"):
+            rb.save_stats(os.devnull)
+
+
+def test_torch_paths():
+    torch = pytest.importorskip("torch")
+    with make_single(weights={"w13": ((2, 3), torch.bfloat16), "w2": ((5,), "float32")}) as rb:
+        rb.connect()
+        t = rb.weights(0, "w13")
+        assert isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16
+        assert t.shape == (PHYSICAL, 2, 3)
+        w2 = rb.weights(0, "w2", as_torch=True)
+        assert w2.dtype == torch.float32 and w2.shape == (PHYSICAL, 5)
+        # Zero copy: the tensor and a numpy view share the arena.
+        w2[3, 4] = 2.25
+        assert rb.weights(0, "w2")[3, 4] == 2.25
+        assert rb.weights(0, "w2", dtype=torch.int32).shape == (PHYSICAL, 5)
+        ids = torch.tensor([[0, 1], [4, 7]])
+        rb.record(0, ids)
+        rb.record(1, ids.to(torch.int32))
+        rb.record_counts(2, torch.ones(EXPERTS, dtype=torch.int64))
+        slots = rb.route(0, ids)
+        assert slots.dtype == torch.int64
+        assert torch.equal(torch.from_numpy(rb.phy2log(0)).long()[slots], ids)
+        tables = rb.dispatch(0, as_torch=True)
+        assert isinstance(tables["log2phy"], torch.Tensor)
+        rb.step_end()
+
+
+# --------------------------------------------------------------- several ranks: threads
+def run_rank(rank, world, rendezvous, cfg, steps_min, steps_max, log, control, transport,
+             agree=None):
+    """One rank's serving loop: record a skewed load, check weights and routes every step, log
+    the placement and tables, and stop once a rebalance completed (at least steps_min steps).
+    With `agree` (external agreement), agree(rank, value) is the engine's min-reduction."""
+    with eplb.Rebalancer(cfg, rank, world, control=control, transport=transport,
+                         rendezvous=rendezvous, weights=WEIGHTS, layers=LAYERS) as rb:
+        rb.connect()
+        rb.fill_weights(expert_value)
+        rng = np.random.default_rng(rank)
+        for step in range(steps_max):
+            for layer in range(LAYERS):
+                ids = rng.choice(EXPERTS, size=(16, 2), p=P_SKEW)
+                rb.record(layer, ids)
+                slots = rb.route(layer, ids, first_token=16 * step)
+                np.testing.assert_array_equal(rb.phy2log(layer)[slots], ids)
+            check_weights(rb)
+            log.append((rb.step, rb.placement().tobytes(),
+                        tuple(rb.dispatch(layer)["log2phy"].tobytes() for layer in range(LAYERS))))
+            rb.step_end()
+            if agree is not None:
+                rb.agreement_result(rb.step, agree(rank, rb.agreement_contribution()))
+            done = any(h["outcome"] == "completed" for h in rb.history())
+            if step + 1 >= steps_min and done:
+                break
+        # The state the last step_end left (it may have installed the last layer).
+        log.append((rb.step, rb.placement().tobytes(),
+                    tuple(rb.dispatch(layer)["log2phy"].tobytes() for layer in range(LAYERS))))
+        check_weights(rb)
+        return rb.history()
+
+
+def min_reduction(world):
+    """An engine's all-reduce (min) among rank threads, for the external agreement."""
+    values = [None] * world
+    barrier = threading.Barrier(world)
+
+    def agree(rank, value):
+        values[rank] = value
+        barrier.wait()
+        result = min(values)
+        barrier.wait()  # nobody overwrites values before everyone has read them
+        return result
+    return agree
+
+
+def run_threads(world, cfg, steps_min=12, steps_max=400):
+    rendezvous = unique("rt-threads")
+    logs = [[] for _ in range(world)]
+    results, errors = [None] * world, []
+    agree = min_reduction(world) if cfg.get("agreement") == "external" else None
+
+    def body(rank):
+        try:
+            results[rank] = run_rank(rank, world, rendezvous, cfg, steps_min, steps_max,
+                                     logs[rank], "inproc", "inproc", agree)
+        except BaseException as e:  # reported below, on the main thread
+            errors.append((rank, e))
+
+    threads = [threading.Thread(target=body, args=(g,)) for g in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0][1]
+    return results, logs
+
+
+@pytest.mark.parametrize("mode, lag, agreement", [
+    ("async", 1, "internal"), ("async", 2, "internal"), ("sync", 1, "internal"),
+    ("async", 1, "external"), ("async", 3, "external")])
+def test_threads_rebalance(mode, lag, agreement):
+    results, logs = run_threads(2, config(mode=mode, lag=lag, agreement=agreement))
+    # Same placement and tables on every rank at every step.
+    assert len(logs[0]) == len(logs[1])
+    for a, b in zip(*logs):
+        assert a == b
+    histories = [[(h["trigger_step"], h["end_step"], h["outcome"], h["slots_moved"])
+                  for h in r] for r in results]
+    assert histories[0] == histories[1]
+    completed = [h for h in results[0] if h["outcome"] == "completed"]
+    assert completed and completed[0]["slots_moved"] > 0
+    assert completed[0]["bytes_intra_node"] > 0
+    # The placement changed during the run.
+    assert logs[0][0][1] != logs[0][-1][1]
+
+
+def test_threads_four_ranks():
+    results, logs = run_threads(4, config(physical=16, peers_per_round=2, dispatch="hash"))
+    for log in logs[1:]:
+        assert log == logs[0]
+    assert any(h["outcome"] == "completed" for h in results[0])
+
+
+# ------------------------------------------------------------- several ranks: processes
+def process_rank(rank, world, rendezvous, queue):
+    try:
+        log = []
+        history = run_rank(rank, world, rendezvous, config(), 12, 400, log, "shm", "shm")
+        queue.put((rank, None, log, [(h["end_step"], h["outcome"]) for h in history]))
+    except BaseException as e:
+        queue.put((rank, repr(e), None, None))
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="shm backends and fork are Linux-only here")
+def test_processes_shm():
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    rendezvous = unique("rt-procs")
+    procs = [context.Process(target=process_rank, args=(g, 2, rendezvous, queue))
+             for g in range(2)]
+    for p in procs:
+        p.start()
+    out = [queue.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    out.sort(key=lambda r: r[0])
+    assert [r[1] for r in out] == [None, None], out
+    assert out[0][2] == out[1][2]
+    assert out[0][3] == out[1][3] and ("completed" in [o for _, o in out[0][3]])
+
+
+# ------------------------------------------------------------------------- the example
+def test_torch_moe_example(tmp_path):
+    pytest.importorskip("torch")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [os.path.dirname(os.path.dirname(
+        eplb.__file__)), env.get("PYTHONPATH", "")] if p)
+    run = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "examples", "torch_moe.py"), "--ranks", "2",
+         "--layers", "2", "--experts", "8", "--redundant", "4", "--hidden", "16", "--ffn", "32",
+         "--tokens", "32", "--steps", "40", "--interval", "8", "--window", "8",
+         "--agreement", "external",
+         "--workdir", str(tmp_path)],
+        env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "outputs match the reference" in run.stdout, run.stdout + run.stderr

@@ -20,6 +20,7 @@
 #include <fmt/core.h>
 #include <nlohmann/json.hpp>
 
+#include "eplb/core/hash.h"
 #include "eplb/control/communicator.h"
 #include "eplb/control/launch.h"
 #include "eplb/core/error.h"
@@ -40,19 +41,11 @@ double ms_since(Clock::time_point start) {
   return std::chrono::duration<double, std::milli>(Clock::now() - start).count();
 }
 
-uint64_t mix(uint64_t x) {
-  x ^= x >> 30;
-  x *= 0xBF58476D1CE4E5B9ull;
-  x ^= x >> 27;
-  x *= 0x94D049BB133111EBull;
-  x ^= x >> 31;
-  return x;
-}
 
 // Whether the outputs of global token `token` at `step` are verified this step.
 bool verified_token(int64_t verify_every, int64_t step, int64_t token) {
   if (verify_every <= 1) return true;
-  const uint64_t h = mix((static_cast<uint64_t>(step) << 32) ^ static_cast<uint64_t>(token) ^
+  const uint64_t h = mix64((static_cast<uint64_t>(step) << 32) ^ static_cast<uint64_t>(token) ^
                          0x3C6EF372FE94F82Bull);
   return h % static_cast<uint64_t>(verify_every) == 0;
 }
@@ -152,7 +145,7 @@ std::string run_rank(const RunOptions& options, const Workload& workload,
 
   // Every rank replays every sender's replica choice, so each sender has its random stream here.
   std::vector<uint64_t> random_state(static_cast<size_t>(G));
-  for (int64_t g = 0; g < G; ++g) random_state[g] = mix(options.seed * 1000003 + g) | 1;
+  for (int64_t g = 0; g < G; ++g) random_state[g] = mix64(options.seed * 1000003 + g) | 1;
 
   std::vector<int32_t> experts(static_cast<size_t>(T * k));
   std::vector<int32_t> slots(static_cast<size_t>(G * T * k));

@@ -3,19 +3,12 @@
 #include <cmath>
 #include <cstring>
 
+#include "eplb/core/hash.h"
 #include "eplb/core/error.h"
 
 namespace eplb::emu {
 namespace {
 
-uint64_t mix(uint64_t x) {
-  x ^= x >> 30;
-  x *= 0xBF58476D1CE4E5B9ull;
-  x ^= x >> 27;
-  x *= 0x94D049BB133111EBull;
-  x ^= x >> 31;
-  return x;
-}
 
 // A uniform value in [-1, 1) from 24 bits of the hash: exact in fp32, the same everywhere.
 float unit(uint64_t h) {
@@ -50,11 +43,11 @@ void generate_weights(const ExpertShape& shape, int64_t layer, int32_t expert, T
   EPLB_CHECK_EQ(static_cast<int64_t>(out.size()), n, "weights of one expert tensor");
   const float scale =
       1.0f / std::sqrt(static_cast<float>(gate_up ? shape.hidden : shape.intermediate));
-  const uint64_t seed = mix((static_cast<uint64_t>(layer) << 40) ^
+  const uint64_t seed = mix64((static_cast<uint64_t>(layer) << 40) ^
                             (static_cast<uint64_t>(static_cast<uint32_t>(expert)) << 8) ^
                             static_cast<uint64_t>(tensor) ^ 0x6A09E667F3BCC909ull);
   for (int64_t i = 0; i < n; ++i) {
-    out[static_cast<size_t>(i)] = unit(mix(seed + static_cast<uint64_t>(i) * 0x9E3779B97F4A7C15ull)) * scale;
+    out[static_cast<size_t>(i)] = unit(mix64(seed + static_cast<uint64_t>(i) * 0x9E3779B97F4A7C15ull)) * scale;
   }
 }
 
@@ -69,10 +62,10 @@ void generate_weights_bytes(const ExpertShape& shape, int64_t layer, int32_t exp
 void generate_activation(int64_t hidden, int64_t step, int64_t token, int64_t layer,
                          std::span<float> out) {
   EPLB_CHECK_EQ(static_cast<int64_t>(out.size()), hidden, "activation");
-  const uint64_t seed = mix((static_cast<uint64_t>(step) << 32) ^ static_cast<uint64_t>(token) ^
+  const uint64_t seed = mix64((static_cast<uint64_t>(step) << 32) ^ static_cast<uint64_t>(token) ^
                             (static_cast<uint64_t>(layer) << 56) ^ 0xBB67AE8584CAA73Bull);
   for (int64_t h = 0; h < hidden; ++h) {
-    out[static_cast<size_t>(h)] = unit(mix(seed + static_cast<uint64_t>(h) * 0x9E3779B97F4A7C15ull));
+    out[static_cast<size_t>(h)] = unit(mix64(seed + static_cast<uint64_t>(h) * 0x9E3779B97F4A7C15ull));
   }
 }
 

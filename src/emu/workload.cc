@@ -4,18 +4,14 @@
 #include <filesystem>
 #include <numeric>
 
+#include "eplb/core/hash.h"
 #include "eplb/core/error.h"
 #include "eplb/stats/load_file.h"
 
 namespace eplb::emu {
 namespace {
 
-uint64_t splitmix(uint64_t& state) {
-  uint64_t x = (state += 0x9E3779B97F4A7C15ull);
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-  return x ^ (x >> 31);
-}
+uint64_t splitmix(uint64_t& state) { return mix64(state += 0x9E3779B97F4A7C15ull); }
 
 double uniform(uint64_t& state) {
   return static_cast<double>(splitmix(state) >> 11) * (1.0 / 9007199254740992.0);

@@ -28,4 +28,9 @@ void fail_unknown_peer(const Read& read, std::size_t index, std::size_t peers) {
                         " slots known): import_descriptor() every peer before reading from it");
 }
 
+Progress SettledBatch::poll() {
+  if (!error_.empty()) fail<IoError>(error_);
+  return Progress::kDone;
+}
+
 }  // namespace eplb::transport

@@ -18,6 +18,7 @@
 #include <string_view>
 #include <vector>
 
+#include "eplb/core/hash.h"
 #include "eplb/core/types.h"
 
 namespace eplb::routing {
@@ -54,13 +55,8 @@ DispatchTables build_dispatch_tables(const Placement& placement, int64_t layer,
 // The hash of `hash` dispatch: a 32-bit mix of the token index and the rank. Defined here once;
 // the device kernel restates it and is tested against it.
 inline uint32_t dispatch_hash(uint64_t token_index, uint32_t rank) {
-  uint64_t x = token_index + 0x9E3779B97F4A7C15ull * (static_cast<uint64_t>(rank) + 1);
-  x ^= x >> 30;
-  x *= 0xBF58476D1CE4E5B9ull;
-  x ^= x >> 27;
-  x *= 0x94D049BB133111EBull;
-  x ^= x >> 31;
-  return static_cast<uint32_t>(x);
+  return static_cast<uint32_t>(
+      mix64(token_index + 0x9E3779B97F4A7C15ull * (static_cast<uint64_t>(rank) + 1)));
 }
 
 // Chooses the slot for one (token, expert) on `rank`. `random_state` is the caller's per-rank

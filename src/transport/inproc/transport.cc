@@ -57,19 +57,6 @@ struct PeerView {
   std::vector<std::uint64_t> bytes;     // [region id]
 };
 
-class InprocBatch final : public Batch {
- public:
-  explicit InprocBatch(std::string error) : error_(std::move(error)) {}
-  Progress poll() override {
-    if (!error_.empty()) fail<IoError>(error_);
-    return Progress::kDone;
-  }
-  void wait(std::chrono::milliseconds) override { poll(); }
-
- private:
-  std::string error_;
-};
-
 class InprocTransport final : public Transport {
  public:
   explicit InprocTransport(const Options& options) : owner_(std::make_shared<Owner>()) {
@@ -181,11 +168,11 @@ class InprocTransport final : public Transport {
     for (const Read& r : reads) {
       const PeerView& view = view_of(r, 0, self);
       if (!view.owner->open.load(std::memory_order_acquire)) {
-        return std::make_unique<InprocBatch>("inproc: rank " + std::to_string(r.peer) +
+        return std::make_unique<SettledBatch>("inproc: rank " + std::to_string(r.peer) +
                                              " closed its transport during the batch");
       }
     }
-    return std::make_unique<InprocBatch>("");
+    return std::make_unique<SettledBatch>("");
   }
 
   void close() override {

@@ -127,19 +127,6 @@ struct Peer {
   const ControlPage* page() const { return reinterpret_cast<const ControlPage*>(control.data); }
 };
 
-class ShmBatch final : public Batch {
- public:
-  explicit ShmBatch(std::string error) : error_(std::move(error)) {}
-  Progress poll() override {
-    if (!error_.empty()) fail<IoError>(error_);
-    return Progress::kDone;
-  }
-  void wait(std::chrono::milliseconds) override { poll(); }
-
- private:
-  std::string error_;
-};
-
 class ShmTransport final : public Transport {
  public:
   explicit ShmTransport(const Options& options)
@@ -268,7 +255,7 @@ class ShmTransport final : public Transport {
       }
       if (touched_.empty() || touched_.back() != r.peer) touched_.push_back(r.peer);
     }
-    return std::make_unique<ShmBatch>(check_owners());
+    return std::make_unique<SettledBatch>(check_owners());
   }
 
   void close() override {

@@ -18,7 +18,7 @@ build=${1:-$default_build}
 config=(-DCMAKE_BUILD_TYPE=RelWithDebInfo)
 if [ -n "$sanitize" ]; then
   config+=(-DEPLB_SANITIZE="$sanitize" -DEPLB_BUILD_BENCHMARKS=OFF)
-  export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=1}
+  export ASAN_OPTIONS=${ASAN_OPTIONS:-abort_on_error=1}  # leak checking is on by default
   export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
   export TSAN_OPTIONS=${TSAN_OPTIONS:-halt_on_error=1:second_deadlock_stack=1}
 fi

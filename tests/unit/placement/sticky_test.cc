@@ -1,5 +1,5 @@
 // Tests of the sticky policy: no moves when nothing changed, the drift scenario of the
-// acceptance check (few moved slots, balance within the tolerance), tolerance 0, repairs of
+// goal of the policy (few moved slots, balance within the tolerance), tolerance 0, repairs of
 // previous placements that break the rules, and bad inputs. Fixed seeds, printed on failure.
 
 #include "eplb/placement/sticky.h"
@@ -40,7 +40,7 @@ LoadMatrix lognormal_load(int64_t layers, int64_t experts, std::mt19937_64& rng)
   return load;
 }
 
-// Multiplies every load by lognormal(0, sigma), rounded like the acceptance check's counts.
+// Multiplies every load by lognormal(0, sigma), rounded like integer token counts.
 LoadMatrix drift(const LoadMatrix& load, std::mt19937_64& rng, double sigma = 0.2) {
   std::lognormal_distribution<double> dist(0.0, sigma);
   LoadMatrix out = load;
@@ -88,8 +88,8 @@ TEST(Sticky, UnchangedLoadMovesNothing) {
 }
 
 TEST(Sticky, DriftScenarioMovesFewSlots) {
-  // The acceptance scenario: 16 layers, lognormal(0, 1) loads, five steps of lognormal(0, 0.2)
-  // drift, each placed by sticky from the previous step's placement.
+  // The policy's goal: 16 layers, lognormal(0, 1) loads, five steps of lognormal(0, 0.2) drift,
+  // each placed by sticky from the previous step's placement.
   const Layout layout = make_layout(256, 288, 32, 4, 1);
   std::mt19937_64 rng(11);
   LoadMatrix load = lognormal_load(16, 256, rng);

@@ -261,7 +261,7 @@ TEST(ParseLoad, FormatOverrides) {
 // ---------------------------------------------------------------------------------------------
 // Broken files: InvalidArgument naming the source and the position.
 
-TEST(BadLoad, AcceptanceCases) {
+TEST(BadLoad, EveryBrokenFileKind) {
   EXPECT_EQ(parse_error(R"({"load": [[1,2,3],[4,5]]})", "ragged.json"),
             "ragged.json: load[1] has 2 experts, expected 3 (as load[0])");
   const std::string neg = parse_error(R"({"load": [[1,-2,3,4]]})", "neg.json");

@@ -2,4 +2,4 @@
 add_library(eplb_warnings INTERFACE)
 target_compile_options(eplb_warnings INTERFACE
   $<$<COMPILE_LANGUAGE:CXX>:-Wall -Wextra -Wpedantic -Wshadow -Wnon-virtual-dtor -Wcast-align
-  -Woverloaded-virtual -Wnull-dereference -Wimplicit-fallthrough>)
+  -Woverloaded-virtual -Wimplicit-fallthrough>)

@@ -563,7 +563,10 @@ class UcxBatch final : public Batch {
           }
           std::sort(stuck.begin(), stuck.end());
           stuck.erase(std::unique(stuck.begin(), stuck.end()), stuck.end());
-          for (int r : stuck) ranks += (ranks.empty() ? "" : ",") + std::to_string(r);
+          for (int r : stuck) {
+            if (!ranks.empty()) ranks += ',';
+            ranks += std::to_string(r);
+          }
         }
         state_->timed_out = true;
         fail<Timeout>("ucx: ", outstanding, " reads from rank(s) ", ranks, " not done after ",

@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/commands.h"
+#include "cli/layout_options.h"
 #include "cli/migration_summary.h"
 #include "eplb/core/error.h"
 #include "eplb/migration/migration.h"
@@ -78,9 +79,6 @@ void print_table(const PlanArgs& args, const Layout& layout, const LoadMatrix& l
 }
 
 void run_plan(const PlanArgs& args) {
-  if (args.physical && args.redundant) {
-    fail("give either --physical or --redundant, not both (physical = experts + redundant)");
-  }
   stats::LoadReadOptions read_options;
   read_options.format = stats::parse_load_format(args.format);
   if (args.experts < 0) fail("--experts ", args.experts, " must be positive");
@@ -94,17 +92,7 @@ void run_plan(const PlanArgs& args) {
   layout.ranks = args.ranks;
   layout.nodes = args.nodes;
   layout.groups = args.groups;
-  if (args.redundant) {
-    if (*args.redundant < 0) fail("--redundant ", *args.redundant, " must not be negative");
-    layout.physical = load.experts + *args.redundant;
-    if (layout.physical % layout.ranks != 0) {
-      fail("--redundant ", *args.redundant, " gives ", layout.physical,
-           " physical slots, not a multiple of --ranks ", layout.ranks,
-           " (physical slots must divide evenly)");
-    }
-  } else {
-    layout.physical = args.physical.value_or(load.experts);
-  }
+  layout.physical = physical_slots(load.experts, layout.ranks, args.physical, args.redundant);
   layout.validate();
 
   std::optional<stats::PlacementFile> previous;

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "cli/commands.h"
+#include "cli/layout_options.h"
 #include "eplb/core/error.h"
 #include "eplb/stats/load_file.h"
 
@@ -88,25 +89,12 @@ stats::LoadHistory read_history(const SimulateArgs& args) {
 
 Layout make_layout(const SimulateArgs& args, int64_t experts) {
   if (args.ranks < 1) fail("--ranks ", args.ranks, " must be at least 1");
-  if (args.physical && args.redundant) {
-    fail("give either --physical or --redundant, not both (physical = experts + redundant)");
-  }
   Layout layout;
   layout.experts = experts;
   layout.ranks = args.ranks;
   layout.nodes = args.nodes;
   layout.groups = args.groups;
-  if (args.redundant) {
-    if (*args.redundant < 0) fail("--redundant ", *args.redundant, " must not be negative");
-    layout.physical = experts + *args.redundant;
-    if (layout.physical % layout.ranks != 0) {
-      fail("--redundant ", *args.redundant, " gives ", layout.physical,
-           " physical slots, not a multiple of --ranks ", layout.ranks,
-           " (physical slots must divide evenly)");
-    }
-  } else {
-    layout.physical = args.physical.value_or(experts);
-  }
+  layout.physical = physical_slots(experts, args.ranks, args.physical, args.redundant);
   if (layout.physical < experts) {
     fail("--physical ", layout.physical, " is below the ", experts,
          " experts of the input (every logical expert needs a slot)");

@@ -97,7 +97,7 @@ nlohmann::json to_json(const emu::RunOptions& o, const emu::RunResult& r) {
 
 void print_header(const RunArgs& a, const emu::Workload& w) {
   const emu::RunOptions& o = a.options;
-  const int64_t redundant = o.redundant < 0 ? o.ranks : o.redundant;
+  const int64_t redundant = o.redundant_slots();
   const std::string transport =
       o.transport != "auto" ? o.transport : (o.nodes > 1 ? "ucx over tcp" : "shm");
   fmt::print("eplb run: {} ranks on {} node{} ({}), {} layers x {} experts top-{}, {} slots per "

@@ -51,8 +51,7 @@ bool verified_token(int64_t verify_every, int64_t step, int64_t token) {
 }
 
 int64_t physical_of(const RunOptions& options, const Workload& workload) {
-  const int64_t redundant = options.redundant < 0 ? options.ranks : options.redundant;
-  return workload.experts + redundant;
+  return workload.experts + options.redundant_slots();
 }
 
 runtime::Config make_config(const RunOptions& options, const Workload& workload) {
@@ -101,13 +100,14 @@ void RunOptions::validate(const Workload& workload) const {
   }
   placement::parse_policy(policy);
   routing::parse_dispatch_policy(dispatch);
-  const int64_t redundant_slots = redundant < 0 ? ranks : redundant;
-  if (redundant_slots % ranks != 0) {
-    fail("--redundant ", redundant_slots, " is not a multiple of --ranks ", ranks,
+  const int64_t physical = workload.experts + redundant_slots();
+  if (physical % ranks != 0) {
+    fail("--redundant ", redundant_slots(), " gives ", physical, " physical slots (",
+         workload.experts, " experts + redundant), not a multiple of --ranks ", ranks,
          " (physical slots must divide evenly)");
   }
-  if (workload.experts + redundant_slots < ranks) {
-    fail("--ranks ", ranks, " is more than the ", workload.experts + redundant_slots,
+  if (physical < ranks) {
+    fail("--ranks ", ranks, " is more than the ", physical,
          " physical slots (experts + --redundant): every rank needs a slot");
   }
   if (transport != "auto" && !transport::has_backend(transport)) {

@@ -67,6 +67,11 @@ for dispatch in hash weighted; do
     || fail "--load with $dispatch dispatch exited $?: $(tail -c 300 "$tmp/load.err")"
   grep -q '"mismatches":0' "$tmp/load.out" || fail "--load $dispatch: $(cat "$tmp/load.out")"
 done
+# Physical slots (12 experts + 4) divide over 8 ranks though the redundant slots alone do not.
+"$eplb" run --load "$tmp/load.json" --top-k 2 --sample-tokens 512 --ranks 8 --redundant 4 \
+  --hidden 16 --intermediate 8 --tokens-per-rank 16 --steps 16 --interval 8 --window 8 \
+  --json >"$tmp/load8.out" 2>"$tmp/load8.err" \
+  || fail "12 experts + 4 redundant on 8 ranks exited $?: $(tail -c 300 "$tmp/load8.err")"
 
 # Off, sync and async side by side.
 if "$eplb" run "${small[@]}" --compare --json >"$tmp/compare.json" 2>"$tmp/compare.err"; then

@@ -49,6 +49,8 @@ struct RunOptions {
   bool progress = false;           // rank 0 draws a progress line on stdout
 
   void validate(const Workload& workload) const;  // InvalidArgument naming the option
+  // Redundant slots per layer, the -1 default resolved.
+  int64_t redundant_slots() const { return redundant < 0 ? ranks : redundant; }
 };
 
 // What one step looked like, merged over ranks.

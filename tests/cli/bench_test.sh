@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Smoke test of the `eplb bench` verbs at tiny sizes: each runs, prints one JSON object with the
+# fields the README names, and refuses a bad value. Figures are not judged (timings never
+# decide a test). Usage: bench_test.sh <eplb binary> <source dir>
+set -u
+eplb=$1
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+failures=0
+fail() { echo "FAIL: $*"; failures=$((failures + 1)); }
+
+check() {  # name, fields..., -- eplb args...
+  local name=$1
+  shift
+  local fields=()
+  while [ "$1" != "--" ]; do fields+=("$1"); shift; done
+  shift
+  if ! "$eplb" bench "$@" --json >"$tmp/out" 2>"$tmp/err"; then
+    fail "$name exited $?: $(tail -c 300 "$tmp/err")"
+    return
+  fi
+  [ "$(wc -l <"$tmp/out")" -eq 1 ] || fail "$name printed more than one line"
+  for f in "${fields[@]}"; do
+    grep -q "\"$f\"" "$tmp/out" || fail "$name lacks $f: $(cat "$tmp/out")"
+  done
+}
+
+check placement policy ms_per_call balancedness -- placement --layers 2 --repeat 2
+check migration rounds rounds_lower_bound bytes_total -- migration --layers 2 --repeat 2
+check transport backend ranks bytes gbps memcpy_gbps ratio -- transport --backend shm --ranks 2 \
+  --bytes 1048576
+check control backend ranks p50_us p99_us -- control --backend shm --ranks 2 --iters 50
+check runtime async sync ratio_total ratio_max stall_max_ms stall_total_ms -- runtime --ranks 2 \
+  --layers 4 --slots-per-rank 3 --expert-bytes 4096 --steps 60 --interval 10 --window 5 \
+  --forward-ms 0.2
+
+"$eplb" bench transport --backend nope --ranks 2 >/dev/null 2>"$tmp/err"
+[ $? -eq 2 ] && grep -q "nope" "$tmp/err" || fail "bench transport --backend nope: $(cat "$tmp/err")"
+"$eplb" bench placement --policy nope >/dev/null 2>"$tmp/err"
+[ $? -eq 2 ] && grep -q "nope" "$tmp/err" || fail "bench placement --policy nope: $(cat "$tmp/err")"
+
+if [ $failures -ne 0 ]; then
+  echo "$failures check(s) failed"
+  exit 1
+fi
+echo "bench CLI: all checks passed"

@@ -26,8 +26,9 @@
 //
 // Backends (see backend_names() for those built): inproc (ranks are threads of one process;
 // reference and test double), shm (processes of one machine, flags in POSIX shared memory),
-// gloo (TCP through Debian's gloo; rendezvous through a shared folder or Redis), mpi (OpenMPI,
-// when launched by mpirun). How to start ranks: eplb/control/launch.h.
+// gloo (TCP through Debian's gloo; rendezvous through a shared folder or Redis; connect sets
+// SIGPIPE to ignored unless the program handles it, so a dead peer's socket fails a collective
+// instead of killing the rank), mpi (OpenMPI, when launched by mpirun). How to start ranks: eplb/control/launch.h.
 
 #include <chrono>
 #include <cstddef>

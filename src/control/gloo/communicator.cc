@@ -1,5 +1,6 @@
 #include "control/gloo/communicator.h"
 
+#include <signal.h>
 #include <unistd.h>
 
 #include <cstdlib>
@@ -239,9 +240,20 @@ class GlooCommunicator final : public Communicator {
   std::uint32_t tag_ = 0;
 };
 
+// gloo's TCP pairs write with plain send(): a write to a peer that just died raises SIGPIPE,
+// whose default action kills this rank instead of letting the collective fail with IoError.
+// Ignore it, unless the program installed a handler of its own (Python already ignores it).
+void ignore_sigpipe_by_default() {
+  struct sigaction current {};
+  if (sigaction(SIGPIPE, nullptr, &current) == 0 && current.sa_handler == SIG_DFL) {
+    signal(SIGPIPE, SIG_IGN);
+  }
+}
+
 }  // namespace
 
 std::unique_ptr<Communicator> connect(const Options& options) {
+  ignore_sigpipe_by_default();
   if (options.rendezvous.empty()) {
     fail<InvalidArgument>("control gloo: Options::rendezvous is empty (give a folder shared by "
                           "all ranks, or redis://host:port)");

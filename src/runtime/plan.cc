@@ -126,14 +126,34 @@ bool stage_layer(const StageContext& context, const BufferMap& map, int64_t laye
   const auto cancelled = [&] {
     return context.cancel && context.cancel->load(std::memory_order_acquire);
   };
+  const auto deadline = Clock::now() + context.timeout;
+  // Local copies: memcpy on host memory; on device memory, reads of this rank's own region,
+  // gathered and done as one batch by flush_local().
+  std::vector<transport::Read> local_reads;
   const auto copy_slot = [&](int64_t src_buffer, int64_t src_slot, int64_t dst_slot) {
     for (int64_t t = 0; t < arena.tensors(); ++t) {
-      std::memcpy(context.base + arena.offset(spare, t, dst_slot),
-                  context.base + arena.offset(src_buffer, t, src_slot),
-                  static_cast<size_t>(arena.tensor_bytes(t)));
+      std::byte* dst = context.base + arena.offset(spare, t, dst_slot);
+      const int64_t src = arena.offset(src_buffer, t, src_slot);
+      const auto bytes = static_cast<size_t>(arena.tensor_bytes(t));
+      if (context.device_memory) {
+        local_reads.push_back({.peer = context.rank, .region = context.own_region,
+                               .offset = static_cast<uint64_t>(src), .dst = dst, .bytes = bytes});
+      } else {
+        std::memcpy(dst, context.base + src, bytes);
+      }
     }
   };
+  const auto flush_local = [&] {
+    if (local_reads.empty()) return true;
+    std::unique_ptr<transport::Batch> batch = context.transport->post(local_reads);
+    local_reads.clear();
+    return wait_batch(*batch, context, deadline);
+  };
   const auto actions = migration.plan.rank_actions(context.rank, layout);
+
+  // Step 0: the engine may still read the staging buffer (the old live buffer of the last
+  // install, or the source of its copy) in work queued before that install.
+  if (context.installer) context.installer->wait_marked(context.timeout);
 
   // Step 1: what this rank already holds: unchanged slots and local copies, from live.
   for (int64_t j = 0; j < spr; ++j) {
@@ -141,11 +161,11 @@ bool stage_layer(const StageContext& context, const BufferMap& map, int64_t laye
     if (a.action == migration::Action::kUnchanged) copy_slot(live, j, j);
     if (a.action == migration::Action::kLocalCopy) copy_slot(live, a.src_slot - first, j);
   }
+  if (!flush_local()) return false;
 
   // Step 2: reads from peers' live buffers, one batch per round of the schedule.
   const auto& reads = migration.plan.reads;
   const auto& round_of_read = migration.schedule.round_of_read;
-  const auto deadline = Clock::now() + context.timeout;
   std::vector<transport::Read> batch_reads;
   for (int64_t round = 0; round < migration.schedule.rounds; ++round) {
     batch_reads.clear();
@@ -175,6 +195,7 @@ bool stage_layer(const StageContext& context, const BufferMap& map, int64_t laye
     const migration::SlotAction& a = actions[j];
     if (a.action == migration::Action::kFreeRide) copy_slot(spare, a.src_slot - first, j);
   }
+  if (!flush_local()) return false;
   return !cancelled();
 }
 

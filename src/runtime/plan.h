@@ -54,11 +54,16 @@ struct StageContext {
   std::chrono::milliseconds timeout{0};
   const std::function<void(DelayPoint)>* delay_hook = nullptr;
   const std::atomic<bool>* cancel = nullptr;  // null: never cancelled
+  Installer* installer = nullptr;  // null: nothing queued reads the staging buffer
+  bool device_memory = false;      // the arena is device memory: copies go through transport
+  int own_region = 0;              // this rank's arena region (for local copies)
 };
 
 // Builds layer `layer`'s new content for this rank in the spare buffer of `map`: unchanged
 // slots and local copies from the live buffer, reads from peers' live buffers round by round,
-// then free rides within the spare buffer. Nothing live changes on any rank. Returns false
+// then free rides within the spare buffer. First waits for the installer's last mark, so
+// nothing the engine may still read is overwritten. Local copies are memcpy on host memory and
+// reads of this rank's own region (the transport's copy engine) on device memory. Nothing live changes on any rank. Returns false
 // when cancelled (the spare buffer is then garbage); throws on a failed or late read.
 bool stage_layer(const StageContext& context, const BufferMap& map, int64_t layer,
                  const migration::LayerMigration& migration);

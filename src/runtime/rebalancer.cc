@@ -58,6 +58,9 @@ uint64_t config_fingerprint(const Config& c, const WeightSpec& w) {
   mix(c.layout.groups), mix(c.interval), mix(c.window), mix(static_cast<int64_t>(c.policy));
   mix(c.hierarchical), mix(c.lag), mix(static_cast<int64_t>(c.mode)), mix(c.peers_per_round);
   mix(static_cast<int64_t>(c.agreement));
+  // With kSwap the buffer map changes at installs and peers compute offsets from it; with
+  // kCopy it never does: every rank must do the same.
+  mix(static_cast<int64_t>(c.install));
   // The placement's options decide the plan (a rank that skips by min_gain while another
   // installs would diverge): compared bit for bit.
   mix(std::bit_cast<int64_t>(c.tolerance)), mix(std::bit_cast<int64_t>(c.min_gain));
@@ -145,6 +148,16 @@ OnError parse_on_error(std::string_view name) {
   if (name == "log") return OnError::kLog;
   if (name == "raise") return OnError::kRaise;
   fail("unknown on_error '", name, "' (choose log or raise)");
+}
+
+Install parse_install(std::string_view name) {
+  if (name == "swap") return Install::kSwap;
+  if (name == "copy") return Install::kCopy;
+  fail("unknown install '", name, "' (choose swap or copy)");
+}
+
+std::string_view install_name(Install install) {
+  return install == Install::kSwap ? "swap" : "copy";
 }
 
 std::string_view outcome_name(Outcome outcome) {
@@ -498,10 +511,23 @@ class Rebalancer::Impl {
   }
 
   // Installs moved layer k of `plan` on this rank: the staged buffer becomes live, the new
-  // tables and phy2log take effect. O(1) in the weights' size.
+  // tables and phy2log take effect. kSwap: O(1) in the weights' size; kCopy: one layer copied
+  // (or enqueued, by the installer).
   void install(RebalancePlan& plan, int64_t k) {
     const int64_t layer = plan.moved_layers[k];
-    map_.install(layer);
+    if (config_.install == Install::kSwap) {
+      map_.install(layer);
+    } else {
+      std::byte* live = region_.data + arena_.offset(map_.buffer_of_layer[layer], 0, 0);
+      const std::byte* staged = region_.data + arena_.offset(map_.spare, 0, 0);
+      const auto bytes = static_cast<size_t>(arena_.layer_bytes());
+      if (config_.installer) {
+        config_.installer->copy(live, staged, bytes);
+      } else {
+        std::memcpy(live, staged, bytes);
+      }
+    }
+    if (config_.installer) config_.installer->mark();
     std::swap(tables_[layer], plan.tables[k]);
     std::copy(plan.phy2log[k].begin(), plan.phy2log[k].end(),
               phy2log_.begin() + layer * config_.layout.physical);
@@ -690,6 +716,9 @@ class Rebalancer::Impl {
     context.timeout = config_.timeout;
     context.delay_hook = &config_.delay_hook;
     context.cancel = cancel;
+    context.installer = config_.installer.get();
+    context.device_memory = transport_.capabilities().device_memory;
+    context.own_region = region_.id;
     return context;
   }
 
@@ -729,7 +758,7 @@ class Rebalancer::Impl {
         std::unique_lock<std::mutex> lock(a.mu);
         a.cv.wait(lock, [&] { return a.installed > static_cast<int64_t>(k) || cancelled(); });
         if (cancelled()) return;
-        map.install(layer);
+        if (config_.install == Install::kSwap) map.install(layer);
       }
     } catch (...) {
       worker_failed(a, rank_, describe(std::current_exception()), std::current_exception());

@@ -279,6 +279,24 @@ class LoadSourceState {
   stats::RoutingTrace trace_;
 };
 
+// An Installer for host memory that checks how the runtime uses it: copies only under
+// Install::kCopy, one mark per install, waits only after a mark.
+class CountingInstaller final : public Installer {
+ public:
+  void copy(void* dst, const void* src, std::size_t bytes) override {
+    std::memcpy(dst, src, bytes);
+    copies_.fetch_add(1, std::memory_order_relaxed);
+  }
+  void mark() override { marks_.fetch_add(1, std::memory_order_release); }
+  void wait_marked(std::chrono::milliseconds) override {
+    waits_.fetch_add(1, std::memory_order_relaxed);
+  }
+  int64_t marks() const { return marks_.load(std::memory_order_acquire); }
+
+ private:
+  std::atomic<int64_t> copies_{0}, marks_{0}, waits_{0};
+};
+
 void fill_expected(const Scenario& s, Rebalancer& rb) {
   (void)s;
   fill_weights(rb, [](int64_t layer, int64_t tensor, int32_t expert, std::span<std::byte> bytes) {
@@ -411,8 +429,20 @@ RankResult run_rank(const Scenario& s, int rank, const std::string& rendezvous,
   config.delay_hook = [hook](DelayPoint p) { (*hook)(p); };
   const Placement initial = trivial_placement(s.weights.layers, config.layout.experts,
                                               config.layout.physical);
+  std::shared_ptr<CountingInstaller> installer;
+  if (s.installer) {
+    installer = std::make_shared<CountingInstaller>();
+    config.installer = installer;
+  }
   Rebalancer rb(config, *comm, transport, s.weights, initial);
   const int64_t held = rb.connect();
+  // With Install::kCopy the weights never move.
+  std::vector<const std::byte*> addresses;
+  for (int64_t l = 0; l < s.weights.layers; ++l) {
+    for (int64_t t = 0; t < static_cast<int64_t>(s.weights.tensors.size()); ++t) {
+      addresses.push_back(rb.weights(l, t).data());
+    }
+  }
   const int64_t allocations = transport.allocations();
   const int64_t allocated = transport.allocated_bytes();
   const int64_t imports = transport.imports();
@@ -435,6 +465,21 @@ RankResult run_rank(const Scenario& s, int rank, const std::string& rendezvous,
   for (int64_t step = 0; step < s.max_steps; ++step) {
     load.record(rb, step);
     const uint64_t hash = check_rank(s, rb, rank, step, result.errors) & ((1ull << 62) - 1);
+    if (config.install == Install::kCopy) {
+      for (int64_t l = 0, i = 0; l < s.weights.layers; ++l) {
+        for (int64_t t = 0; t < static_cast<int64_t>(s.weights.tensors.size()); ++t, ++i) {
+          if (rb.weights(l, t).data() != addresses[static_cast<size_t>(i)]) {
+            result.errors.push_back(detail::concat("rank ", rank, " step ", step, ": layer ", l,
+                                                   " tensor ", t, " moved under Install::kCopy"));
+          }
+        }
+      }
+    }
+    if (installer && installer->marks() != rb.installed_layers()) {
+      result.errors.push_back(detail::concat("rank ", rank, " step ", step, ": ",
+                                             installer->marks(), " installer marks for ",
+                                             rb.installed_layers(), " installs"));
+    }
     const std::vector<RebalanceRecord> history = rb.history();
     const int64_t completed = completed_count(history);
     const int64_t failed = std::count_if(history.begin(), history.end(), [](const auto& r) {

@@ -63,6 +63,7 @@ struct Scenario {
   int64_t steps_after_failure = 30;  // survivors serve this long after the failure
   bool stop_mid_rebalance = false;   // every rank shuts down at the same step mid-rebalance
   bool compare_through_control = true;  // per-step hash through the harness communicator
+  bool installer = false;  // a counting Installer: one mark per install, checked every step
 };
 
 struct RankResult {

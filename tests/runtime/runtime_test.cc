@@ -138,6 +138,31 @@ TEST(RuntimeThreads, AsyncSkewedWithDelays) {
   EXPECT_GT(moved_slots(results[0]), 0);
 }
 
+TEST(RuntimeThreads, CopyInstallKeepsWeightsInPlace) {
+  for (const Mode mode : {Mode::kAsync, Mode::kSync}) {
+    Scenario s = skewed(std::string("copy-install-") + std::string(mode_name(mode)), mode);
+    s.config.install = Install::kCopy;
+    s.installer = true;
+    s.delays = true;
+    const auto results = testing::run_scenario(s);
+    expect_consistent(s, results);
+    EXPECT_GE(count(results[0], Outcome::kCompleted), s.completed);
+    EXPECT_GT(moved_slots(results[0]), 0);
+  }
+}
+
+TEST(RuntimeConfig, InstallNames) {
+  EXPECT_EQ(parse_install("swap"), Install::kSwap);
+  EXPECT_EQ(parse_install("copy"), Install::kCopy);
+  EXPECT_EQ(install_name(Install::kCopy), "copy");
+  try {
+    parse_install("move");
+    ADD_FAILURE() << "no exception";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("'move' (choose swap or copy)"), std::string::npos);
+  }
+}
+
 TEST(RuntimeThreads, SyncSkewedWithDelays) {
   Scenario s = skewed("sync-skewed", Mode::kSync);
   s.delays = true;
@@ -370,6 +395,15 @@ TEST(RuntimeThreads, ExternalAgreementMissingResultFailsEverywhere) {
 TEST(RuntimeProcesses, ShmAsyncFlameWithDelays) {
   Scenario s = as_processes(flame("shm-async", Mode::kAsync), "shm");
   s.delays = true;
+  const auto results = testing::run_scenario(s);
+  expect_consistent(s, results);
+  EXPECT_GE(count(results[0], Outcome::kCompleted), s.completed);
+}
+
+TEST(RuntimeProcesses, CopyInstallOverShm) {
+  Scenario s = as_processes(skewed("copy-install-shm", Mode::kAsync), "shm");
+  s.config.install = Install::kCopy;
+  s.installer = true;
   const auto results = testing::run_scenario(s);
   expect_consistent(s, results);
   EXPECT_GE(count(results[0], Outcome::kCompleted), s.completed);

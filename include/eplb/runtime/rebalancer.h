@@ -20,10 +20,14 @@
 // anyone else in between.
 //
 // Weights. The arena holds layers + 1 layer buffers of [tensors][slots_per_rank][expert_bytes];
-// the extra one is the staging buffer. A layer is installed by swapping its buffer with the
-// staging buffer, so weights(layer, tensor) is, like dispatch(layer), valid until the next
-// step_end(): an engine re-reads both after every step_end (or at least after each step whose
-// installed_layers() changed).
+// the extra one is the staging buffer. By default (Install::kSwap) a layer is installed by
+// swapping its buffer with the staging buffer, so weights(layer, tensor) is, like
+// dispatch(layer), valid until the next step_end(): an engine re-reads both after every step_end
+// (or at least after each step whose installed_layers() changed). With Install::kCopy the staged
+// bytes are copied into the live buffer instead and weights() never moves (what captured CUDA
+// graphs need). Where the arena is device memory (a transport with capabilities().device_memory)
+// weights() spans carry device addresses; an Installer orders installs with the engine's queued
+// device work (eplb/cuda/installer.h).
 
 #include <chrono>
 #include <cstddef>
@@ -69,6 +73,37 @@ std::string_view agreement_name(Agreement agreement);
 // agreement_contribution() at a step where no rebalance runs: the identity of min, so an
 // engine can carry a value at every step without asking whether one is needed.
 inline constexpr int64_t kNoAgreement = std::numeric_limits<int64_t>::max();
+
+// How a staged layer becomes live.
+enum class Install {
+  kSwap,  // the staging buffer and the live one trade places: O(1), weights() moves
+  kCopy,  // the staged bytes are copied into the live buffer: weights() never moves
+};
+// "swap" | "copy"; else InvalidArgument listing them.
+Install parse_install(std::string_view name);
+std::string_view install_name(Install install);
+
+// Puts installs in order with work the engine has queued but not yet run (a CUDA stream), so
+// that no byte the engine may still read is overwritten. Without one (Config::installer null)
+// the engine is assumed to have finished with the weights when it calls step_end(), as a CPU
+// forward pass has, and kCopy copies with memcpy.
+//
+// Threads: copy() and mark() are called on the forward thread inside step_end(); wait_marked()
+// on the thread that stages the next layer (the worker; the forward thread in sync mode), and
+// only after the install it waits for has returned.
+class Installer {
+ public:
+  virtual ~Installer() = default;
+  // Install::kCopy: copies `bytes` from the staging buffer `src` to the live buffer `dst`,
+  // after the engine's work queued so far (may only enqueue the copy).
+  virtual void copy(void* dst, const void* src, std::size_t bytes) = 0;
+  // After each install: marks the point of the engine's work after which the bytes an install
+  // replaced (kSwap: the old live buffer, now staging; kCopy: the staging buffer it copied)
+  // are no longer read.
+  virtual void mark() = 0;
+  // Returns once the engine's work has passed the last mark(); Timeout after `timeout`.
+  virtual void wait_marked(std::chrono::milliseconds timeout) = 0;
+};
 
 enum class OnError { kLog, kRaise };
 OnError parse_on_error(std::string_view name);  // "log" | "raise"
@@ -143,6 +178,8 @@ struct Config {
   int64_t peers_per_round = 1;  // read schedule: peers per rank per round
   routing::DispatchPolicy dispatch = routing::DispatchPolicy::kStatic;
   OnError on_error = OnError::kLog;
+  Install install = Install::kSwap;
+  std::shared_ptr<Installer> installer;  // null: host memory, see Installer
   // Called on the forward thread, inside step_end(), when a rebalance fails (on every rank).
   std::function<void(const RebalanceRecord&)> on_failure;
   // Testing: called at each DelayPoint, from the thread named there (so it must be

@@ -99,7 +99,8 @@ void print_header(const RunArgs& a, const emu::Workload& w) {
   const emu::RunOptions& o = a.options;
   const int64_t redundant = o.redundant_slots();
   const std::string transport =
-      o.transport != "auto" ? o.transport : (o.nodes > 1 ? "ucx over tcp" : "shm");
+      o.transport != "auto" ? o.transport
+                            : (o.nodes > 1 ? "shm within a node, UCX over TCP across" : "shm");
   fmt::print("eplb run: {} ranks on {} node{} ({}), {} layers x {} experts top-{}, {} slots per "
              "layer ({} redundant), {} tokens per rank per step\n",
              o.ranks, o.nodes, o.nodes > 1 ? "s" : "", transport, w.layers, w.experts, w.top_k,
@@ -345,7 +346,7 @@ void add_run(CLI::App& app) {
   cmd->add_option("--sample-tokens", a->sample_tokens, "With --load: tokens in one pass")
       ->capture_default_str();
   cmd->add_option("--seed", o.seed, "Sampler and random dispatch seed")->capture_default_str();
-  cmd->add_option("--transport", o.transport, "auto, shm or ucx")->capture_default_str();
+  cmd->add_option("--transport", o.transport, "auto, shm, ucx or hybrid")->capture_default_str();
   cmd->add_option("--timeout-ms", o.timeout_ms, "Every collective and every batch of reads")
       ->capture_default_str();
   cmd->add_flag("--compare", a->compare, "Run EPLB off, sync and async on the same workload");

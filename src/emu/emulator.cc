@@ -113,8 +113,9 @@ void RunOptions::validate(const Workload& workload) const {
   if (transport != "auto" && !transport::has_backend(transport)) {
     fail("--transport '", transport, "' is not built in");
   }
-  if (transport == "auto" && nodes > 1 && !transport::has_backend("ucx")) {
-    fail("--nodes ", nodes, " needs the ucx transport, which this build lacks (use --nodes 1)");
+  if (transport == "auto" && nodes > 1 && !transport::has_backend("hybrid")) {
+    fail("--nodes ", nodes, " needs the hybrid transport (shm within a node, UCX across), "
+         "which this build lacks: it needs UCX (use --nodes 1)");
   }
   make_config(*this, workload).validate();
 }
@@ -419,11 +420,14 @@ void on_stop_signal(int signal) {
 
 std::unique_ptr<transport::Transport> make_transport(const RunOptions& options, int rank) {
   std::string name = options.transport;
-  if (name == "auto") name = options.nodes > 1 ? "ucx" : "shm";
-  // Emulated nodes: make UCX use TCP for every read, as between machines, unless the caller
-  // chose its transports.
-  if (name == "ucx" && options.nodes > 1) ::setenv("UCX_TLS", "tcp", 0);
-  return transport::create(name, transport::Options{.rank = rank});
+  if (name == "auto") name = options.nodes > 1 ? "hybrid" : "shm";
+  // Emulated nodes: reads across them go over TCP, as between machines, unless the caller chose
+  // UCX's transports; reads within one (hybrid) stay in shared memory.
+  if ((name == "ucx" || name == "hybrid") && options.nodes > 1) ::setenv("UCX_TLS", "tcp", 0);
+  const int ranks_per_node = options.ranks / std::max(options.nodes, 1);
+  return transport::create(
+      name, transport::Options{.rank = rank,
+                               .node = "emulated-node-" + std::to_string(rank / ranks_per_node)});
 }
 
 std::string describe_failures(const std::vector<control::RankExit>& exits) {
@@ -544,7 +548,9 @@ RunResult run_from_env(RunOptions options, const Workload& workload) {
   auto communicator = control::connect(info->backend, o);
   o.group = "lockstep";
   auto lockstep = control::connect(info->backend, o);
-  if (options.transport == "auto") options.transport = "ucx";
+  // One process per rank across machines: shared memory with the ranks of this machine, UCX
+  // with the others.
+  if (options.transport == "auto") options.transport = "hybrid";
   auto transport = transport::create(options.transport, transport::Options{.rank = info->rank});
   const std::string report =
       run_rank(options, workload, *communicator, *lockstep, *transport, nullptr);

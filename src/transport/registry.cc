@@ -8,6 +8,7 @@
 #include "transport/inproc/transport.h"
 #include "transport/shm/transport.h"
 #if EPLB_HAVE_UCX
+#include "transport/hybrid/transport.h"
 #include "transport/ucx/transport.h"
 #endif
 
@@ -23,6 +24,7 @@ const std::vector<std::pair<std::string, Factory>>& factories() {
     t.emplace_back("shm", &shm::create);
 #if EPLB_HAVE_UCX
     t.emplace_back("ucx", &ucx::create);
+    t.emplace_back("hybrid", &hybrid::create);
 #endif
     return t;
   }();
@@ -50,7 +52,9 @@ std::unique_ptr<Transport> create(std::string_view name, const Options& options)
   }
   std::string built;
   for (const auto& [known, factory] : factories()) built += (built.empty() ? "" : "|") + known;
-  const char* hint = name == "ucx" ? "; UCX needs libucx-dev and -DEPLB_WITH_UCX=ON" : "";
+  const char* hint = name == "ucx" || name == "hybrid"
+                         ? "; ucx and hybrid need libucx-dev and -DEPLB_WITH_UCX=ON"
+                         : "";
   fail<InvalidArgument>("unknown transport backend '", name, "' (this build has ", built, hint,
                         ")");
 }

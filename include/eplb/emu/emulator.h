@@ -45,7 +45,8 @@ struct RunOptions {
   int64_t verify_every = 16;   // verify the tokens whose hash picks 1 in this many; 1: all
   uint64_t seed = 1;
   int64_t timeout_ms = 60'000;
-  std::string transport = "auto";  // auto: shm on one node, ucx across emulated nodes
+  std::string transport = "auto";  // auto: shm on one node; hybrid (shm within a node, UCX
+                                   // across) with emulated nodes or under a launcher
   bool progress = false;           // rank 0 draws a progress line on stdout
 
   void validate(const Workload& workload) const;  // InvalidArgument naming the option

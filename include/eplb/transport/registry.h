@@ -1,6 +1,6 @@
 #pragma once
-// The transport backends this build has, by name: "inproc", "shm", and "ucx" when built with
-// UCX. The list is filled explicitly in registry.cc; backends never register themselves.
+// The transport backends this build has, by name: "inproc", "shm", and "ucx" and "hybrid" (shm
+// within a node, UCX across nodes) when built with UCX. The list is filled explicitly in registry.cc; backends never register themselves.
 
 #include <memory>
 #include <string>

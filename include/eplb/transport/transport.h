@@ -37,6 +37,7 @@
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <string>
 #include <string_view>
 #include <vector>
 
@@ -56,6 +57,9 @@ struct Capabilities {
 
 struct Options {
   int rank = 0;  // this rank; descriptors carry it and import_descriptor() checks it
+  // hybrid: the name of this rank's node; peers of the same name are read through shared
+  // memory, the others through UCX. Empty: this machine. Other backends ignore it.
+  std::string node = {};
 };
 
 // A piece of registered memory of this rank, readable by peers that imported its descriptor.

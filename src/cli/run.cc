@@ -72,6 +72,7 @@ nlohmann::json to_json(const emu::RunOptions& o, const emu::RunResult& r) {
   return {{"mode", r.mode},
           {"ranks", o.ranks},
           {"nodes", o.nodes},
+          {"transport", o.transport_backend()},
           {"steps", r.steps},
           {"interrupted", r.interrupted},
           {"rebalances", r.rebalances},
@@ -98,9 +99,9 @@ nlohmann::json to_json(const emu::RunOptions& o, const emu::RunResult& r) {
 void print_header(const RunArgs& a, const emu::Workload& w) {
   const emu::RunOptions& o = a.options;
   const int64_t redundant = o.redundant_slots();
+  const std::string backend = o.transport_backend();
   const std::string transport =
-      o.transport != "auto" ? o.transport
-                            : (o.nodes > 1 ? "shm within a node, UCX over TCP across" : "shm");
+      backend == "hybrid" ? "hybrid: shm within a node, UCX over TCP across" : backend;
   fmt::print("eplb run: {} ranks on {} node{} ({}), {} layers x {} experts top-{}, {} slots per "
              "layer ({} redundant), {} tokens per rank per step\n",
              o.ranks, o.nodes, o.nodes > 1 ? "s" : "", transport, w.layers, w.experts, w.top_k,
@@ -247,6 +248,7 @@ void run(RunArgs a) {
   if (launched) {
     if (a.compare) fail("--compare runs forked ranks: not under mpirun or a launcher");
     o.progress = false;
+    o.transport = o.transport_backend(/*launched=*/true);
     const control::LaunchInfo info = *control::launch_info_from_env();
     o.ranks = info.size;  // as run_from_env sees them, for the summary
     if (info.local_size >= 1 && info.size % info.local_size == 0) {

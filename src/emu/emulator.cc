@@ -419,8 +419,7 @@ void on_stop_signal(int signal) {
 }
 
 std::unique_ptr<transport::Transport> make_transport(const RunOptions& options, int rank) {
-  std::string name = options.transport;
-  if (name == "auto") name = options.nodes > 1 ? "hybrid" : "shm";
+  const std::string name = options.transport_backend();
   // Emulated nodes: reads across them go over TCP, as between machines, unless the caller chose
   // UCX's transports; reads within one (hybrid) stay in shared memory.
   if ((name == "ucx" || name == "hybrid") && options.nodes > 1) ::setenv("UCX_TLS", "tcp", 0);
@@ -550,7 +549,7 @@ RunResult run_from_env(RunOptions options, const Workload& workload) {
   auto lockstep = control::connect(info->backend, o);
   // One process per rank across machines: shared memory with the ranks of this machine, UCX
   // with the others.
-  if (options.transport == "auto") options.transport = "hybrid";
+  options.transport = options.transport_backend(/*launched=*/true);
   auto transport = transport::create(options.transport, transport::Options{.rank = info->rank});
   const std::string report =
       run_rank(options, workload, *communicator, *lockstep, *transport, nullptr);

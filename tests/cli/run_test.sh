@@ -47,6 +47,15 @@ for mode in async sync; do
   fi
 done
 
+# Two emulated nodes: the hybrid transport (shm within a node, UCX over TCP across), every
+# output still right.
+if "$eplb" run "${small[@]}" --nodes 2 --json >"$tmp/nodes.json" 2>"$tmp/nodes.err"; then
+  [ -z "$py" ] || msg=$(check_json "$tmp/nodes.json" async) || fail "--nodes 2: $msg"
+  grep -q '"transport":"hybrid"' "$tmp/nodes.json" || fail "--nodes 2 did not use hybrid"
+else
+  fail "eplb run --nodes 2 exited $?: $(tail -c 300 "$tmp/nodes.err")"
+fi
+
 # Every output verified, random dispatch, redundant slots, the summary a person reads.
 if "$eplb" run "${small[@]}" --verify all --dispatch random --redundant 8 >"$tmp/all.txt" \
     2>"$tmp/all.err"; then

@@ -47,6 +47,12 @@ struct RunOptions {
   int64_t timeout_ms = 60'000;
   std::string transport = "auto";  // auto: shm on one node; hybrid (shm within a node, UCX
                                    // across) with emulated nodes or under a launcher
+  // The backend `transport` means for forked ranks (launched: true, under mpirun or a
+  // launcher, where "auto" is hybrid on any number of nodes).
+  std::string transport_backend(bool launched = false) const {
+    if (transport != "auto") return transport;
+    return launched || nodes > 1 ? "hybrid" : "shm";
+  }
   bool progress = false;           // rank 0 draws a progress line on stdout
 
   void validate(const Workload& workload) const;  // InvalidArgument naming the option

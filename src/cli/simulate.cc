@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <ctime>
@@ -47,6 +48,7 @@ struct SimulateArgs {
   double tolerance = 0.01;
   int64_t tokens_per_step = 256;
   int64_t expert_bytes = kDeepseekV3ExpertBytes;
+  double token_us = 0;  // one token through one expert on one rank; 0: MoE time in token units
   int64_t peers_per_round = 1;
   bool json = false;
   std::string plot_path;
@@ -113,6 +115,10 @@ void check_options(const SimulateArgs& args) {
   if (args.peers_per_round < 1) {
     fail("--peers-per-round ", args.peers_per_round, " must be at least 1");
   }
+  if (!(args.token_us >= 0) || !std::isfinite(args.token_us)) {
+    fail("--token-us ", args.token_us,
+         " must be a finite time >= 0 (microseconds for one token through one expert)");
+  }
 }
 
 // CPU time of this thread: the replay runs on one core, and its speed on that core should not
@@ -168,7 +174,14 @@ void plot(const std::string& path, const sim::SimResult& r) {
 
 double mib(double bytes) { return bytes / (1 << 20); }
 
-nlohmann::json result_json(const sim::SimResult& r, const sim::PolicyResult& p) {
+// The predicted MoE time of a step: in ms with --token-us, else in token-expert units.
+double moe_per_step(const SimulateArgs& args, const sim::PolicyResult& p) {
+  return args.token_us > 0 ? p.max_rank_load_per_step * args.token_us / 1000
+                           : p.max_rank_load_per_step;
+}
+
+nlohmann::json result_json(const SimulateArgs& args, const sim::SimResult& r,
+                           const sim::PolicyResult& p) {
   nlohmann::json moved = nlohmann::json::array(), bytes = nlohmann::json::array(),
                  rounds = nlohmann::json::array();
   for (const sim::Rebalance& b : p.rebalances) {
@@ -179,6 +192,9 @@ nlohmann::json result_json(const sim::SimResult& r, const sim::PolicyResult& p) 
   return {
       {"balancedness", p.balancedness},
       {"balancedness_step", p.balancedness_step},
+      {"max_rank_load_per_step", p.max_rank_load_per_step},
+      {"predicted_moe_ms_per_step", args.token_us > 0 ? nlohmann::json(moe_per_step(args, p))
+                                                      : nlohmann::json(nullptr)},
       {"moved_slots_per_rebalance", p.moved_slots_per_rebalance},
       {"steady_moved_slots_per_rebalance", p.steady_moved_slots_per_rebalance >= 0
                                                ? nlohmann::json(p.steady_moved_slots_per_rebalance)
@@ -207,14 +223,16 @@ void print_table(const SimulateArgs& args, const stats::LoadHistory& history, co
       args.interval, args.window, r.rebalance_steps.size(), r.first_scored_step, r.steps - 1,
       mib(static_cast<double>(args.expert_bytes)), args.peers_per_round,
       args.peers_per_round == 1 ? "" : "s");
-  fmt::print("{:>9}  {:>12}  {:>13}  {:>10}  {:>12}  {:>14}  {:>10}\n", "policy", "balancedness",
-             "step-weighted", "moved/reb", "steady moved", "MiB read/reb", "rounds/reb");
+  fmt::print("{:>9}  {:>12}  {:>13}  {:>12}  {:>10}  {:>12}  {:>14}  {:>10}\n", "policy",
+             "balancedness", "step-weighted", args.token_us > 0 ? "MoE ms/step" : "MoE/step",
+             "moved/reb", "steady moved", "MiB read/reb", "rounds/reb");
   for (const sim::PolicyResult& p : r.policies) {
     const std::string steady = p.steady_moved_slots_per_rebalance >= 0
                                    ? fmt::format("{:.1f}", p.steady_moved_slots_per_rebalance)
                                    : "-";
-    fmt::print("{:>9}  {:>12.4f}  {:>13.4f}  {:>10.1f}  {:>12}  {:>14.1f}  {:>10.1f}\n", p.policy,
-               p.balancedness, p.balancedness_step, p.moved_slots_per_rebalance, steady,
+    fmt::print("{:>9}  {:>12.4f}  {:>13.4f}  {:>12.{}f}  {:>10.1f}  {:>12}  {:>14.1f}  {:>10.1f}\n",
+               p.policy, p.balancedness, p.balancedness_step, moe_per_step(args, p),
+               args.token_us > 0 ? 3 : 0, p.moved_slots_per_rebalance, steady,
                mib(p.bytes_per_rebalance), p.rounds_per_rebalance);
   }
   fmt::print("lower bound on the scored windows: {:.4f} (mean), {:.4f} (step-weighted)\n",
@@ -222,6 +240,10 @@ void print_table(const SimulateArgs& args, const stats::LoadHistory& history, co
   fmt::print(
       "moved/reb counts the first rebalance from the trivial placement; steady moved "
       "leaves it out\n");
+  fmt::print("MoE/step: the busiest rank's load summed over layers, per step (the MoE time a "
+             "step waits for){}\n",
+             args.token_us > 0 ? fmt::format(", at {} us per token and expert", args.token_us)
+                               : " in token-expert passes; --token-us turns it into ms");
   fmt::print("replay: {:.3f} s ({:.3f} s of CPU), {:.2f}M layer-steps per CPU second\n", seconds,
              cpu_seconds, static_cast<double>(r.layer_steps) / cpu_seconds / 1e6);
   if (!args.plot_path.empty()) fmt::print("wrote {}\n", args.plot_path);
@@ -269,7 +291,7 @@ void run_simulate(const SimulateArgs& args) {
 
   if (args.json) {
     nlohmann::json results = nlohmann::json::object();
-    for (const sim::PolicyResult& p : result.policies) results[p.policy] = result_json(result, p);
+    for (const sim::PolicyResult& p : result.policies) results[p.policy] = result_json(args, result, p);
     nlohmann::json out = {
         {"source", args.trace_path.empty() ? args.load_path : args.trace_path},
         {"format", stats::load_format_name(history.format)},
@@ -349,6 +371,10 @@ void add_simulate(CLI::App& app) {
   cmd->add_option("--expert-bytes", args->expert_bytes,
                   "Bytes of one expert's weights in one layer (default: DeepSeek-V3's, "
                   "3 x 7168 x 2048 FP8)")
+      ->capture_default_str();
+  cmd->add_option("--token-us", args->token_us,
+                  "Microseconds one rank takes to pass one token through one expert: reports "
+                  "the predicted MoE time per step in ms (0: in token-expert passes)")
       ->capture_default_str();
   cmd->add_option("--peers-per-round", args->peers_per_round,
                   "Peers a rank reads from (and serves) per round of a migration")

@@ -376,6 +376,7 @@ SimResult simulate(const stats::LoadHistory& history, const SimOptions& options)
     PolicyResult& r = run.result;
     r.balancedness = run.score.sum_balancedness / scored;
     r.balancedness_step = ratio_or_one(run.score.sum_mean, run.score.sum_max);
+    r.max_rank_load_per_step = run.score.sum_max / static_cast<double>(steps - options.window);
     if (!r.rebalances.empty()) {
       double moved = 0, bytes = 0, rounds = 0;
       for (const Rebalance& b : r.rebalances) {

@@ -40,8 +40,10 @@ lb, lb_step = d["lower_bound_balancedness"], d["lower_bound_balancedness_step"]
 check(0 < lb <= 1 + 1e-12 and 0 < lb_step <= 1 + 1e-12, f"lower bound {lb} {lb_step}")
 for name, r in d["results"].items():
     for f in ["balancedness", "balancedness_step", "moved_slots_per_rebalance",
-              "bytes_per_rebalance", "rounds_per_rebalance", "lower_bound_balancedness"]:
+              "bytes_per_rebalance", "rounds_per_rebalance", "lower_bound_balancedness",
+              "max_rank_load_per_step", "predicted_moe_ms_per_step"]:
         check(f in r, f"{name} lacks {f}")
+    check(r["max_rank_load_per_step"] > 0, f"{name} max_rank_load_per_step")
     b, bs = r["balancedness"], r["balancedness_step"]
     check(0 < b <= 1 + 1e-12 and 0 < bs <= 1 + 1e-12, f"{name} balancedness {b} {bs}")
     # Guaranteed: no placement beats the lower bound of the windows it serves.

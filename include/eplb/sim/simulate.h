@@ -64,6 +64,10 @@ struct PolicyResult {
   std::string policy;
   double balancedness = 1;                // mean over scored (step, layer) of mean / max rank load
   double balancedness_step = 1;           // sum over scored (step, layer) of mean / sum of max
+  // The predicted MoE time of a step, in units of one token's pass through one expert: the
+  // busiest rank's load of each layer (every rank waits for it), summed over the layers, mean
+  // over the scored steps. Multiply by the time of one token-expert to get a time.
+  double max_rank_load_per_step = 0;
   std::vector<double> step_balancedness;  // [scored steps]: mean over layers, step by step
   std::vector<Rebalance> rebalances;      // [rebalances]; empty for `none`
   // Means over `rebalances` (0 when there are none), the first one counted from the trivial

@@ -72,6 +72,8 @@ TEST(Simulate, FlippingHotExpertIsScoredOutOfSample) {
     const PolicyResult& p = result_of(r, name);
     EXPECT_NEAR(p.balancedness, 1.0 / 3.0, 1e-12);
     EXPECT_NEAR(p.balancedness_step, 1.0 / 3.0, 1e-12);
+    // Out of sample the hot expert (load 3) sits alone on one rank: every step waits for it.
+    EXPECT_NEAR(p.max_rank_load_per_step, 3.0, 1e-12);
     ASSERT_EQ(p.step_balancedness.size(), 6u);
     for (const double s : p.step_balancedness) EXPECT_NEAR(s, 1.0 / 3.0, 1e-12);
     ASSERT_EQ(p.rebalances.size(), 3u);
@@ -98,6 +100,7 @@ TEST(Simulate, FlippingHotExpertIsScoredOutOfSample) {
   const PolicyResult& none = result_of(r, "none");
   EXPECT_NEAR(none.balancedness, 2.0 / 3.0, 1e-12);
   EXPECT_NEAR(none.balancedness_step, 2.0 / 3.0, 1e-12);
+  EXPECT_NEAR(none.max_rank_load_per_step, 1.5, 1e-12);  // 3/2 + 1/2 on each rank
   EXPECT_TRUE(none.rebalances.empty());
   EXPECT_EQ(none.moved_slots_per_rebalance, 0);
   EXPECT_EQ(none.steady_moved_slots_per_rebalance, -1);

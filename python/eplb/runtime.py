@@ -103,7 +103,8 @@ class Rebalancer:
             ``window``, ``policy`` ("sticky", "balanced", "deepseek"), ``hierarchical``,
             ``tolerance``, ``min_gain``, ``lag``, ``timeout_ms``, ``mode`` ("async", "sync"),
             ``agreement`` ("internal", or "external": see agreement_result()),
-            ``peers_per_round``, ``dispatch`` ("static", "random", "hash", "weighted": what
+            ``install`` ("swap"; "copy" keeps weights() at fixed addresses, at the cost of one
+            layer copy per installed layer), ``peers_per_round``, ``dispatch`` ("static", "random", "hash", "weighted": what
             route() uses), ``on_error`` ("log", "raise"); defaults as in docs/runtime.md.
         rank, world_size: this rank and the number of ranks.
         control: control-plane backend, "shm" (processes of one machine), "gloo" (TCP; the
@@ -111,7 +112,8 @@ class Rebalancer:
             this process), "mpi" where built; eplb.control_backends() lists them.
         rendezvous: where the ranks meet: a name (inproc, shm), a folder or redis:// (gloo).
             Required with more than one rank.
-        transport: weight transport, "shm", "ucx" or "inproc"; eplb.transport_backends().
+        transport: weight transport, "shm", "ucx", "hybrid" (shm within a node, UCX across) or
+            "inproc"; eplb.transport_backends().
         weights: the tensors of one layer's expert, as a list of (name, spec) or a dict
             name -> spec, where spec is the bytes of one expert (an int: views default to
             uint8 [slots_per_rank, bytes]) or (shape, dtype) (views default to
@@ -277,7 +279,8 @@ class Rebalancer:
         declared in `weights`, else uint8 [expert_bytes]); a torch dtype, or as_torch=True,
         gives a torch CPU tensor (through DLPack). Shape of the result: [slots_per_rank, *shape].
 
-        VALID ONLY UNTIL THE NEXT step_end(): fetch it again after every step_end().
+        VALID ONLY UNTIL THE NEXT step_end(): fetch it again after every step_end() (unless
+        config "install" is "copy": then the arena never moves).
         """
         index = self._tensor_index(tensor)
         name, nbytes, declared_shape, declared_dtype = self._tensors[index]

@@ -64,7 +64,8 @@ bool bool_of(const py::handle& value, const std::string& key) {
 
 constexpr const char* kConfigKeys =
     "experts, physical, ranks, nodes, groups, interval, window, policy, hierarchical, "
-    "tolerance, min_gain, lag, timeout_ms, mode, agreement, peers_per_round, dispatch, on_error";
+    "tolerance, min_gain, lag, timeout_ms, mode, agreement, install, peers_per_round, dispatch, "
+    "on_error";
 
 // A runtime::Config from a dict whose keys are the C++ field names (the layout's flattened in,
 // timeout as timeout_ms). `ranks` defaults to the world size.
@@ -113,6 +114,8 @@ runtime::Config to_config(const py::dict& d, int world_size) {
       c.peers_per_round = int_of(v, key);
     } else if (key == "dispatch") {
       c.dispatch = routing::parse_dispatch_policy(string_of(v, key));
+    } else if (key == "install") {
+      c.install = runtime::parse_install(string_of(v, key));
     } else if (key == "on_error") {
       c.on_error = runtime::parse_on_error(string_of(v, key));
     } else {
@@ -148,6 +151,7 @@ py::dict config_dict(const runtime::Config& c) {
   d["agreement"] = std::string(runtime::agreement_name(c.agreement));
   d["peers_per_round"] = c.peers_per_round;
   d["dispatch"] = std::string(routing::dispatch_policy_name(c.dispatch));
+  d["install"] = std::string(runtime::install_name(c.install));
   d["on_error"] = c.on_error == runtime::OnError::kRaise ? "raise" : "log";
   return d;
 }

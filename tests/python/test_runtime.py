@@ -169,6 +169,7 @@ def test_initial_placement_forms(tmp_path):
     ({"unknown": 1}, "unknown config key 'unknown'"),
     ({"policy": "best"}, "best"),
     ({"mode": "later"}, "choose async or sync"),
+    ({"install": "move"}, "choose swap or copy"),
     ({"interval": 0}, "interval 0 must be at least 1"),
     ({"lag": "2"}, "must be an integer"),
     ({"physical": 6}, "physical"),

@@ -127,9 +127,13 @@ TEST_P(ControlConformance, KilledRankFailsEverySurvivor) {
       std::fprintf(stderr, "rank %d got: %s\n", comm.rank(), e.what());
       EPLB_REQUIRE(dynamic_cast<const IoError*>(&e) || dynamic_cast<const Timeout*>(&e), what);
       EPLB_REQUIRE(what.find("all_reduce") != std::string::npos, what);
+      // Later collectives fail too, never hang: IoError, or Timeout where a loaded machine let
+      // the first one time out before the death was seen.
       try {
         comm.barrier();
       } catch (const IoError& again) {
+        return 0;
+      } catch (const Timeout& again) {
         return 0;
       }
       return 3;

@@ -43,7 +43,19 @@ if(EPLB_WITH_CUDA)
                         "-DCMAKE_CUDA_COMPILER=/usr/local/cuda/bin/nvcc or configure with "
                         "-DEPLB_WITH_CUDA=OFF")
   endif()
+  # No GPU is needed to build: compile for Hopper (H100/H200) unless told otherwise, never for
+  # "native", which asks a GPU that a build machine may not have.
+  if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES)
+    set(CMAKE_CUDA_ARCHITECTURES 90)
+  endif()
   enable_language(CUDA)
+  # CMake before 3.26 does not know nvcc's C++20 flag (the headers need std::span).
+  if(CMAKE_VERSION VERSION_LESS 3.26 AND NOT CMAKE_CUDA20_STANDARD_COMPILE_OPTION)
+    set(CMAKE_CUDA20_STANDARD_COMPILE_OPTION "-std=c++20")
+    set(CMAKE_CUDA20_EXTENSION_COMPILE_OPTION "-std=c++20")
+  endif()
+  set(CMAKE_CUDA_STANDARD 20)
+  set(CMAKE_CUDA_STANDARD_REQUIRED ON)
   find_package(CUDAToolkit REQUIRED)
   set(EPLB_HAVE_CUDA ON)
 endif()

@@ -11,6 +11,9 @@
 #include "transport/hybrid/transport.h"
 #include "transport/ucx/transport.h"
 #endif
+#if EPLB_HAVE_CUDA
+#include "transport/cuda/transport.h"
+#endif
 
 namespace eplb::transport {
 namespace {
@@ -25,6 +28,9 @@ const std::vector<std::pair<std::string, Factory>>& factories() {
 #if EPLB_HAVE_UCX
     t.emplace_back("ucx", &ucx::create);
     t.emplace_back("hybrid", &hybrid::create);
+#endif
+#if EPLB_HAVE_CUDA
+    t.emplace_back("cuda", &cuda::create);
 #endif
     return t;
   }();
@@ -54,7 +60,8 @@ std::unique_ptr<Transport> create(std::string_view name, const Options& options)
   for (const auto& [known, factory] : factories()) built += (built.empty() ? "" : "|") + known;
   const char* hint = name == "ucx" || name == "hybrid"
                          ? "; ucx and hybrid need libucx-dev and -DEPLB_WITH_UCX=ON"
-                         : "";
+                     : name == "cuda" ? "; cuda needs the CUDA toolkit and -DEPLB_WITH_CUDA=ON"
+                                      : "";
   fail<InvalidArgument>("unknown transport backend '", name, "' (this build has ", built, hint,
                         ")");
 }

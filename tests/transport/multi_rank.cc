@@ -107,8 +107,12 @@ int run_child(const RunOptions& options, int rank, const fs::path& dir,
     body(ctx);
     if (::testing::Test::HasFailure()) code = kExitFailed;
   } catch (const SkipRanks& skip) {
-    std::ofstream(dir / ".skip.tmp") << skip.reason;
-    fs::rename(dir / ".skip.tmp", dir / "skip");
+    // Every rank may skip at once: each writes its own file, and the renames replace each
+    // other atomically (any reason will do).
+    const fs::path mine = dir / (".skip.tmp." + std::to_string(rank));
+    std::ofstream(mine) << skip.reason;
+    std::error_code ignored;
+    fs::rename(mine, dir / "skip", ignored);
     code = kExitSkipped;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "rank %d threw: %s\n", rank, e.what());

@@ -1,6 +1,7 @@
 #pragma once
 // The transport backends this build has, by name: "inproc", "shm", and "ucx" and "hybrid" (shm
-// within a node, UCX across nodes) when built with UCX. The list is filled explicitly in registry.cc; backends never register themselves.
+// within a node, UCX across nodes) when built with UCX, and "cuda" (device memory, CUDA IPC)
+// when built with -DEPLB_WITH_CUDA=ON. The list is filled explicitly in registry.cc; backends never register themselves.
 
 #include <memory>
 #include <string>

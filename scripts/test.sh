@@ -1,16 +1,24 @@
 #!/usr/bin/env bash
 # Builds everything and runs every test: install what is missing, configure, build, ctest.
-# Usage: scripts/test.sh [--sanitize address,undefined|thread] [build-dir]
+# Usage: scripts/test.sh [--sanitize address,undefined|thread | --cuda] [build-dir]
 #   --sanitize: build in build-<sanitizer> with -DEPLB_SANITIZE=... and run the suite under it.
+#   --cuda:     build the CUDA layer in build-cuda (-DEPLB_WITH_CUDA=ON; needs nvcc, not a GPU)
+#               and run its tests, which skip with a message where there is no GPU
+#               (scripts/gpu-check.sh runs them, and the measurements, on a GPU machine).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 sanitize=""
+cuda=0
 if [ "${1:-}" = "--sanitize" ]; then
   sanitize=$2
   shift 2
+elif [ "${1:-}" = "--cuda" ]; then
+  cuda=1
+  shift
 fi
 default_build="$root/build"
 [ -n "$sanitize" ] && default_build="$root/build-${sanitize//,/-}"
+[ "$cuda" = 1 ] && default_build="$root/build-cuda"
 build=${1:-$default_build}
 
 "$root/scripts/install-deps.sh"
@@ -21,6 +29,22 @@ if [ -n "$sanitize" ]; then
   export ASAN_OPTIONS=${ASAN_OPTIONS:-abort_on_error=1}  # leak checking is on by default
   export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
   export TSAN_OPTIONS=${TSAN_OPTIONS:-halt_on_error=1:second_deadlock_stack=1}
+fi
+if [ "$cuda" = 1 ]; then
+  nvcc=$(command -v nvcc || true)
+  [ -z "$nvcc" ] && [ -x /usr/local/cuda/bin/nvcc ] && nvcc=/usr/local/cuda/bin/nvcc
+  if [ -z "$nvcc" ]; then
+    echo "scripts/test.sh --cuda: no nvcc on PATH or in /usr/local/cuda/bin (install the CUDA" \
+         "toolkit)" >&2
+    exit 1
+  fi
+  config+=(-DEPLB_WITH_CUDA=ON -DCMAKE_CUDA_COMPILER="$nvcc" -DEPLB_WITH_PYTHON=OFF)
+  cmake -S "$root" -B "$build" "${config[@]}"
+  cmake --build "$build" -j"$(nproc)" --target eplb eplb_cuda_tests eplb_cuda_routing_bench \
+    eplb_cuda_transport_measure
+  cd "$build"
+  ctest --output-on-failure -L cuda --timeout 600
+  exit 0
 fi
 cmake -S "$root" -B "$build" "${config[@]}"
 cmake --build "$build" -j"$(nproc)"

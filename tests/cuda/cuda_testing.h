@@ -10,14 +10,18 @@
 
 #include <cuda_runtime_api.h>
 
+#include <atomic>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <thread>
 
 #include "eplb/core/error.h"
 #include "eplb/transport/registry.h"
@@ -116,6 +120,46 @@ inline void ok(cudaError_t status, const char* call) {
   }
 }
 #define EPLB_TEST_CUDA(call) ::eplb::transport::cuda_testing::ok((call), #call)
+
+// Words the host and the spinning kernel share: host-mapped, pinned memory.
+struct SpinFlags {
+  int* host = nullptr;  // [0] stop, [1] gave up, [2..] started, one per block
+  int* device = nullptr;
+  int blocks = 0;
+
+  explicit SpinFlags(int n) : blocks(n) {
+    const std::size_t bytes = sizeof(int) * static_cast<std::size_t>(2 + n);
+    EPLB_TEST_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&host), bytes, cudaHostAllocMapped));
+    std::memset(host, 0, bytes);
+    EPLB_TEST_CUDA(cudaHostGetDevicePointer(reinterpret_cast<void**>(&device), host, 0));
+  }
+  ~SpinFlags() { (void)cudaFreeHost(host); }
+  SpinFlags(const SpinFlags&) = delete;
+  SpinFlags& operator=(const SpinFlags&) = delete;
+
+  int started() const {
+    int n = 0;
+    for (int b = 0; b < blocks; ++b) n += static_cast<const volatile int*>(host)[2 + b] != 0;
+    return n;
+  }
+  bool gave_up() const { return static_cast<const volatile int*>(host)[1] != 0; }
+  void release() {
+    static_cast<volatile int*>(host)[0] = 1;
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+  }
+};
+
+// Polls `stream` until its work is done or `timeout` passes; never blocks on the device.
+inline bool finishes_within(cudaStream_t stream, std::chrono::milliseconds timeout) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  while (true) {
+    const cudaError_t status = cudaStreamQuery(stream);
+    if (status == cudaSuccess) return true;
+    if (status != cudaErrorNotReady) ok(status, "cudaStreamQuery (spinning kernel)");
+    if (std::chrono::steady_clock::now() > deadline) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+}
 
 // ---- spin_kernels.cu ----------------------------------------------------------------------------
 

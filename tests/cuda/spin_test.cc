@@ -59,46 +59,6 @@ struct DeviceBuffer {
   DeviceBuffer& operator=(const DeviceBuffer&) = delete;
 };
 
-// Words the host and the spinning kernel share: host-mapped, pinned memory.
-struct SpinFlags {
-  int* host = nullptr;  // [0] stop, [1] gave up, [2..] started, one per block
-  int* device = nullptr;
-  int blocks = 0;
-
-  explicit SpinFlags(int n) : blocks(n) {
-    const std::size_t bytes = sizeof(int) * static_cast<std::size_t>(2 + n);
-    EPLB_TEST_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&host), bytes, cudaHostAllocMapped));
-    std::memset(host, 0, bytes);
-    EPLB_TEST_CUDA(cudaHostGetDevicePointer(reinterpret_cast<void**>(&device), host, 0));
-  }
-  ~SpinFlags() { (void)cudaFreeHost(host); }
-  SpinFlags(const SpinFlags&) = delete;
-  SpinFlags& operator=(const SpinFlags&) = delete;
-
-  int started() const {
-    int n = 0;
-    for (int b = 0; b < blocks; ++b) n += static_cast<const volatile int*>(host)[2 + b] != 0;
-    return n;
-  }
-  bool gave_up() const { return static_cast<const volatile int*>(host)[1] != 0; }
-  void release() {
-    static_cast<volatile int*>(host)[0] = 1;
-    std::atomic_thread_fence(std::memory_order_seq_cst);
-  }
-};
-
-// Polls `stream` until its work is done or `timeout` passes; never blocks on the device.
-bool finishes_within(cudaStream_t stream, std::chrono::milliseconds timeout) {
-  const auto deadline = Clock::now() + timeout;
-  while (true) {
-    const cudaError_t status = cudaStreamQuery(stream);
-    if (status == cudaSuccess) return true;
-    if (status != cudaErrorNotReady) ok(status, "cudaStreamQuery (spinning kernel)");
-    if (Clock::now() > deadline) return false;
-    std::this_thread::sleep_for(1ms);
-  }
-}
-
 // Rank 1: spin every SM, pull the layer, release the SMs, check the bytes.
 void pull_while_spinning(Transport& transport) {
   // Step 1: everything that may allocate, free or wait for the device happens before the kernel
@@ -114,7 +74,7 @@ void pull_while_spinning(Transport& transport) {
   EPLB_TEST_CUDA(cuda_testing::spin_blocks_per_sm(kThreads, &per_sm));
   ASSERT_GT(per_sm, 0) << "the spin kernel fits no block on an SM";
   const int blocks = per_sm * sms;
-  SpinFlags flags(blocks);
+  cuda_testing::SpinFlags flags(blocks);
   cudaStream_t spin_stream = nullptr;
   EPLB_TEST_CUDA(cudaStreamCreateWithFlags(&spin_stream, cudaStreamNonBlocking));
 
@@ -165,7 +125,7 @@ void pull_while_spinning(Transport& transport) {
 
   // Step 4: release the kernel; it must leave.
   flags.release();
-  if (!finishes_within(spin_stream, kStopTimeout)) {
+  if (!cuda_testing::finishes_within(spin_stream, kStopTimeout)) {
     ADD_FAILURE() << "the KERNEL did not finish: still running " << kStopTimeout.count()
                   << " s after its flag was set (the transfer "
                   << (transfer_done ? "had finished" : "had not finished either") << ")";

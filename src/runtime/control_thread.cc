@@ -20,11 +20,13 @@ ControlThread::~ControlThread() { stop(); }
 
 std::future<std::vector<int64_t>> ControlThread::all_reduce(std::vector<int64_t> values,
                                                             control::ReduceOp op,
-                                                            std::chrono::milliseconds timeout) {
+                                                            std::chrono::milliseconds timeout,
+                                                            std::function<void()> before) {
   Job job;
   job.values = std::move(values);
   job.op = op;
   job.timeout = timeout;
+  job.before = std::move(before);
   std::future<std::vector<int64_t>> future = job.result.get_future();
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -62,6 +64,7 @@ void ControlThread::run() {
     }
     try {
       if (before_each_) before_each_();
+      if (job.before) job.before();
       communicator_.all_reduce(job.values, job.op, job.timeout);
       job.result.set_value(std::move(job.values));
     } catch (...) {

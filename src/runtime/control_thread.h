@@ -29,9 +29,12 @@ class ControlThread {
   ControlThread& operator=(const ControlThread&) = delete;
 
   // Queues an in-place all_reduce of `values`; the future yields the result or the
-  // collective's exception (IoError, Timeout, ...).
+  // collective's exception (IoError, Timeout, ...). `before` (may be empty) runs on the control
+  // thread just before this collective; if it throws, the collective is not run and the future
+  // yields that exception.
   std::future<std::vector<int64_t>> all_reduce(std::vector<int64_t> values, control::ReduceOp op,
-                                               std::chrono::milliseconds timeout);
+                                               std::chrono::milliseconds timeout,
+                                               std::function<void()> before = {});
 
   // Runs every queued collective, then joins. Idempotent.
   void stop();
@@ -41,6 +44,7 @@ class ControlThread {
     std::vector<int64_t> values;
     control::ReduceOp op = control::ReduceOp::kMin;
     std::chrono::milliseconds timeout{0};
+    std::function<void()> before;
     std::promise<std::vector<int64_t>> result;
   };
   void run();

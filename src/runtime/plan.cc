@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cstring>
 #include <memory>
+#include <thread>
 
 #include "eplb/core/error.h"
 #include "eplb/placement/metrics.h"
@@ -22,23 +23,38 @@ Placement placement_of(std::span<const int32_t> phy2log, const Layout& layout, i
   return p;
 }
 
-// Waits for a batch in short slices so that a cancelled rebalance lets go of it quickly.
+// Waits for a batch by polling, so that a cancelled rebalance lets go of it quickly. Never
+// through Batch::wait: a wait that times out tells a backend the caller gave up on those peers
+// (UCX then closes their endpoints when the batch is destroyed), which a slice of a longer wait
+// is not.
 bool wait_batch(transport::Batch& batch, const StageContext& context, Clock::time_point deadline) {
-  constexpr std::chrono::milliseconds kSlice{2};
+  constexpr std::chrono::microseconds kPause{100};
   for (;;) {
     if (batch.poll() == transport::Progress::kDone) return true;
     if (context.cancel && context.cancel->load(std::memory_order_acquire)) return false;
-    const auto now = Clock::now();
-    if (now >= deadline) {
+    if (Clock::now() >= deadline) {
       fail<Timeout>("runtime: reads of rank ", context.rank, " did not finish within ",
                     context.timeout.count(), " ms");
     }
+    std::this_thread::sleep_for(kPause);
+  }
+}
+
+// Waits for the installer's last mark in short slices, so that a cancelled rebalance (or
+// shutdown) does not wait for a stalled engine stream; Timeout after the context's timeout.
+bool wait_installs(const StageContext& context) {
+  constexpr std::chrono::milliseconds kSlice{2};
+  const auto deadline = Clock::now() + context.timeout;
+  for (;;) {
     try {
-      batch.wait(std::min<std::chrono::milliseconds>(
-          kSlice, std::chrono::duration_cast<std::chrono::milliseconds>(deadline - now) +
-                      std::chrono::milliseconds(1)));
+      context.installer->wait_marked(kSlice);
+      return true;
     } catch (const Timeout&) {
-      // Not yet: check cancellation and the deadline, then wait again.
+    }
+    if (context.cancel && context.cancel->load(std::memory_order_acquire)) return false;
+    if (Clock::now() >= deadline) {
+      fail<Timeout>("runtime: the engine's work queued before the last install did not finish "
+                    "within ", context.timeout.count(), " ms (rank ", context.rank, ")");
     }
   }
 }
@@ -126,6 +142,9 @@ bool stage_layer(const StageContext& context, const BufferMap& map, int64_t laye
   const auto cancelled = [&] {
     return context.cancel && context.cancel->load(std::memory_order_acquire);
   };
+  // Step 0: the engine may still read the staging buffer (the old live buffer of the last
+  // install, or the source of its copy) in work queued before that install.
+  if (context.installer && !wait_installs(context)) return false;
   const auto deadline = Clock::now() + context.timeout;
   // Local copies: memcpy on host memory; on device memory, reads of this rank's own region,
   // gathered and done as one batch by flush_local().
@@ -150,10 +169,6 @@ bool stage_layer(const StageContext& context, const BufferMap& map, int64_t laye
     return wait_batch(*batch, context, deadline);
   };
   const auto actions = migration.plan.rank_actions(context.rank, layout);
-
-  // Step 0: the engine may still read the staging buffer (the old live buffer of the last
-  // install, or the source of its copy) in work queued before that install.
-  if (context.installer) context.installer->wait_marked(context.timeout);
 
   // Step 1: what this rank already holds: unchanged slots and local copies, from live.
   for (int64_t j = 0; j < spr; ++j) {

@@ -9,6 +9,7 @@
 #include <bit>
 #include <chrono>
 #include <condition_variable>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <exception>
@@ -241,6 +242,11 @@ class Rebalancer::Impl {
   int64_t connect() {
     EPLB_CHECK(!connected_, "connect() was already called");
     const std::chrono::milliseconds timeout = config_.timeout;
+    if (transport_.capabilities().device_memory && !config_.installer) {
+      fail("the ", transport_.backend(), " transport keeps the weights in device memory: set "
+           "Config::installer (eplb::cuda::StreamInstaller on the engine's stream) so that "
+           "installs are ordered with the engine's queued work");
+    }
     // Step 1: the arena, staging included, as one region.
     region_ = transport_.allocate(static_cast<size_t>(arena_.total_bytes()));
     // Step 2: exchange (fingerprint, region id, descriptor) with every peer.
@@ -522,17 +528,34 @@ class Rebalancer::Impl {
       const std::byte* staged = region_.data + arena_.offset(map_.spare, 0, 0);
       const auto bytes = static_cast<size_t>(arena_.layer_bytes());
       if (config_.installer) {
-        config_.installer->copy(live, staged, bytes);
+        installer_or_stop([&] { config_.installer->copy(live, staged, bytes); }, layer);
       } else {
         std::memcpy(live, staged, bytes);
       }
     }
-    if (config_.installer) config_.installer->mark();
+    if (config_.installer) installer_or_stop([&] { config_.installer->mark(); }, layer);
     std::swap(tables_[layer], plan.tables[k]);
     std::copy(plan.phy2log[k].begin(), plan.phy2log[k].end(),
               phy2log_.begin() + layer * config_.layout.physical);
     ++installed_total_;
     ++open_->layers_installed;
+  }
+
+  // An installer that fails mid-install (a CUDA error on the engine's stream) leaves this
+  // rank's weights, tables and buffer map no longer in step with each other or with the other
+  // ranks', and there is no consistent way back: the process stops, loudly, so that its peers
+  // see a dead rank and abandon the rebalance cleanly instead of serving wrong experts.
+  template <typename F>
+  void installer_or_stop(F&& call, int64_t layer) {
+    try {
+      call();
+    } catch (...) {
+      spdlog::critical("eplb runtime rank {}: the installer failed installing layer {}: {}; "
+                       "this rank's weights can no longer be trusted, stopping the process",
+                       rank_, layer, describe(std::current_exception()));
+      spdlog::shutdown();
+      std::abort();
+    }
   }
 
   void fail_open(std::string message, std::exception_ptr error) {
@@ -552,13 +575,23 @@ class Rebalancer::Impl {
     }
   }
 
+  // Run on the control thread before this rank contributes its window: peers start reading
+  // this rank's live buffers once every window is in, so the last install's queued work (a copy
+  // into a live buffer, kCopy) must have run by then. Nothing to wait for on host memory.
+  std::function<void()> installs_done() {
+    if (!config_.installer) return {};
+    return [installer = config_.installer, timeout = config_.timeout] {
+      installer->wait_marked(timeout);
+    };
+  }
+
   void trigger_async() {
     open_record();
     auto a = std::make_shared<Active>();
     std::vector<int64_t> window(static_cast<size_t>(layers_ * config_.layout.experts));
     recorder_.snapshot_window(window);
     a->window = control_->all_reduce(std::move(window), control::ReduceOp::kSum,
-                                     config_.timeout);
+                                     config_.timeout, installs_done());
     a->current_phy2log = phy2log_;
     a->map = map_;
     {
@@ -775,7 +808,7 @@ class Rebalancer::Impl {
     recorder_.snapshot_window(window);
     try {
       window = await(control_->all_reduce(std::move(window), control::ReduceOp::kSum,
-                                          config_.timeout));
+                                          config_.timeout, installs_done()));
     } catch (...) {
       control_broken_.store(true, std::memory_order_release);
       fail_open(detail::concat("the window all-reduce failed: ",

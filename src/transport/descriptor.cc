@@ -85,6 +85,17 @@ DescriptorReader::DescriptorReader(std::span<const std::byte> descriptor,
   rank_ = rank;
 }
 
+std::uint32_t DescriptorReader::get_count(const char* what, std::size_t min_entry_bytes) {
+  const auto count = get<std::uint32_t>(what);
+  const std::size_t remaining = bytes_.size() - at_;
+  if (min_entry_bytes > 0 && count > remaining / min_entry_bytes) {
+    fail<InvalidArgument>("'", backend_, "' transport descriptor of rank ", rank_,
+                          " is malformed: ", what, " ", count, " needs at least ",
+                          min_entry_bytes, " bytes each but only ", remaining, " remain");
+  }
+  return count;
+}
+
 void DescriptorReader::get_bytes(void* out, std::size_t bytes, const char* what) {
   std::memcpy(out, get_span(bytes, what).data(), bytes);
 }

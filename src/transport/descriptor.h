@@ -56,6 +56,9 @@ class DescriptorReader {
     return value;
   }
   void get_bytes(void* out, std::size_t bytes, const char* what);
+  // A u32 count of entries that follow, each at least `min_entry_bytes` long: InvalidArgument
+  // ("malformed") when the descriptor cannot hold that many, before anything is sized by it.
+  std::uint32_t get_count(const char* what, std::size_t min_entry_bytes);
   std::span<const std::byte> get_span(std::size_t bytes, const char* what);
 
   // InvalidArgument when bytes are left over.

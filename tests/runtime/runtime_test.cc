@@ -578,6 +578,54 @@ TEST(RuntimeConfig, RejectsBadValuesWithTheRule) {
                InvalidArgument);
 }
 
+// A transport whose arena is device memory (inproc underneath, claiming device_memory).
+class DeviceLikeTransport final : public transport::Transport {
+ public:
+  DeviceLikeTransport() : inner_(transport::create("inproc", {})) {}
+  std::string_view backend() const override { return "device-like"; }
+  int rank() const override { return inner_->rank(); }
+  transport::Capabilities capabilities() const override {
+    auto c = inner_->capabilities();
+    c.device_memory = true;
+    return c;
+  }
+  transport::Region allocate(std::size_t bytes) override { return inner_->allocate(bytes); }
+  transport::Region register_memory(void* data, std::size_t bytes) override {
+    return inner_->register_memory(data, bytes);
+  }
+  std::vector<std::byte> export_descriptor() const override {
+    return inner_->export_descriptor();
+  }
+  void import_descriptor(int peer, std::span<const std::byte> d) override {
+    inner_->import_descriptor(peer, d);
+  }
+  bool one_sided_to(int peer) const override { return inner_->one_sided_to(peer); }
+  std::unique_ptr<transport::Batch> post(std::span<const transport::Read> reads) override {
+    return inner_->post(reads);
+  }
+  void close() override { inner_->close(); }
+
+ private:
+  std::unique_ptr<transport::Transport> inner_;
+};
+
+// Weights in device memory without an Installer would be overwritten under the engine's
+// queued work (or memcpy'd as host memory): connect() refuses, naming what to set.
+TEST(RuntimeConfig, DeviceArenaNeedsAnInstaller) {
+  control::Options options;
+  options.rendezvous = "eplb-rt-device-" + std::to_string(::getpid());
+  auto comm = control::connect("inproc", options);
+  DeviceLikeTransport transport;
+  WeightSpec spec{.layers = 2, .tensors = {{"w", 8}}};
+  Rebalancer rb(one_rank_config(), *comm, transport, spec, trivial_placement(2, 4, 4));
+  try {
+    rb.connect();
+    ADD_FAILURE() << "connect() accepted a device arena without an installer";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("Config::installer"), std::string::npos) << e.what();
+  }
+}
+
 // Every value that decides the plan or the protocol is compared at connect(): a rank with
 // another min_gain (or tolerance, or agreement) would skip a rebalance that its peers install.
 TEST(RuntimeConfig, ConnectRefusesRanksThatDifferInPlanOptions) {

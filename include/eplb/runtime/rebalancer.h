@@ -90,7 +90,9 @@ std::string_view install_name(Install install);
 //
 // Threads: copy() and mark() are called on the forward thread inside step_end(); wait_marked()
 // on the thread that stages the next layer (the worker; the forward thread in sync mode), and
-// only after the install it waits for has returned.
+// on the control thread before it contributes this rank's window at a trigger (peers then
+// read the live buffers), never concurrently with mark(). copy() and mark() must not fail in
+// practice: one that throws stops the process (the rank's weights could no longer be trusted).
 class Installer {
  public:
   virtual ~Installer() = default;

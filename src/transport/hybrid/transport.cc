@@ -79,8 +79,18 @@ class HybridTransport final : public Transport {
 
   Region allocate(std::size_t bytes) override {
     EPLB_CHECK(!closed_, "allocate() after close()");
+    if (!broken_.empty()) fail<IoError>("hybrid: no more regions: ", broken_);
     const Region region = near_->allocate(bytes);
-    const Region registered = far_->register_memory(region.data, region.bytes);
+    Region registered;
+    try {
+      registered = far_->register_memory(region.data, region.bytes);
+    } catch (const std::exception& e) {
+      // The shm region exists and cannot be taken back: the two halves' region ids would
+      // disagree from now on.
+      broken_ = detail::concat("registering region ", region.id, " (", region.bytes,
+                               " bytes) with UCX failed: ", e.what());
+      throw;
+    }
     // Both backends number regions in order of creation; they stay in step because every
     // region goes through here.
     EPLB_CHECK_EQ(registered.id, region.id, "hybrid: the UCX region id must match the shm one");
@@ -124,8 +134,7 @@ class HybridTransport final : public Transport {
     };
     const auto node_bytes = get_field("node name");
     const std::string node(reinterpret_cast<const char*>(node_bytes.data()), node_bytes.size());
-    const auto regions = r.get<std::uint32_t>("region count");
-    if (regions > kMaxField) fail<InvalidArgument>("descriptor: ", regions, " regions");
+    const auto regions = r.get_count("region count", sizeof(std::uint64_t));
     std::vector<std::uint64_t> sizes(regions);
     for (auto& s : sizes) s = r.get<std::uint64_t>("region size");
     const auto near = get_field("shm descriptor");
@@ -191,6 +200,7 @@ class HybridTransport final : public Transport {
   std::vector<Route> routes_;                                  // [peer]
   std::vector<std::vector<std::uint64_t>> peer_region_bytes_;  // [peer][region]
   bool closed_ = false;
+  std::string broken_;  // why allocate() can no longer keep the halves in step
 };
 
 }  // namespace

@@ -183,7 +183,7 @@ class ShmTransport final : public Transport {
     const auto identity = in.get<ProcessIdentity>("process identity");
     const auto control_fd = in.get<std::int32_t>("control fd");
     const auto control_inode = in.get<std::uint64_t>("control inode");
-    const auto count = in.get<std::uint32_t>("region count");
+    const auto count = in.get_count("region count", 20);
     struct Entry {
       std::int32_t fd;
       std::uint64_t inode, bytes;

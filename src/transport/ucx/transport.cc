@@ -397,7 +397,7 @@ void UcxTransport::import_descriptor(int peer_rank, std::span<const std::byte> d
     return e;
   };
   const Entry control = get_entry();
-  std::vector<Entry> entries(in.get<std::uint32_t>("region count"));
+  std::vector<Entry> entries(in.get_count("region count", 20));
   for (Entry& e : entries) e = get_entry();
   in.expect_end();
   if (address.empty()) {

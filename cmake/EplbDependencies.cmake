@@ -55,6 +55,8 @@ if(EPLB_WITH_CUDA)
     set(CMAKE_CUDA20_EXTENSION_COMPILE_OPTION "-std=c++20")
   endif()
   set(CMAKE_CUDA_STANDARD 20)
+  # One CUDA runtime in every program: the shared one, as CUDA::cudart links.
+  set(CMAKE_CUDA_RUNTIME_LIBRARY Shared)
   set(CMAKE_CUDA_STANDARD_REQUIRED ON)
   find_package(CUDAToolkit REQUIRED)
   set(EPLB_HAVE_CUDA ON)

@@ -128,7 +128,7 @@ if grep -q "(Skipped)" "$out/ctest-cuda.txt"; then problems+=("cuda tests skippe
 if grep -q "No tests were found" "$out/ctest-cuda.txt"; then problems+=("no cuda tests found"); fi
 # ctest shows a passing test's output only on failure: run the spin test once more for its line.
 spin_line=""
-if [ -x "$build/tests/cuda/eplb_cuda_tests" ]; then
+if [ -x "$build/tests/cuda/eplb_cuda_tests" ] && [ "$cuda_rc" -eq 0 ]; then
   step "spin test, for its figures"
   if EPLB_REQUIRE_GPU=1 run_logged spin-test timeout 240 "$build/tests/cuda/eplb_cuda_tests" \
        --gtest_filter='*CudaSpin*:*CudaRuntimeSpin*'; then

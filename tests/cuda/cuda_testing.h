@@ -44,6 +44,12 @@ inline constexpr const char* kInitialisedBeforeFork =
     "CUDA was initialised in the test process before it forked its ranks (another test of this "
     "program ran on the GPU first); run this test on its own (ctest, or --gtest_filter)";
 
+// EPLB_REQUIRE_GPU=1 (scripts/gpu-check.sh): a skip is a failure.
+inline bool gpu_required() {
+  const char* require = std::getenv("EPLB_REQUIRE_GPU");
+  return require != nullptr && std::string(require) == "1";
+}
+
 // Skips the test from inside a rank; with EPLB_REQUIRE_GPU=1 (set by scripts/gpu-check.sh) fails
 // it instead, so that a GPU machine never reports a skipped test as a pass.
 [[noreturn]] inline void skip_ranks(const std::string& reason) {
@@ -104,6 +110,9 @@ inline std::unique_ptr<Transport> create_transport(testing::RankContext& ctx) {
 #define EPLB_RUN_RANKS(options, ...)                                                       \
   do {                                                                                     \
     if (::eplb::transport::cuda_testing::cuda_initialised_here()) {                        \
+      if (::eplb::transport::cuda_testing::gpu_required()) {                               \
+        FAIL() << ::eplb::transport::cuda_testing::kInitialisedBeforeFork;                 \
+      }                                                                                    \
       GTEST_SKIP() << ::eplb::transport::cuda_testing::kInitialisedBeforeFork;             \
     }                                                                                      \
     std::string eplb_skip_;                                                                \

@@ -245,8 +245,25 @@ TEST(CudaRuntimeSpin, SyncRebalanceFinishesWhileEverySmSpins) {
       }
       const int started = flags.started();
       const int64_t installed_before = rb.installed_layers();
+      // A rebalance whose copies needed an SM times out after config.timeout, and its pending
+      // batch then waits for those copies: a watchdog releases the kernel after a margin, so
+      // the failure is reported instead of waiting for the kernel's own limit.
+      std::atomic<bool> step_done{false}, watchdog_fired{false};
+      std::thread watchdog([&] {
+        const auto until = std::chrono::steady_clock::now() + config.timeout + 10s;
+        while (!step_done.load() && std::chrono::steady_clock::now() < until) {
+          std::this_thread::sleep_for(1ms);
+        }
+        if (!step_done.load()) {
+          watchdog_fired.store(true);
+          flags.release();
+        }
+      });
       if (started == blocks) rb.step_end();
-      const bool spun_throughout = cudaStreamQuery(spin) == cudaErrorNotReady && !flags.gave_up();
+      step_done.store(true);
+      watchdog.join();
+      const bool spun_throughout = !watchdog_fired.load() &&
+                                   cudaStreamQuery(spin) == cudaErrorNotReady && !flags.gave_up();
       flags.release();
       if (!ct::finishes_within(spin, 20s)) {
         ADD_FAILURE() << "the spinning kernel did not leave 20 s after its flag was set";
@@ -255,6 +272,14 @@ TEST(CudaRuntimeSpin, SyncRebalanceFinishesWhileEverySmSpins) {
       }
       ASSERT_EQ(started, blocks) << "only " << started << " of " << blocks
                                  << " blocks of the spinning kernel started";
+      for (const RebalanceRecord& r : rb.history()) {
+        ASSERT_NE(r.outcome, Outcome::kFailed)
+            << "step " << step << ": a rebalance failed while rank 1's SMs were held (did a "
+            << "copy need an SM?): " << r.error;
+      }
+      ASSERT_FALSE(watchdog_fired.load())
+          << "step " << step << ": step_end did not return within the runtime's timeout + 10 s "
+          << "while every SM was held; it did once the kernel was released";
       ASSERT_TRUE(spun_throughout) << "the kernel stopped spinning during step " << step
                                    << ": this run proves nothing";
       if (rb.installed_layers() > installed_before) {

@@ -183,7 +183,10 @@ void pull_while_spinning(Transport& transport) {
 class CudaSpin : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(CudaSpin, FullLayerPullFinishesWhileEverySmSpins) {
-  if (cuda_testing::cuda_initialised_here()) GTEST_SKIP() << cuda_testing::kInitialisedBeforeFork;
+  if (cuda_testing::cuda_initialised_here()) {
+    if (cuda_testing::gpu_required()) FAIL() << cuda_testing::kInitialisedBeforeFork;
+    GTEST_SKIP() << cuda_testing::kInitialisedBeforeFork;
+  }
   RunOptions options;
   options.world = 2;
   options.processes = true;

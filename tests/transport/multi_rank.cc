@@ -14,6 +14,7 @@
 #include <sstream>
 #include <map>
 #include <mutex>
+#include <set>
 #include <thread>
 
 #include "eplb/core/error.h"
@@ -160,6 +161,8 @@ bool run_processes(const RunOptions& options, const std::function<void(RankConte
     }
     return n;
   };
+  int failed_rank = -1;
+  std::set<int> ended_for_failure;  // ranks killed here because failed_rank failed
   while (alive() > 0) {
     bool reaped = false;
     for (int rank = 0; rank < options.world; ++rank) {
@@ -178,6 +181,23 @@ bool run_processes(const RunOptions& options, const std::function<void(RankConte
     if (others == 0) {
       for (int rank = 0; rank < options.world; ++rank) {
         if (pids[rank] > 0 && !status.count(rank)) ::kill(pids[rank], SIGKILL);
+      }
+    }
+    // A rank that was to exit normally but failed: the others may wait for it at a rendezvous
+    // until their timeout, so end them now (the failure is reported once, by that rank).
+    if (failed_rank < 0) {
+      for (const auto& [rank, st] : status) {
+        const bool passed = WIFEXITED(st) && (WEXITSTATUS(st) == kExitPassed ||
+                                              WEXITSTATUS(st) == kExitSkipped);
+        if (options.fate(rank) == Fate::kExits && !passed) failed_rank = rank;
+      }
+      if (failed_rank >= 0) {
+        for (int rank = 0; rank < options.world; ++rank) {
+          if (pids[rank] > 0 && !status.count(rank)) {
+            ::kill(pids[rank], SIGKILL);
+            ended_for_failure.insert(rank);
+          }
+        }
       }
     }
     if (std::chrono::steady_clock::now() > deadline) {
@@ -199,6 +219,7 @@ bool run_processes(const RunOptions& options, const std::function<void(RankConte
       skipped = true;
       continue;
     }
+    if (ended_for_failure.count(rank)) continue;  // stopped because failed_rank failed
     if (fate == Fate::kExits) {
       EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == kExitPassed)
           << "rank " << rank << " ended with " << describe(st);

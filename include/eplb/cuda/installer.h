@@ -26,7 +26,8 @@ namespace eplb::cuda {
 
 class StreamInstaller final : public runtime::Installer {
  public:
-  // IoError when CUDA cannot create the event (no device, no driver), with CUDA's message.
+  // IoError when CUDA cannot create the event (no device, no driver), with CUDA's message. The
+  // event is made on the stream's device.
   explicit StreamInstaller(cudaStream_t engine_stream);
   ~StreamInstaller() override;
   StreamInstaller(const StreamInstaller&) = delete;
@@ -40,6 +41,7 @@ class StreamInstaller final : public runtime::Installer {
 
  private:
   cudaStream_t stream_;
+  int device_ = 0;  // the stream's
   cudaEvent_t event_ = nullptr;
 };
 

@@ -57,6 +57,21 @@ void check(cudaError_t error, const char* call) {
   fail<IoError>("cuda: ", call, " failed: ", describe(error));
 }
 
+// The runtime's worker calls the transport while the engine may be capturing a CUDA graph on
+// another thread in the default (global) mode, which forbids "unsafe" calls (event queries and
+// synchronizes among them) on every thread whose own mode is global, and invalidates the
+// capture. These calls take no part in any capture: thread-local mode for their duration.
+class CaptureModeGuard {
+ public:
+  CaptureModeGuard() { forget(cudaThreadExchangeStreamCaptureMode(&mode_)); }
+  ~CaptureModeGuard() { forget(cudaThreadExchangeStreamCaptureMode(&mode_)); }
+  CaptureModeGuard(const CaptureModeGuard&) = delete;
+  CaptureModeGuard& operator=(const CaptureModeGuard&) = delete;
+
+ private:
+  cudaStreamCaptureMode mode_ = cudaStreamCaptureModeThreadLocal;
+};
+
 // Makes `device` current on this thread for one call of the Transport, and restores the caller's.
 class DeviceGuard {
  public:
@@ -79,6 +94,7 @@ class DeviceGuard {
   DeviceGuard& operator=(const DeviceGuard&) = delete;
 
  private:
+  CaptureModeGuard capture_;  // first: in place before any call below
   int device_;
   int previous_ = -1;
 };
@@ -281,6 +297,7 @@ class CudaBatch final : public Batch {
       : event_(event), owners_(std::move(owners)), self_(self), reads_(reads) {}
 
   ~CudaBatch() override {
+    CaptureModeGuard capture;
     // A copy cannot be cancelled: wait for it, so nothing lands in a destination after this.
     if (state_ == State::kPending) forget(cudaEventSynchronize(event_));
     forget(cudaEventDestroy(event_));
@@ -289,6 +306,7 @@ class CudaBatch final : public Batch {
   Progress poll() override {
     if (state_ == State::kDone) return Progress::kDone;
     if (state_ == State::kFailed) fail<IoError>(error_);
+    CaptureModeGuard capture;
     const cudaError_t status = cudaEventQuery(event_);
     if (status == cudaErrorNotReady) return Progress::kPending;
     if (status != cudaSuccess) {

@@ -12,6 +12,7 @@
 #include <exception>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -65,9 +66,13 @@ class CountingTransport final : public transport::Transport {
   }
   bool one_sided_to(int peer) const override { return inner_->one_sided_to(peer); }
   std::unique_ptr<transport::Batch> post(std::span<const transport::Read> reads) override {
+    // Every read of this rank lands in its staging buffer (or the start-up probe).
+    if (before_post_) before_post_();
     return inner_->post(reads);
   }
   void close() override { inner_->close(); }
+  // Called before every post(), from the thread that posts.
+  void set_before_post(std::function<void()> f) { before_post_ = std::move(f); }
 
   int64_t allocations() const { return allocations_.load(); }
   int64_t allocated_bytes() const { return allocated_bytes_.load(); }
@@ -75,6 +80,7 @@ class CountingTransport final : public transport::Transport {
 
  private:
   std::unique_ptr<transport::Transport> inner_;
+  std::function<void()> before_post_;
   std::atomic<int64_t> allocations_{0};
   std::atomic<int64_t> allocated_bytes_{0};
   std::atomic<int64_t> imports_{0};
@@ -279,22 +285,34 @@ class LoadSourceState {
   stats::RoutingTrace trace_;
 };
 
-// An Installer for host memory that checks how the runtime uses it: copies only under
-// Install::kCopy, one mark per install, waits only after a mark.
+// An Installer for host memory that checks how the runtime uses it: one mark per install, and
+// no read posted into the staging buffer while a mark has not been waited for (as if the
+// engine's queued work still read the bytes that install replaced).
 class CountingInstaller final : public Installer {
  public:
   void copy(void* dst, const void* src, std::size_t bytes) override {
     std::memcpy(dst, src, bytes);
     copies_.fetch_add(1, std::memory_order_relaxed);
   }
-  void mark() override { marks_.fetch_add(1, std::memory_order_release); }
+  void mark() override {
+    unwaited_.store(true, std::memory_order_release);
+    marks_.fetch_add(1, std::memory_order_release);
+  }
   void wait_marked(std::chrono::milliseconds) override {
-    waits_.fetch_add(1, std::memory_order_relaxed);
+    unwaited_.store(false, std::memory_order_release);
+  }
+  // Before every read this rank posts: a read while a mark is unwaited is a violation.
+  void before_post() {
+    if (unwaited_.load(std::memory_order_acquire)) {
+      violations_.fetch_add(1, std::memory_order_relaxed);
+    }
   }
   int64_t marks() const { return marks_.load(std::memory_order_acquire); }
+  int64_t violations() const { return violations_.load(std::memory_order_relaxed); }
 
  private:
-  std::atomic<int64_t> copies_{0}, marks_{0}, waits_{0};
+  std::atomic<bool> unwaited_{false};
+  std::atomic<int64_t> copies_{0}, marks_{0}, violations_{0};
 };
 
 void fill_expected(const Scenario& s, Rebalancer& rb) {
@@ -433,6 +451,7 @@ RankResult run_rank(const Scenario& s, int rank, const std::string& rendezvous,
   if (s.installer) {
     installer = std::make_shared<CountingInstaller>();
     config.installer = installer;
+    transport.set_before_post([installer] { installer->before_post(); });
   }
   Rebalancer rb(config, *comm, transport, s.weights, initial);
   const int64_t held = rb.connect();
@@ -474,6 +493,12 @@ RankResult run_rank(const Scenario& s, int rank, const std::string& rendezvous,
           }
         }
       }
+    }
+    if (installer && installer->violations() > 0) {
+      result.errors.push_back(detail::concat("rank ", rank, " step ", step, ": ",
+                                             installer->violations(), " reads posted into the "
+                                             "staging buffer before the last install's mark was "
+                                             "waited for"));
     }
     if (installer && installer->marks() != rb.installed_layers()) {
       result.errors.push_back(detail::concat("rank ", rank, " step ", step, ": ",

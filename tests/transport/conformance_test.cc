@@ -485,6 +485,20 @@ TEST(TransportRegistry, NamesTheBuiltBackendsForAnUnknownOne) {
   EXPECT_NE(m.find("inproc|shm"), std::string::npos) << m;
 }
 
+// Found by fuzz_descriptor: an inproc descriptor whose region count (0xff000002) is far more
+// than its bytes hold must be refused before anything is sized by it.
+TEST(TransportDescriptors, HugeRegionCountIsMalformedNotAnAllocation) {
+  const unsigned char bytes[] = {
+      'E', 'P', 'L', 'B', 'i', 'n', 'p', 'r', 'o', 'c', 0, 0, 1, 0, 0, 0, 56, 0, 0, 0,
+      1, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 50, 41, 0, 0, 2, 0, 0, 0xff, 0xff, 0xef, 0xff,
+      0, 0, 0, 0, 0, 100, 0, 0, 0, 0, 0, 0, 0};
+  auto t = create("inproc", Options{.rank = 0});
+  const std::string m = invalid_message([&] {
+    t->import_descriptor(1, std::as_bytes(std::span(bytes)));
+  });
+  EXPECT_NE(m.find("malformed"), std::string::npos) << m;
+}
+
 INSTANTIATE_TEST_SUITE_P(Backends, TransportInput, ::testing::ValuesIn(variants()), param_name);
 
 }  // namespace

@@ -112,7 +112,7 @@ class InprocTransport final : public Transport {
     }
     const auto id = in.get<std::uint64_t>("owner id");
     const auto pid = in.get<std::int32_t>("process id");
-    const auto count = in.get<std::uint32_t>("region count");
+    const auto count = in.get_count("region count", sizeof(std::uint64_t));
     std::vector<std::uint64_t> sizes(count);
     for (auto& s : sizes) s = in.get<std::uint64_t>("region size");
     in.expect_end();

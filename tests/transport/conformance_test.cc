@@ -499,6 +499,47 @@ TEST(TransportDescriptors, HugeRegionCountIsMalformedNotAnAllocation) {
   EXPECT_NE(m.find("malformed"), std::string::npos) << m;
 }
 
+// hybrid imports one half of a peer's descriptor; the other must still be what it claims.
+// In a forked rank: a UCX context must never exist in the process that forks the others.
+TEST(TransportDescriptors, HybridChecksBothHalves) {
+  if (!has_backend("hybrid")) GTEST_SKIP() << "hybrid needs UCX";
+  RunOptions options;
+  options.world = 1;
+  options.processes = true;
+  std::string skip;
+  const bool skipped = testing::run_ranks(options, [&](RankContext&) {
+    std::unique_ptr<Transport> t;
+    try {
+      t = create("hybrid", Options{.rank = 0, .node = "a"});
+    } catch (const IoError& e) {
+      throw SkipRanks{std::string("UCX cannot start here: ") + e.what()};
+    }
+    t->allocate(4096);
+    const Bytes good = t->export_descriptor();
+    // Walk the payload: node name, region sizes, then the shm and the ucx halves.
+    std::size_t at = 24;  // the envelope every descriptor starts with
+    const auto u32 = [&] {
+      std::uint32_t v;
+      std::memcpy(&v, good.data() + at, sizeof v);
+      at += sizeof v;
+      return v;
+    };
+    at += u32();                      // node name
+    at += 8 * std::size_t{u32()};     // region sizes
+    const std::size_t near = at + 4;  // the shm half
+    at += u32();
+    const std::size_t far = at + 4;   // the ucx half
+    for (const auto& [offset, name] : {std::pair{near, "shm"}, std::pair{far, "ucx"}}) {
+      Bytes bad = good;
+      bad[offset] = std::byte{'X'};
+      const std::string m = invalid_message([&] { t->import_descriptor(0, bad); });
+      EXPECT_NE(m.find(std::string("its ") + name + " half"), std::string::npos) << m;
+    }
+    EXPECT_NO_THROW(t->import_descriptor(0, good));
+  }, &skip);
+  if (skipped) GTEST_SKIP() << skip;
+}
+
 INSTANTIATE_TEST_SUITE_P(Backends, TransportInput, ::testing::ValuesIn(variants()), param_name);
 
 }  // namespace

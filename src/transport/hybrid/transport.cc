@@ -140,6 +140,9 @@ class HybridTransport final : public Transport {
     const auto near = get_field("shm descriptor");
     const auto far = get_field("ucx descriptor");
     r.expect_end();
+    // Only one half is imported; both must at least be their backend's descriptors of `peer`.
+    check_half(near, "shm", peer);
+    check_half(far, "ucx", peer);
 
     const auto slot = static_cast<std::size_t>(peer);
     if (routes_.size() <= slot) {
@@ -187,6 +190,22 @@ class HybridTransport final : public Transport {
   }
 
  private:
+  // The envelope of one half (descriptor.h): magic, backend name, and the rank.
+  static void check_half(std::span<const std::byte> half, std::string_view backend, int peer) {
+    char name[8] = {};
+    std::int32_t rank = -1;
+    const bool sized = half.size() >= kDescriptorHeaderBytes;
+    if (sized) {
+      std::memcpy(name, half.data() + 4, sizeof name);
+      std::memcpy(&rank, half.data() + 20, sizeof rank);
+    }
+    if (!sized || std::memcmp(half.data(), "EPLB", 4) != 0 ||
+        std::string_view(name, strnlen(name, sizeof name)) != backend || rank != peer) {
+      fail<InvalidArgument>("'hybrid' transport descriptor of rank ", peer, " is malformed: its ",
+                            backend, " half is not a ", backend, " descriptor of that rank");
+    }
+  }
+
   Route route_of(int peer) const {
     if (peer < 0 || static_cast<std::size_t>(peer) >= routes_.size()) return Route::kNone;
     return routes_[static_cast<std::size_t>(peer)];

@@ -1,14 +1,9 @@
 #include "transport/cuda/transport.h"
 
 #include <cuda_runtime_api.h>
-#include <fcntl.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
-#include <cerrno>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
@@ -24,6 +19,7 @@
 #include "eplb/core/error.h"
 #include "transport/checks.h"
 #include "transport/descriptor.h"
+#include "transport/memfd.h"
 #include "transport/process.h"
 
 namespace eplb::transport::cuda {
@@ -142,95 +138,6 @@ GpuIdentity identity_of(int device) {
   return gpu;
 }
 
-// ---- The control page --------------------------------------------------------------------------
-
-// The first page of a memfd the owner shares with its readers; it clears `open` when it closes.
-struct ControlPage {
-  std::uint64_t magic;
-  std::atomic<std::uint32_t> open;
-};
-static_assert(std::atomic<std::uint32_t>::is_always_lock_free);
-
-std::size_t page_size() {
-  static const std::size_t size = static_cast<std::size_t>(::sysconf(_SC_PAGESIZE));
-  return size;
-}
-
-// A memfd page and this process's mapping of it (read-write for the owner, read-only for peers).
-class SharedPage {
- public:
-  SharedPage() = default;
-  SharedPage(SharedPage&& o) noexcept { *this = std::move(o); }
-  SharedPage& operator=(SharedPage&& o) noexcept {
-    std::swap(fd_, o.fd_);
-    std::swap(inode_, o.inode_);
-    std::swap(data_, o.data_);
-    return *this;
-  }
-  ~SharedPage() {
-    if (data_ != nullptr) ::munmap(data_, page_size());
-    if (fd_ >= 0) ::close(fd_);
-  }
-
-  static SharedPage create() {
-    SharedPage s;
-    s.fd_ = ::memfd_create("eplb-cuda-control", MFD_CLOEXEC);
-    if (s.fd_ < 0) fail<IoError>("cuda: memfd_create failed: ", std::strerror(errno));
-    if (::ftruncate(s.fd_, static_cast<off_t>(page_size())) != 0) {
-      fail<IoError>("cuda: cannot size the control page: ", std::strerror(errno));
-    }
-    struct stat st {};
-    ::fstat(s.fd_, &st);
-    s.inode_ = st.st_ino;
-    void* p = ::mmap(nullptr, page_size(), PROT_READ | PROT_WRITE, MAP_SHARED, s.fd_, 0);
-    if (p == MAP_FAILED) fail<IoError>("cuda: cannot map the control page: ", std::strerror(errno));
-    s.data_ = p;
-    new (p) ControlPage{kControlMagic, {1}};
-    return s;
-  }
-
-  // Maps rank `peer`'s control page read-only through /proc/<pid>/fd/<fd> (same user); IoError
-  // when it is gone (the owner closed it, or its fd now names something else).
-  static SharedPage open_peer(int peer, std::int32_t pid, std::int32_t fd, std::uint64_t inode) {
-    const std::string path = "/proc/" + std::to_string(pid) + "/fd/" + std::to_string(fd);
-    SharedPage s;
-    s.fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-    if (s.fd_ < 0 && errno == ENOENT) {
-      fail<IoError>("cuda: the transport of rank ", peer, " is gone (closed since it exported ",
-                    "its descriptor)");
-    }
-    if (s.fd_ < 0) {
-      fail<IoError>("cuda: cannot open the control page of rank ", peer, " (", path,
-                    "): ", std::strerror(errno),
-                    "; cuda needs every rank on this machine, running as the same user");
-    }
-    struct stat st {};
-    ::fstat(s.fd_, &st);
-    if (st.st_ino != inode || static_cast<std::size_t>(st.st_size) < sizeof(ControlPage)) {
-      fail<IoError>("cuda: the transport of rank ", peer, " is gone (its process closed it ",
-                    "since exporting its descriptor)");
-    }
-    void* p = ::mmap(nullptr, page_size(), PROT_READ, MAP_SHARED, s.fd_, 0);
-    if (p == MAP_FAILED) {
-      fail<IoError>("cuda: cannot map the control page of rank ", peer, ": ", std::strerror(errno));
-    }
-    s.data_ = p;
-    ::close(s.fd_);
-    s.fd_ = -1;
-    return s;
-  }
-
-  int fd() const { return fd_; }
-  std::uint64_t inode() const { return inode_; }
-  const ControlPage* page() const { return static_cast<const ControlPage*>(data_); }
-  ControlPage* page() { return static_cast<ControlPage*>(data_); }
-
- private:
-  int fd_ = -1;
-  std::uint64_t inode_ = 0;
-  void* data_ = nullptr;
-};
-
 // ---- Regions and peers -------------------------------------------------------------------------
 
 struct OwnRegion {
@@ -246,7 +153,7 @@ struct PeerView {
   int rank = -1;
   bool self = false;
   int device = -1;  // this rank's device: the context the handles are open in
-  SharedPage control;
+  Segment control;  // the owner's control page, mapped read-only
   PeerProcess process;
   std::vector<std::byte*> regions;   // [region id] the peer's memory mapped here
   std::vector<std::uint64_t> bytes;  // [region id]
@@ -260,7 +167,7 @@ struct PeerView {
     for (std::byte* p : regions) forget(cudaIpcCloseMemHandle(p));
   }
 
-  bool open() const { return control.page()->open.load(std::memory_order_acquire) != 0; }
+  bool open() const { return control_page(control)->open.load(std::memory_order_acquire) != 0; }
 };
 
 using PeerViews = std::vector<std::shared_ptr<const PeerView>>;
@@ -386,7 +293,8 @@ class CudaTransport final : public Transport {
     check(cudaStreamCreateWithPriority(&stream_, cudaStreamNonBlocking, least),
           "cudaStreamCreateWithPriority");
     try {
-      control_ = SharedPage::create();
+      control_ = create_segment(kBackend, "eplb-cuda-control", sizeof(ControlPage));
+      new (control_.data) ControlPage{kControlMagic, {1}};
     } catch (...) {
       forget(cudaStreamDestroy(stream_));
       throw;
@@ -443,8 +351,8 @@ class CudaTransport final : public Transport {
     check_open();
     DescriptorWriter out(kBackend, kVersion, rank_);
     out.put(identity_);
-    out.put(static_cast<std::int32_t>(control_.fd()));
-    out.put(control_.inode());
+    out.put(static_cast<std::int32_t>(control_.fd));
+    out.put(control_.inode);
     out.put(gpu_);
     out.put(static_cast<std::uint32_t>(regions_.size()));
     for (const OwnRegion& r : regions_) {
@@ -492,7 +400,7 @@ class CudaTransport final : public Transport {
     if (identity == identity_) {
       // Step 2a: this process. CUDA IPC cannot open a process's own handles: own regions are
       // read through their local pointers.
-      if (peer != rank_ || control_inode != control_.inode()) {
+      if (peer != rank_ || control_inode != control_.inode) {
         fail<InvalidArgument>("cuda descriptor imported as peer ", peer, " comes from this ",
                               "process, which is rank ", rank_, " (CUDA IPC cannot open a ",
                               "process's own memory: cuda ranks are separate processes)");
@@ -518,8 +426,9 @@ class CudaTransport final : public Transport {
       }
       // Step 3: the owner must be alive and open; then map its memory, once.
       view->process = PeerProcess(identity);
-      view->control = SharedPage::open_peer(peer, identity.pid, control_fd, control_inode);
-      if (view->control.page()->magic != kControlMagic) {
+      view->control = map_peer_segment(kBackend, peer, identity.pid, control_fd, control_inode,
+                                       sizeof(ControlPage));
+      if (control_page(view->control)->magic != kControlMagic) {
         fail<InvalidArgument>("cuda descriptor of rank ", peer, " points at memory that is not ",
                               "an eplb cuda control page");
       }
@@ -587,7 +496,7 @@ class CudaTransport final : public Transport {
     if (closed_) return;
     closed_ = true;
     // Readers learn of the close before any memory goes.
-    if (control_.page() != nullptr) control_.page()->open.store(0, std::memory_order_release);
+    if (control_.data != nullptr) control_page(control_)->open.store(0, std::memory_order_release);
     DeviceGuard guard(device_, std::nothrow);
     // This rank's own reads land before the memory they read from or write to is released.
     forget(cudaStreamSynchronize(stream_));
@@ -596,7 +505,7 @@ class CudaTransport final : public Transport {
     regions_.clear();
     forget(cudaStreamDestroy(stream_));
     stream_ = nullptr;
-    control_ = SharedPage();
+    control_ = Segment();
   }
 
  private:
@@ -715,7 +624,7 @@ class CudaTransport final : public Transport {
   GpuIdentity gpu_;
   std::vector<GpuIdentity> visible_;  // [device ordinal in this process]
   cudaStream_t stream_ = nullptr;
-  SharedPage control_;
+  Segment control_;  // this rank's control page
   bool closed_ = false;
   std::vector<OwnRegion> regions_;                      // [region id]
   std::vector<std::shared_ptr<const PeerView>> peers_;  // [peer rank], null where not imported

@@ -1,13 +1,7 @@
 #include "transport/shm/transport.h"
 
-#include <fcntl.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
-#include <unistd.h>
-
-#include <atomic>
-#include <cerrno>
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <new>
 #include <string>
@@ -16,6 +10,7 @@
 #include "eplb/core/error.h"
 #include "transport/checks.h"
 #include "transport/descriptor.h"
+#include "transport/memfd.h"
 #include "transport/process.h"
 
 namespace eplb::transport::shm {
@@ -25,97 +20,6 @@ constexpr std::string_view kBackend = "shm";
 constexpr std::uint16_t kVersion = 1;
 constexpr std::uint64_t kControlMagic = 0x4c54435f42504c45ull;  // "EPLB_CTL"
 
-// The first page of the control memfd: the owner clears `open` when it closes.
-struct ControlPage {
-  std::uint64_t magic;
-  std::atomic<std::uint32_t> open;
-};
-
-std::size_t page_size() {
-  static const std::size_t size = static_cast<std::size_t>(::sysconf(_SC_PAGESIZE));
-  return size;
-}
-
-std::size_t round_to_pages(std::size_t bytes) {
-  return (bytes + page_size() - 1) / page_size() * page_size();
-}
-
-// A memfd and this process's mapping of it.
-struct Segment {
-  int fd = -1;
-  std::uint64_t inode = 0;
-  std::byte* data = nullptr;
-  std::size_t bytes = 0;       // usable size (the region's)
-  std::size_t mapped = 0;      // mapping size (whole pages)
-
-  Segment() = default;
-  Segment(Segment&& o) noexcept { *this = std::move(o); }
-  Segment& operator=(Segment&& o) noexcept {
-    std::swap(fd, o.fd);
-    std::swap(inode, o.inode);
-    std::swap(data, o.data);
-    std::swap(bytes, o.bytes);
-    std::swap(mapped, o.mapped);
-    return *this;
-  }
-  ~Segment() {
-    if (data != nullptr) ::munmap(data, mapped);
-    if (fd >= 0) ::close(fd);
-  }
-};
-
-Segment create_segment(const char* name, std::size_t bytes) {
-  Segment s;
-  s.fd = ::memfd_create(name, MFD_CLOEXEC);
-  if (s.fd < 0) fail<IoError>("shm: memfd_create failed: ", std::strerror(errno));
-  s.bytes = bytes;
-  s.mapped = round_to_pages(bytes);
-  if (::ftruncate(s.fd, static_cast<off_t>(s.mapped)) != 0) {
-    fail<IoError>("shm: cannot size a ", s.mapped, "-byte segment: ", std::strerror(errno));
-  }
-  struct stat st {};
-  ::fstat(s.fd, &st);
-  s.inode = st.st_ino;
-  void* p = ::mmap(nullptr, s.mapped, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, s.fd, 0);
-  if (p == MAP_FAILED) {
-    fail<IoError>("shm: cannot map ", s.mapped, " bytes of shared memory: ", std::strerror(errno),
-                  " (is /dev/shm or the memory cgroup too small?)");
-  }
-  s.data = static_cast<std::byte*>(p);
-  return s;
-}
-
-// Maps a peer's memfd read-only; the fd is closed right away, the mapping keeps the memory.
-Segment map_peer_segment(int peer, std::int32_t pid, std::int32_t fd, std::uint64_t inode,
-                         std::size_t bytes) {
-  const std::string path = "/proc/" + std::to_string(pid) + "/fd/" + std::to_string(fd);
-  const int local = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (local < 0) {
-    fail<IoError>("shm: cannot open the memory of rank ", peer, " (", path, "): ",
-                  std::strerror(errno),
-                  "; shm needs every rank on this machine, running as the same user");
-  }
-  Segment s;
-  s.fd = local;
-  struct stat st {};
-  ::fstat(local, &st);
-  if (st.st_ino != inode || static_cast<std::size_t>(st.st_size) < bytes) {
-    fail<IoError>("shm: the memory of rank ", peer, " is gone (its process closed or replaced ",
-                  "the segment since exporting its descriptor)");
-  }
-  s.bytes = bytes;
-  s.mapped = round_to_pages(bytes);
-  void* p = ::mmap(nullptr, s.mapped, PROT_READ, MAP_SHARED | MAP_POPULATE, local, 0);
-  if (p == MAP_FAILED) {
-    fail<IoError>("shm: cannot map ", s.mapped, " bytes of rank ", peer, ": ",
-                  std::strerror(errno));
-  }
-  s.data = static_cast<std::byte*>(p);
-  ::close(local);
-  s.fd = -1;
-  return s;
-}
-
 struct Peer {
   bool imported = false;
   bool self = false;
@@ -124,7 +28,7 @@ struct Peer {
   std::vector<std::uint64_t> bytes;    // [region id]
   PeerProcess process;
 
-  const ControlPage* page() const { return reinterpret_cast<const ControlPage*>(control.data); }
+  const ControlPage* page() const { return control_page(control); }
 };
 
 class ShmTransport final : public Transport {
@@ -132,7 +36,7 @@ class ShmTransport final : public Transport {
   explicit ShmTransport(const Options& options)
       : rank_(options.rank), identity_(ProcessIdentity::self()) {
     EPLB_CHECK_GE(options.rank, 0, "transport rank must be >= 0");
-    control_ = create_segment("eplb-shm-control", sizeof(ControlPage));
+    control_ = create_segment(kBackend, "eplb-shm-control", sizeof(ControlPage));
     new (control_.data) ControlPage{kControlMagic, {1}};
   }
   ~ShmTransport() override { close(); }
@@ -147,7 +51,7 @@ class ShmTransport final : public Transport {
   Region allocate(std::size_t bytes) override {
     EPLB_CHECK_GT(bytes, std::size_t{0}, "allocate() needs a positive size");
     check_open();
-    regions_.push_back(create_segment("eplb-shm-region", bytes));
+    regions_.push_back(create_segment(kBackend, "eplb-shm-region", bytes));
     const Segment& s = regions_.back();
     return {static_cast<int>(regions_.size()) - 1, s.data, s.bytes};
   }
@@ -211,14 +115,14 @@ class ShmTransport final : public Transport {
       p.self = true;
     } else {
       p.process = PeerProcess(identity);
-      p.control = map_peer_segment(peer, identity.pid, control_fd, control_inode,
+      p.control = map_peer_segment(kBackend, peer, identity.pid, control_fd, control_inode,
                                    sizeof(ControlPage));
       if (p.page()->magic != kControlMagic) {
         fail<InvalidArgument>("shm descriptor of rank ", peer, " points at memory that is not ",
                               "an eplb control page");
       }
       for (const Entry& e : entries) {
-        p.regions.push_back(map_peer_segment(peer, identity.pid, e.fd, e.inode, e.bytes));
+        p.regions.push_back(map_peer_segment(kBackend, peer, identity.pid, e.fd, e.inode, e.bytes));
       }
     }
     if (peers_.size() <= static_cast<std::size_t>(peer)) peers_.resize(peer + 1);
@@ -262,7 +166,7 @@ class ShmTransport final : public Transport {
     if (closed_) return;
     closed_ = true;
     if (control_.data != nullptr) {
-      reinterpret_cast<ControlPage*>(control_.data)->open.store(0, std::memory_order_release);
+      control_page(control_)->open.store(0, std::memory_order_release);
     }
     peers_.clear();
     regions_.clear();

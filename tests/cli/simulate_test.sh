@@ -159,6 +159,20 @@ else
   grep -q gnuplot "$tmp/err" || fail "--plot without gnuplot gives no clear error: $(cat "$tmp/err")"
 fi
 
+# 4b. --token-us turns the predicted MoE time into ms: busiest-rank load x us per token-expert.
+if [ -n "$py" ]; then
+  if "$eplb" simulate --trace "$trace" --ranks 4 --interval 2 --window 2 --token-us 2.5 \
+      --policy none,sticky --json >"$tmp/moe.json" 2>"$tmp/moe.err"; then
+    "$py" - "$tmp/moe.json" <<'PY' || fail "--token-us: $(head -c 300 "$tmp/moe.json")"
+import json, sys
+for name, r in json.load(open(sys.argv[1]))["results"].items():
+    assert abs(r["predicted_moe_ms_per_step"] - r["max_rank_load_per_step"] * 2.5 / 1000) < 1e-9, name
+PY
+  else
+    fail "simulate --token-us exited $?: $(cat "$tmp/moe.err")"
+  fi
+fi
+
 # 5. Bad options: exit code 2, a message naming the problem, never a crash.
 expect_error() {
   local pattern=$1
@@ -178,6 +192,8 @@ expect_error "--tokens-per-step 5000 exceeds the 2048 tokens" "${t[@]}" --interv
   --tokens-per-step 5000
 expect_error "--tokens-per-step 0 must be at least 1" "${t[@]}" --interval 1 --window 2 \
   --tokens-per-step 0
+expect_error "--token-us -1 must be a finite time >= 0" "${t[@]}" --interval 1 --window 2 \
+  --token-us -1
 expect_error "exactly one of --load-history" --ranks 4 --interval 1 --window 2
 expect_error "exactly one of --load-history" "${t[@]}" --load-history "$tmp/flip.json" \
   --interval 1 --window 2

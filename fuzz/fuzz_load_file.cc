@@ -27,6 +27,25 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const eplb::LoadMatrix sum = history.sum();
   EPLB_FUZZ_ASSERT(sum.layers == history.layers && sum.experts == history.experts);
 
+  // The experts per layer given (LoadReadOptions::experts): a history narrower than that is
+  // widened with zero loads, a wider one is refused, and nothing else changes.
+  const int64_t given = 1 + (size > 0 ? data[size - 1] % 16 : 0);
+  try {
+    const LoadHistory wide = parse_load_history(content, {LoadFormat::kAuto, given}, "<fuzz>");
+    EPLB_FUZZ_ASSERT(history.experts <= given && wide.experts == given);
+    EPLB_FUZZ_ASSERT(wide.steps == history.steps && wide.layers == history.layers);
+    for (int64_t r = 0; r < history.steps * history.layers; ++r) {
+      for (int64_t e = 0; e < given; ++e) {
+        const double v = wide.values[static_cast<size_t>(r * given + e)];
+        EPLB_FUZZ_ASSERT(v == (e < history.experts
+                                   ? history.values[static_cast<size_t>(r * history.experts + e)]
+                                   : 0.0));
+      }
+    }
+  } catch (const eplb::InvalidArgument&) {
+    EPLB_FUZZ_ASSERT(history.experts > given);
+  }
+
   // Small histories only: a trace may legitimately expand into many dense values.
   if (history.values.size() <= (size_t{1} << 16)) {
     try {

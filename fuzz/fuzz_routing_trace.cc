@@ -32,6 +32,16 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   }
   EPLB_FUZZ_ASSERT(largest + 1 == trace.experts);
 
+  // With the experts per layer given, an id at or above it is refused, fewer widen the trace.
+  const int64_t given = 1 + (size > 0 ? data[size - 1] % 32 : 0);
+  try {
+    const RoutingTrace bounded = parse_routing_trace(content, given, "<fuzz>");
+    EPLB_FUZZ_ASSERT(trace.experts <= given && bounded.experts == given);
+    EPLB_FUZZ_ASSERT(bounded.routes == trace.routes);
+  } catch (const eplb::InvalidArgument&) {
+    EPLB_FUZZ_ASSERT(trace.experts > given);
+  }
+
   if (trace.tokens * trace.layers * trace.experts <= (int64_t{1} << 20)) {
     try {
       const eplb::LoadMatrix load = parse_load_history(content, {LoadFormat::kTrace, 0}).sum();

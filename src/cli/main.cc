@@ -2,6 +2,7 @@
 
 #include <cstdio>
 #include <exception>
+#include <new>
 
 #include <CLI/CLI.hpp>
 #include <fmt/core.h>
@@ -9,6 +10,7 @@
 #include "cli/commands.h"
 #include "eplb/config.h"
 #include "eplb/core/error.h"
+#include "eplb/core/memory.h"
 
 int main(int argc, char** argv) {
   CLI::App app{"eplb: an expert-parallel load balancer for Mixture-of-Experts inference"};
@@ -28,6 +30,14 @@ int main(int argc, char** argv) {
     return 2;
   } catch (const eplb::Error& e) {
     fmt::print(stderr, "eplb: error: {}\n", e.what());
+    return 1;
+  } catch (const std::bad_alloc&) {
+    // Inputs are checked against the memory they will need before anything large is sized;
+    // this is what is left when a step past those checks still finds too little.
+    fmt::print(stderr,
+               "eplb: error: out of memory ({} available to this process): the inputs or "
+               "options need more than that; give smaller ones or raise the limit (ulimit -v)\n",
+               eplb::human_bytes(eplb::memory_available()));
     return 1;
   } catch (const std::exception& e) {
     fmt::print(stderr, "eplb: internal error: {}\n", e.what());

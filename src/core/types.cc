@@ -8,10 +8,17 @@
 namespace eplb {
 
 void Layout::validate() const {
-  if (experts <= 0) fail("experts ", experts, " must be at least 1");
-  if (ranks <= 0) fail("ranks ", ranks, " must be at least 1");
+  if (experts <= 0 || experts > kMaxExperts) {
+    fail("experts ", experts, " is outside [1, ", kMaxExperts,
+         "] (the logical experts of one layer)");
+  }
+  if (ranks <= 0 || ranks > kMaxRanks) fail("ranks ", ranks, " is outside [1, ", kMaxRanks, "]");
   if (nodes <= 0) fail("nodes ", nodes, " must be at least 1");
   if (groups <= 0) fail("groups ", groups, " must be at least 1");
+  if (physical > kMaxPhysical) {
+    fail("physical ", physical, " is above the largest supported, ", kMaxPhysical,
+         " slots per layer");
+  }
   if (physical < experts) {
     fail("physical ", physical, " is below experts ", experts,
          " (every logical expert needs at least one slot)");

@@ -11,9 +11,11 @@
 #include <cmath>
 #include <cstring>
 #include <map>
+#include <new>
 #include <system_error>
 
 #include "eplb/core/error.h"
+#include "eplb/core/memory.h"
 #include "parse_util.h"
 
 namespace eplb::stats {
@@ -29,6 +31,11 @@ using detail::trim;
 // A trace's history is dense ([tokens][layers][experts]); past this many values (8 GiB) say so
 // instead of failing to allocate.
 constexpr int64_t kMaxHistoryValues = int64_t{1} << 30;
+
+// A JSON row of numbers is one layer's loads (or a step's, of one layer).
+constexpr detail::RowLimit kLoadRowLimit{
+    .most = kMaxExperts, .what = "eplb supports at most 65536 experts per layer"};
+static_assert(kMaxExperts == 65536, "kLoadRowLimit's message");
 
 constexpr std::array<std::string_view, 6> kFormatNames = {"auto", "eplb",  "sglang",
                                                           "vllm", "csv",   "trace"};
@@ -118,6 +125,10 @@ LoadHistory parse_csv_matrix(std::string_view content, std::string_view source) 
         pos = stop;
       }
       ++column;
+      if (column > kMaxExperts) {
+        fail(source, " line ", lines.number(), " has more than ", kMaxExperts,
+             " loads; eplb supports at most ", kMaxExperts, " experts per layer");
+      }
       double value = 0;
       if (const char* why = parse_load_value(field, value)) {
         fail(source, " line ", lines.number(), ", column ", column, ": ", shown(field), " ", why);
@@ -161,9 +172,9 @@ struct TraceRow {
   size_t offset = 0;  // into the flat buffer of expert ids
 };
 
-RoutingTrace parse_trace(std::string_view content, int64_t min_experts, std::string_view source) {
-  if (min_experts < 0 || min_experts > kMaxExperts) {
-    fail(source, ": experts ", min_experts, " is outside [0, ", kMaxExperts, "]");
+RoutingTrace parse_trace(std::string_view content, int64_t given_experts, std::string_view source) {
+  if (given_experts < 0 || given_experts > kMaxExperts) {
+    fail(source, ": experts ", given_experts, " is outside [0, ", kMaxExperts, "]");
   }
   Lines lines(detail::skip_bom(content));
   std::string_view line;
@@ -231,6 +242,10 @@ RoutingTrace parse_trace(std::string_view content, int64_t min_experts, std::str
              " is not an expert id (expected integers in [0, ", kMaxExperts,
              ") separated by spaces)");
       }
+      if (given_experts > 0 && id >= given_experts) {
+        fail(source, " line ", lines.number(), ", column 3: expert ", id, " is outside [0, ",
+             given_experts, "), the ", given_experts, " experts per layer given");
+      }
       ids.push_back(static_cast<int32_t>(id));
       largest = std::max(largest, static_cast<int32_t>(id));
       at = stop;
@@ -291,7 +306,7 @@ RoutingTrace parse_trace(std::string_view content, int64_t min_experts, std::str
   out.layers = static_cast<int64_t>(layers.size());
   out.tokens = static_cast<int64_t>(first.size());
   out.top_k = top_k;
-  out.experts = std::max<int64_t>(largest + 1, min_experts);
+  out.experts = std::max<int64_t>(largest + 1, given_experts);
   out.layer_ids.reserve(layers.size());
   out.routes.reserve(static_cast<size_t>(out.layers * out.tokens * out.top_k));
   for (const auto& [number, rows] : layers) {
@@ -558,7 +573,9 @@ LoadMatrix LoadHistory::sum() const {
 LoadFormat detect_load_format(std::string_view content) {
   const std::string_view body = body_of(content);
   if (body.empty()) fail("the input is empty");
-  if (looks_like_json(body)) return json_format(detail::parse_json(content, "<input>"), "<input>");
+  if (looks_like_json(body)) {
+    return json_format(detail::parse_json(content, "<input>", kLoadRowLimit), "<input>");
+  }
   return is_trace_header(first_line(body)) ? LoadFormat::kTrace : LoadFormat::kCsv;
 }
 
@@ -579,7 +596,8 @@ LoadHistory parse_load_history(std::string_view content, const LoadReadOptions& 
                         : (format == LoadFormat::kEplb || format == LoadFormat::kSglang ||
                            format == LoadFormat::kVllm);
   if (json) {
-    const Json doc = detail::parse_json(content, source);  // whole: byte offsets are the file's
+    // Whole: byte offsets are the file's.
+    const Json doc = detail::parse_json(content, source, kLoadRowLimit);
     if (format == LoadFormat::kAuto) format = json_format(doc, source);
     out = parse_json_loads(doc, format, source);
   } else {
@@ -593,6 +611,10 @@ LoadHistory parse_load_history(std::string_view content, const LoadReadOptions& 
     }
   }
   // Step last: widen to the experts the caller knows of (zero load for those never seen).
+  if (options.experts > 0 && out.experts > options.experts) {
+    fail(source, ": ", out.experts, " experts per layer, more than the ", options.experts,
+         " given");
+  }
   if (options.experts > out.experts) {
     std::vector<double> wide(static_cast<size_t>(out.steps * out.layers * options.experts), 0.0);
     for (int64_t r = 0; r < out.steps * out.layers; ++r) {
@@ -605,39 +627,65 @@ LoadHistory parse_load_history(std::string_view content, const LoadReadOptions& 
   return out;
 }
 
-RoutingTrace parse_routing_trace(std::string_view content, int64_t min_experts,
+RoutingTrace parse_routing_trace(std::string_view content, int64_t given_experts,
                                  std::string_view source) {
   if (body_of(content).empty()) {
     fail(source, ": the file is empty (expected a routing trace 'layer,token,experts,weights')");
   }
-  return parse_trace(content, min_experts, source);
+  return parse_trace(content, given_experts, source);
 }
 
 std::string read_file(const std::string& path) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) fail<IoError>("cannot open ", path, ": ", std::strerror(errno));
-  std::string out;
+  struct Close {
+    int fd;
+    ~Close() { ::close(fd); }
+  } closer{fd};
   struct stat st {};
-  if (::fstat(fd, &st) == 0 && st.st_size > 0) out.reserve(static_cast<size_t>(st.st_size));
-  char buf[1 << 16];
-  for (;;) {
-    const ssize_t n = ::read(fd, buf, sizeof(buf));
-    if (n > 0) {
-      out.append(buf, static_cast<size_t>(n));
-    } else if (n == 0) {
-      break;
-    } else if (errno != EINTR) {
-      const int err = errno;
-      ::close(fd);
-      fail<IoError>("cannot read ", path, ": ", std::strerror(err));
-    }
+  if (::fstat(fd, &st) != 0) fail<IoError>("cannot stat ", path, ": ", std::strerror(errno));
+  const char* refused = S_ISDIR(st.st_mode)   ? "a directory"
+                        : S_ISCHR(st.st_mode) ? "a character device"
+                        : S_ISBLK(st.st_mode) ? "a block device"
+                                              : nullptr;
+  if (refused != nullptr) {
+    fail(path, " is ", refused, ", not a file (give a regular file, or a pipe of at most ",
+         kMaxStreamBytes >> 30, " GiB)");
   }
-  ::close(fd);
+  // A pipe, FIFO or socket has no size to check first: read it up to a limit.
+  const bool regular = S_ISREG(st.st_mode);
+  std::string out;
+  size_t got = 0;
+  try {
+    if (regular && st.st_size > 0) out.reserve(static_cast<size_t>(st.st_size));
+    char buf[1 << 16];
+    for (;;) {
+      const ssize_t n = ::read(fd, buf, sizeof(buf));
+      if (n > 0) {
+        out.append(buf, static_cast<size_t>(n));
+        got += static_cast<size_t>(n);
+        if (!regular && got > static_cast<size_t>(kMaxStreamBytes)) {
+          fail(path, " is a stream longer than ", kMaxStreamBytes >> 30,
+               " GiB, the most eplb reads from a pipe (save it to a file, which may be of any "
+               "size)");
+        }
+      } else if (n == 0) {
+        break;
+      } else if (errno != EINTR) {
+        fail<IoError>("cannot read ", path, ": ", std::strerror(errno));
+      }
+    }
+  } catch (const std::bad_alloc&) {
+    fail<IoError>("out of memory reading ", path, " after ", got, " bytes",
+                  regular ? eplb::detail::concat(" of ", st.st_size) : std::string());
+  }
   return out;
 }
 
 LoadHistory read_load_history(const std::string& path, const LoadReadOptions& options) {
-  return parse_load_history(read_file(path), options, path);
+  const std::string content = read_file(path);
+  return detail::parse_within_memory(path, content.size(),
+                             [&] { return parse_load_history(content, options, path); });
 }
 
 LoadMatrix read_load(const std::string& path, const LoadReadOptions& options) {
@@ -652,8 +700,10 @@ LoadMatrix read_load(const std::string& path, const LoadReadOptions& options) {
   return load;
 }
 
-RoutingTrace read_routing_trace(const std::string& path, int64_t min_experts) {
-  return parse_routing_trace(read_file(path), min_experts, path);
+RoutingTrace read_routing_trace(const std::string& path, int64_t given_experts) {
+  const std::string content = read_file(path);
+  return detail::parse_within_memory(path, content.size(),
+                             [&] { return parse_routing_trace(content, given_experts, path); });
 }
 
 std::string format_load_eplb(const LoadHistory& history) {

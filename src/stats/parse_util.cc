@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cctype>
 #include <cstdio>
+#include <vector>
 
 #include "eplb/core/error.h"
 
@@ -34,8 +35,70 @@ bool contains_nocase(std::string_view haystack, std::string_view needle) {
 
 }  // namespace
 
-Json parse_json(std::string_view content, std::string_view source) {
+// Counts the numbers of every open array while nlohmann's parser runs (its callback sees
+// every event in document order) and throws once one passes the limit.
+class RowCounter {
+ public:
+  RowCounter(std::string_view source, RowLimit limit) : source_(source), limit_(limit) {}
+
+  bool operator()(int /*depth*/, Json::parse_event_t event, Json& parsed) {
+    switch (event) {
+      case Json::parse_event_t::object_start:
+      case Json::parse_event_t::array_start:
+        if (!open_.empty()) ++open_.back().index;  // a container is an element too
+        open_.push_back({event == Json::parse_event_t::array_start, -1, pending_key_, 0});
+        pending_key_.clear();
+        break;
+      case Json::parse_event_t::object_end:
+      case Json::parse_event_t::array_end:
+        if (!open_.empty()) open_.pop_back();
+        break;
+      case Json::parse_event_t::key:
+        if (parsed.is_string()) pending_key_ = parsed.get<std::string>();
+        break;
+      case Json::parse_event_t::value:
+        if (open_.empty()) break;
+        ++open_.back().index;
+        if (open_.back().array && parsed.is_number() && ++open_.back().numbers > limit_.most) {
+          fail(source_, ": ", path(), " holds more than ", limit_.most, " numbers; ",
+               limit_.what);
+        }
+        break;
+    }
+    return true;
+  }
+
+ private:
+  struct Open {
+    bool array = false;
+    int64_t index = -1;  // of the element being parsed
+    std::string key;     // the key this container is the value of (in an object)
+    int64_t numbers = 0;
+  };
+
+  // "load[0][2]": the keys and indices down to the innermost open array.
+  std::string path() const {
+    std::string out;
+    for (size_t i = 0; i < open_.size(); ++i) {
+      if (!open_[i].key.empty()) out += (out.empty() ? "" : ".") + open_[i].key;
+      if (i + 1 < open_.size() && open_[i].array) {
+        out += "[" + std::to_string(open_[i].index) + "]";
+      }
+    }
+    return out.empty() ? "an array" : out;
+  }
+
+  std::string_view source_;
+  RowLimit limit_;
+  std::vector<Open> open_;
+  std::string pending_key_;
+};
+
+Json parse_json(std::string_view content, std::string_view source, RowLimit limit) {
   try {
+    if (limit.most > 0) {
+      return Json::parse(content.begin(), content.end(), RowCounter(source, limit));
+    }
     return Json::parse(content.begin(), content.end());
   } catch (const Json::parse_error& e) {
     // e.byte is 1-based: the byte at which the parser gave up.

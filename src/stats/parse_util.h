@@ -3,21 +3,36 @@
 // exceptions into InvalidArgument with a position, and quoting user text in messages.
 
 #include <cstdint>
+#include <new>
 #include <string>
 #include <string_view>
 
 #include <nlohmann/json.hpp>
 
+#include "eplb/core/error.h"
+#include "eplb/core/memory.h"
+#include "eplb/core/types.h"
+
 namespace eplb::stats::detail {
 
 using Json = nlohmann::json;
 
-// Expert ids at or above this are corrupt data, not a model (the largest models have a few
-// hundred experts per layer); the bound keeps a bad file from sizing a huge allocation.
-inline constexpr int64_t kMaxExperts = int64_t{1} << 16;
+// Expert ids at or above this are corrupt data, not a model (core/types.h); the bound keeps a
+// bad file from sizing a huge allocation.
+using ::eplb::kMaxExperts;
 
-// Parses JSON; any error becomes InvalidArgument "<source>: not valid JSON at byte N ...".
-Json parse_json(std::string_view content, std::string_view source);
+// The most numbers one JSON array may hold, checked while parsing, before the document is
+// built: a row of a million loads is refused after its first `most` + 1 values instead of
+// sizing a document of gigabytes. `what` ends the message ("eplb supports at most 65536
+// experts per layer").
+struct RowLimit {
+  int64_t most = 0;  // 0: no limit
+  std::string_view what;
+};
+
+// Parses JSON; any error becomes InvalidArgument "<source>: not valid JSON at byte N ...", a
+// row over `limit` InvalidArgument naming its path ("load[0][2]") and the limit.
+Json parse_json(std::string_view content, std::string_view source, RowLimit limit = {});
 
 // A value for a message: strings quoted and cut to a few dozen characters, control bytes
 // escaped; other JSON values by kind ("an array", "null", "true").
@@ -30,6 +45,18 @@ std::string keys_of(const Json& object);
 // An integer in [lo, hi] at `path`, else InvalidArgument naming the path and the range.
 int64_t json_integer(const Json& value, std::string_view source, const std::string& path,
                      int64_t lo, int64_t hi);
+
+// parse(), with running out of memory (a large file can need several times its size) said as
+// an IoError naming the file, its size and the memory available, not a bare std::bad_alloc.
+template <typename F>
+auto parse_within_memory(std::string_view path, size_t bytes, F&& parse) {
+  try {
+    return parse();
+  } catch (const std::bad_alloc&) {
+    fail<IoError>("out of memory parsing ", path, " (", bytes, " bytes; ",
+                  human_bytes(memory_available()), " available)");
+  }
+}
 
 std::string_view trim(std::string_view text);     // spaces, tabs, CR
 std::string_view skip_bom(std::string_view text);  // a leading UTF-8 byte-order mark

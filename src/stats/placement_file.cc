@@ -245,7 +245,10 @@ PlacementFile parse_placement(std::string_view content, int64_t min_experts,
     fail(source, ": the file is empty (expected a placement: {\"phy2log\": [[...]], ...} or "
          "{\"physical_to_logical_map\": [[...]]})");
   }
-  const Json doc = detail::parse_json(content, source);
+  const Json doc = detail::parse_json(
+      content, source,
+      {.most = kMaxPhysical, .what = "eplb supports at most 1048576 physical slots per layer"});
+  static_assert(kMaxPhysical == 1048576, "the message above");
   if (doc.is_object() && doc.contains("phy2log")) return parse_eplb(doc, min_experts, source);
   if (doc.is_object() && doc.contains("physical_to_logical_map")) {
     return parse_sglang(doc, min_experts, source);
@@ -256,7 +259,9 @@ PlacementFile parse_placement(std::string_view content, int64_t min_experts,
 }
 
 PlacementFile read_placement(const std::string& path, int64_t min_experts) {
-  return parse_placement(read_file(path), min_experts, path);
+  const std::string content = read_file(path);
+  return detail::parse_within_memory(path, content.size(),
+                                     [&] { return parse_placement(content, min_experts, path); });
 }
 
 std::string format_placement(const Placement& placement, const Layout& layout) {

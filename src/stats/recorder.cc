@@ -3,6 +3,8 @@
 #include <algorithm>
 
 #include "eplb/core/error.h"
+#include "eplb/core/memory.h"
+#include "eplb/core/types.h"
 
 namespace eplb::stats {
 
@@ -12,10 +14,25 @@ LoadRecorder::LoadRecorder(int64_t layers, int64_t experts, int64_t window)
     fail("load recorder needs layers ", layers, " >= 1 and experts ", experts, " >= 1");
   }
   if (window < 1) fail("window ", window, " must be at least 1 step");
+  if (layers > kMaxLayers || experts > kMaxExperts) {
+    fail("load recorder: layers ", layers, " and experts ", experts, " must be at most ",
+         kMaxLayers, " and ", kMaxExperts);
+  }
+  const int64_t bytes = bytes_for(layers, experts, window);
+  check_fits_in_memory(bytes, detail::concat("the load window of ", window, " steps x ", layers,
+                                             " layers x ", experts, " experts"),
+                       "lower the window");
   const size_t cells = static_cast<size_t>(layers * experts);
   current_.assign(cells, 0);
   sum_.assign(cells, 0);
   ring_.assign(cells * static_cast<size_t>(window), 0);
+}
+
+int64_t LoadRecorder::bytes_for(int64_t layers, int64_t experts, int64_t window) {
+  // The ring of `window` steps, the current step and the running sum, 8 B a count.
+  const int64_t cells = checked_mul(layers, experts, "load recorder cells");
+  const int64_t steps = checked_add(window, 2, "load recorder steps");
+  return checked_mul(checked_mul(cells, steps, "load window cells"), 8, "load window bytes");
 }
 
 void LoadRecorder::record(int64_t layer, std::span<const int32_t> expert_ids) {

@@ -9,6 +9,15 @@
 
 namespace eplb {
 
+// The largest deployment eplb takes. Past these an input is corrupt data or a typo, not a
+// model (the largest models have a few hundred experts per layer, the widest expert-parallel
+// deployments a few hundred ranks): the bounds are checked before anything is sized, and they
+// keep every count x bytes product and every sum of them far inside int64.
+inline constexpr int64_t kMaxExperts = int64_t{1} << 16;   // logical experts per layer
+inline constexpr int64_t kMaxPhysical = int64_t{1} << 20;  // physical slots per layer
+inline constexpr int64_t kMaxRanks = int64_t{1} << 16;     // ranks (and so nodes)
+inline constexpr int64_t kMaxLayers = int64_t{1} << 16;    // MoE layers
+
 // The shape of one expert-parallel deployment. Slot p lives on rank p / slots_per_rank();
 // rank g lives on node g / ranks_per_node(); experts [k*E/groups, (k+1)*E/groups) form group k.
 struct Layout {

@@ -31,8 +31,9 @@ std::string_view load_format_name(LoadFormat format);
 
 struct LoadReadOptions {
   LoadFormat format = LoadFormat::kAuto;
-  // At least this many experts (0: as the file says). A trace's experts are its largest id + 1
-  // unless this says more; other formats gain zero-load experts up to it.
+  // The experts per layer (0: as the file says). A trace's experts are its largest id + 1, a
+  // matrix's its row length; an input with fewer gains zero-load experts up to this, one with
+  // more (an id at or above it: InvalidArgument naming the line) is refused.
   int64_t experts = 0;
 };
 
@@ -66,16 +67,21 @@ LoadFormat detect_load_format(std::string_view content);
 // Parse from memory; `source` names the input in messages (a path, or "<input>").
 LoadHistory parse_load_history(std::string_view content, const LoadReadOptions& options,
                                std::string_view source = "<input>");
-RoutingTrace parse_routing_trace(std::string_view content, int64_t min_experts = 0,
+// `experts` as in LoadReadOptions::experts (0: largest id + 1).
+RoutingTrace parse_routing_trace(std::string_view content, int64_t experts = 0,
                                  std::string_view source = "<input>");
 
 // Read a file (IoError when it cannot be read, InvalidArgument when it is malformed; read_load
 // also when a sum over steps overflows).
 LoadHistory read_load_history(const std::string& path, const LoadReadOptions& options = {});
 LoadMatrix read_load(const std::string& path, const LoadReadOptions& options = {});
-RoutingTrace read_routing_trace(const std::string& path, int64_t min_experts = 0);
+RoutingTrace read_routing_trace(const std::string& path, int64_t experts = 0);
 
-// The whole file as a string; IoError naming the path and the reason when it cannot be read.
+// The whole file as a string; IoError naming the path and the reason when it cannot be read
+// or memory runs out while reading it (with the bytes read). A regular file is read whatever
+// its size; a pipe, FIFO or socket up to kMaxStreamBytes; a device or a directory is refused
+// (InvalidArgument).
+inline constexpr int64_t kMaxStreamBytes = int64_t{4} << 30;
 std::string read_file(const std::string& path);
 
 // Writers, so a run can seed the next one: eplb's {"load": [[[...]]]} and SGLang's

@@ -18,7 +18,12 @@ namespace eplb::stats {
 
 class LoadRecorder {
  public:
+  // InvalidArgument when the window would not fit in this process's memory (bytes_for, against
+  // memory_available()), with both figures.
   LoadRecorder(int64_t layers, int64_t experts, int64_t window);
+
+  // The bytes a recorder of this shape holds; InvalidArgument when that overflows.
+  static int64_t bytes_for(int64_t layers, int64_t experts, int64_t window);
 
   // Adds 1 to each listed expert of `layer` in the current step. Ids outside [0, experts)
   // throw InvalidArgument (before anything is counted).

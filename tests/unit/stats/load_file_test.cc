@@ -1,6 +1,7 @@
 #include "eplb/stats/load_file.h"
 
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -9,6 +10,7 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "eplb/core/error.h"
@@ -36,8 +38,8 @@ std::string invalid_message(Fn&& fn) {
 }
 
 std::string parse_error(std::string_view content, std::string_view source = "f",
-                        LoadFormat format = LoadFormat::kAuto) {
-  return invalid_message([&] { parse_load_history(content, {format, 0}, source); });
+                        LoadFormat format = LoadFormat::kAuto, int64_t experts = 0) {
+  return invalid_message([&] { parse_load_history(content, {format, experts}, source); });
 }
 
 LoadHistory parse(std::string_view content, LoadFormat format = LoadFormat::kAuto,
@@ -175,15 +177,16 @@ TEST(ParseLoad, TraceCountsEveryListedExpert) {
   EXPECT_EQ(t.routes, (std::vector<int32_t>{4, 1, 0, 4, 1, 2, 2, 0}));
 }
 
-TEST(ParseLoad, TraceExpertsOptionRaisesE) {
+TEST(ParseLoad, TraceExpertsOptionWidensAndBounds) {
   const std::string trace = "layer,token,experts,weights\n2,0,1 3,0.1 0.1\n";
   EXPECT_EQ(parse(trace).experts, 4);
   const LoadHistory h = parse(trace, LoadFormat::kAuto, 8);
   EXPECT_EQ(h.experts, 8);
   EXPECT_EQ(h.sum().values, (std::vector<double>{0, 1, 0, 1, 0, 0, 0, 0}));
   EXPECT_EQ(parse_routing_trace(trace, 8).experts, 8);
-  // A smaller value never cuts the file's experts.
-  EXPECT_EQ(parse(trace, LoadFormat::kAuto, 2).experts, 4);
+  // A smaller value is refused (it never cuts the file's experts), naming the line.
+  EXPECT_EQ(parse_error(trace, "t.csv", LoadFormat::kAuto, 2),
+            "t.csv line 2, column 3: expert 3 is outside [0, 2), the 2 experts per layer given");
 }
 
 TEST(ParseLoad, TraceWeightsAreOptional) {
@@ -405,7 +408,63 @@ TEST_F(TempDir, MissingFileIsAnIoError) {
     EXPECT_NE(message.find(path), std::string::npos) << message;
     EXPECT_NE(message.find("No such file or directory"), std::string::npos) << message;
   }
-  EXPECT_THROW(read_load(dir_.string()), IoError);  // a directory
+  EXPECT_NE(invalid_message([&] { read_load(dir_.string()); }).find("is a directory, not a file"),
+            std::string::npos);
+}
+
+// Devices are refused before a byte is read (/dev/zero would never end); a pipe is read, up
+// to kMaxStreamBytes; a regular file whatever its size.
+TEST_F(TempDir, DevicesAreRefusedPipesRead) {
+  EXPECT_EQ(invalid_message([] { read_file("/dev/zero"); }),
+            "/dev/zero is a character device, not a file (give a regular file, or a pipe of at "
+            "most 4 GiB)");
+  EXPECT_NE(invalid_message([] { read_load("/dev/null"); }).find("character device"),
+            std::string::npos);
+  const std::string fifo = (dir_ / "loads.fifo").string();
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  std::thread writer([&] { std::ofstream(fifo) << R"({"load": [[3, 1]]})"; });
+  const LoadMatrix load = read_load(fifo);
+  writer.join();
+  EXPECT_EQ(load.values, (std::vector<double>{3, 1}));
+}
+
+// A row of more loads than eplb has experts is refused while parsing, naming where it is.
+TEST(LoadLimits, RowsLongerThanTheLargestExpertCountAreRefused) {
+  const auto row = [](int64_t n) {
+    std::string out;
+    for (int64_t i = 0; i < n; ++i) out += i == 0 ? "1" : ",1";
+    return out;
+  };
+  EXPECT_EQ(parse_error(R"({"load": [[1, 2], [)" + row(kMaxExperts + 1) + "]]}"),
+            "f: load[1] holds more than 65536 numbers; eplb supports at most 65536 experts per "
+            "layer");
+  EXPECT_EQ(parse_error(R"({"load_history": [{"logical_expert_load": [[)" +
+                        row(kMaxExperts + 1) + "]]}]}"),
+            "f: load_history[0].logical_expert_load[0] holds more than 65536 numbers; eplb "
+            "supports at most 65536 experts per layer");
+  EXPECT_EQ(parse_load_history(R"({"load": [[)" + row(kMaxExperts) + "]]}", {}).experts,
+            kMaxExperts);
+  EXPECT_EQ(parse_error(row(kMaxExperts + 1) + "\n"),
+            "f line 1 has more than 65536 loads; eplb supports at most 65536 experts per layer");
+  // Many steps of short rows are no long row.
+  std::string steps = R"({"load": [)";
+  for (int i = 0; i < 70000; ++i) steps += i == 0 ? "[[1]]" : ",[[1]]";
+  EXPECT_EQ(parse_load_history(steps + "]}", {}).steps, 70000);
+}
+
+// LoadReadOptions::experts is the number of experts, not a minimum: an id or a row beyond it
+// is an error naming where it is; fewer are widened with zero loads.
+TEST(LoadLimits, GivenExpertsBoundTheInput) {
+  const std::string trace = "layer,token,experts\n0,0,1 2 999\n0,1,3 4 5\n";
+  EXPECT_EQ(invalid_message([&] { parse_routing_trace(trace, 8, "t.csv"); }),
+            "t.csv line 2, column 3: expert 999 is outside [0, 8), the 8 experts per layer given");
+  EXPECT_EQ(invalid_message([&] { parse_load_history(trace, {LoadFormat::kAuto, 8}, "t.csv"); }),
+            "t.csv line 2, column 3: expert 999 is outside [0, 8), the 8 experts per layer given");
+  EXPECT_EQ(parse_routing_trace(trace, 1000).experts, 1000);
+  EXPECT_EQ(parse_error(R"({"load": [[1, 2, 3]]})", "f", LoadFormat::kAuto, 2),
+            "f: 3 experts per layer, more than the 2 given");
+  const LoadHistory wide = parse_load_history("1,2\n", {LoadFormat::kAuto, 4});
+  EXPECT_EQ(wide.values, (std::vector<double>{1, 2, 0, 0}));
 }
 
 TEST_F(TempDir, ReadNamesThePathInMessages) {

@@ -1,6 +1,7 @@
 #include "eplb/migration/migration.h"
 
 #include <algorithm>
+#include <limits>
 
 #include "eplb/core/error.h"
 
@@ -22,6 +23,15 @@ MigrationPlan plan_migration(const Placement& from, const Placement& to, const L
   }
   if (options.expert_bytes <= 0) {
     fail("expert bytes ", options.expert_bytes, " must be at least 1");
+  }
+  // Every byte count of the plan is at most every slot of every layer moved: bounded so, no
+  // sum of them can overflow.
+  if (from.layers > 0 && from.physical > 0 &&
+      options.expert_bytes > std::numeric_limits<int64_t>::max() / from.layers / from.physical) {
+    fail("expert bytes ", options.expert_bytes, " x ", from.physical, " slots x ", from.layers,
+         " layers does not fit a 64-bit byte count (at most ",
+         std::numeric_limits<int64_t>::max() / from.layers / from.physical,
+         " bytes per expert for this shape)");
   }
   if (options.schedule.peers_per_round < 1) {
     fail("peers per round ", options.schedule.peers_per_round, " must be at least 1");

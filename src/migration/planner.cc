@@ -1,6 +1,7 @@
 #include "eplb/migration/planner.h"
 
 #include <algorithm>
+#include <limits>
 
 #include "eplb/core/error.h"
 
@@ -25,6 +26,12 @@ void check_inputs(std::span<const int32_t> old_phy2log, std::span<const int32_t>
   if (layout.ranks <= 0) fail("ranks ", layout.ranks, " must be at least 1");
   if (layout.nodes <= 0) fail("nodes ", layout.nodes, " must be at least 1");
   if (layout.physical <= 0) fail("physical ", layout.physical, " must be at least 1");
+  // The plan's byte counts are at most every slot moved: bounded so, none can overflow.
+  if (expert_bytes > std::numeric_limits<int64_t>::max() / layout.physical) {
+    fail("expert bytes ", expert_bytes, " x ", layout.physical,
+         " slots does not fit a 64-bit byte count (at most ",
+         std::numeric_limits<int64_t>::max() / layout.physical, " bytes per expert)");
+  }
   if (layout.physical % layout.ranks != 0) {
     fail("physical ", layout.physical, " is not a multiple of ranks ", layout.ranks,
          " (every rank holds the same number of slots)");

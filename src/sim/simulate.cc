@@ -290,7 +290,10 @@ SimResult simulate(const stats::LoadHistory& history, const SimOptions& options)
   out.steps = steps;
   out.layers = history.layers;
   out.first_scored_step = options.window;
-  for (int64_t t = options.window; t < steps; t += options.interval) {
+  // t + interval may not fit an int64 (any interval is valid: one that passes the last step
+  // means one rebalance), so the step after t is computed from what is left.
+  for (int64_t t = options.window; t < steps;
+       t = steps - t > options.interval ? t + options.interval : steps) {
     out.rebalance_steps.push_back(t);
   }
   const auto rebalances = static_cast<int64_t>(out.rebalance_steps.size());
@@ -342,7 +345,7 @@ SimResult simulate(const stats::LoadHistory& history, const SimOptions& options)
     // Step 2: score the steps this placement serves, out of sample; the first policy's pass
     // also sums them.
     served_begin = t;
-    served_end = std::min(t + options.interval, steps);
+    served_end = t + std::min(options.interval, steps - t);
     std::fill(served.values.begin(), served.values.end(), 0.0);
     for (size_t i = 0; i < runs.size(); ++i) {
       score_steps(history, layout, runs[i].current, runs[i].slot_share, served_begin, served_end,

@@ -8,6 +8,7 @@
 #include <array>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <random>
 #include <string>
 #include <vector>
@@ -335,6 +336,20 @@ TEST(Simulate, RejectsBadOptions) {
   } catch (const InvalidArgument& e) {
     EXPECT_NE(std::string(e.what()).find("step 2 layer 0 expert 1 is -1"), std::string::npos)
         << e.what();
+  }
+}
+
+// An interval past the last step means one rebalance: the next trigger step (t + interval) is
+// never formed, so no interval overflows.
+TEST(Simulate, IntervalPastTheEndRebalancesOnce) {
+  std::vector<std::vector<double>> rows(12, {3, 1, 1, 1});
+  const stats::LoadHistory history = one_layer(rows);
+  const Layout layout{.experts = 4, .physical = 6, .ranks = 2, .nodes = 1, .groups = 1};
+  for (const int64_t interval : {std::numeric_limits<int64_t>::max(),
+                                 std::numeric_limits<int64_t>::max() - 3, int64_t{8}, int64_t{9}}) {
+    const SimResult r = simulate(history, options_for(layout, interval, 4, "balanced"));
+    EXPECT_EQ(r.rebalance_steps, (std::vector<int64_t>{4})) << interval;
+    EXPECT_EQ(result_of(r, "balanced").step_balancedness.size(), 8u) << interval;
   }
 }
 

@@ -1,6 +1,5 @@
 #include "runtime/control_thread.h"
 
-#include <exception>
 #include <utility>
 
 #include "eplb/core/error.h"
@@ -18,21 +17,23 @@ ControlThread::ControlThread(control::Communicator& communicator,
 
 ControlThread::~ControlThread() { stop(); }
 
-std::future<std::vector<int64_t>> ControlThread::all_reduce(std::vector<int64_t> values,
-                                                            control::ReduceOp op,
-                                                            std::chrono::milliseconds timeout,
-                                                            std::function<void()> before) {
+std::future<CollectiveResult> ControlThread::all_reduce(std::vector<int64_t> values,
+                                                       control::ReduceOp op,
+                                                       std::chrono::milliseconds timeout,
+                                                       std::function<void()> before) {
   Job job;
   job.values = std::move(values);
   job.op = op;
   job.timeout = timeout;
   job.before = std::move(before);
-  std::future<std::vector<int64_t>> future = job.result.get_future();
+  std::future<CollectiveResult> future = job.result.get_future();
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (stopping_) {
-      job.result.set_exception(std::make_exception_ptr(
-          IoError("control thread stopped: no collective runs after shutdown")));
+      job.result.set_value({.values = {},
+                            .failure = Failure{FailureKind::kIoError,
+                                               "control thread stopped: no collective runs "
+                                               "after shutdown"}});
       return future;
     }
     queue_.push_back(std::move(job));
@@ -62,14 +63,16 @@ void ControlThread::run() {
       job = std::move(queue_.front());
       queue_.pop_front();
     }
+    CollectiveResult result;
     try {
       if (before_each_) before_each_();
       if (job.before) job.before();
       communicator_.all_reduce(job.values, job.op, job.timeout);
-      job.result.set_value(std::move(job.values));
+      result.values = std::move(job.values);
     } catch (...) {
-      job.result.set_exception(std::current_exception());
+      result.failure = Failure::current();  // the exception itself dies on this thread
     }
+    job.result.set_value(std::move(result));
   }
 }
 

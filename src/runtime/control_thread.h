@@ -11,12 +11,27 @@
 #include <functional>
 #include <future>
 #include <mutex>
+#include <optional>
 #include <thread>
 #include <vector>
 
 #include "eplb/control/communicator.h"
+#include "runtime/failure.h"
 
 namespace eplb::runtime {
+
+// What a collective of the control thread yields: the reduced values, or its failure as plain
+// values (failure.h says why no exception object crosses threads).
+struct CollectiveResult {
+  std::vector<int64_t> values;
+  std::optional<Failure> failure;
+
+  // The values, or a fresh exception of the failure's kind thrown on the calling thread.
+  std::vector<int64_t> take() && {
+    if (failure) failure->raise();
+    return std::move(values);
+  }
+};
 
 class ControlThread {
  public:
@@ -29,10 +44,10 @@ class ControlThread {
   ControlThread& operator=(const ControlThread&) = delete;
 
   // Queues an in-place all_reduce of `values`; the future yields the result or the
-  // collective's exception (IoError, Timeout, ...). `before` (may be empty) runs on the control
+  // collective's failure (IoError, Timeout, ...). `before` (may be empty) runs on the control
   // thread just before this collective; if it throws, the collective is not run and the future
-  // yields that exception.
-  std::future<std::vector<int64_t>> all_reduce(std::vector<int64_t> values, control::ReduceOp op,
+  // yields that failure. The future never holds an exception.
+  std::future<CollectiveResult> all_reduce(std::vector<int64_t> values, control::ReduceOp op,
                                                std::chrono::milliseconds timeout,
                                                std::function<void()> before = {});
 
@@ -45,7 +60,7 @@ class ControlThread {
     control::ReduceOp op = control::ReduceOp::kMin;
     std::chrono::milliseconds timeout{0};
     std::function<void()> before;
-    std::promise<std::vector<int64_t>> result;
+    std::promise<CollectiveResult> result;
   };
   void run();
 

@@ -22,10 +22,12 @@
 
 #include "eplb/control/communicator.h"
 #include "eplb/core/error.h"
+#include "eplb/core/memory.h"
 #include "eplb/stats/recorder.h"
 #include "eplb/transport/transport.h"
 #include "runtime/arena.h"
 #include "runtime/control_thread.h"
+#include "runtime/failure.h"
 #include "runtime/plan.h"
 
 namespace eplb::runtime {
@@ -72,20 +74,19 @@ uint64_t config_fingerprint(const Config& c, const WeightSpec& w) {
 
 // The state one rebalance shares between the forward thread and the worker (async mode).
 //   written by the worker, read by the forward thread after an acquire load of `progress`:
-//     plan (before progress >= 1), error / error_ptr (before progress < 0);
+//     plan (before progress >= 1), failure (before progress < 0);
 //   written by the forward thread under `mu`, waited on by the worker: installed, cancel.
 struct Active {
   // Set by the forward thread before the worker sees it; then read-only.
   std::vector<int32_t> current_phy2log;  // [layers][physical] at the trigger
   BufferMap map;                         // at the trigger
-  std::future<std::vector<int64_t>> window;  // the worker's alone
+  std::future<CollectiveResult> window;  // the worker's alone
 
   // Progress this rank contributes to the agreement: -1 - rank after a failure, 0 while
   // the placement is computed, 1 + the number of moved layers staged.
   std::atomic<int64_t> progress{0};
   RebalancePlan plan;
-  std::string error;
-  std::exception_ptr error_ptr;
+  Failure failure;
 
   std::mutex mu;
   std::condition_variable cv;
@@ -101,27 +102,18 @@ struct Active {
 struct PendingAgreement {
   int64_t step = 0;
   int64_t mine = 0;  // this rank's contribution
-  std::future<std::vector<int64_t>> result;  // internal agreement only
+  std::future<CollectiveResult> result;  // internal agreement only
 };
 
-// The message of an error of any type. Every catch on a runtime thread takes everything (a
-// foreign exception type from a hook or a backend is still an error to report, never a reason
-// to end the process from a thread the engine does not own, or to leave a rebalance half done).
-std::string describe(const std::exception_ptr& error) {
-  try {
-    std::rethrow_exception(error);
-  } catch (const std::exception& e) {
-    return e.what();
-  } catch (...) {
-    return "an exception that is not a std::exception";
-  }
-}
+// Every catch on a runtime thread takes everything (a foreign exception type from a hook or a
+// backend is still an error to report, never a reason to end the process from a thread the
+// engine does not own, or to leave a rebalance half done) and keeps it as a Failure: plain
+// values, never the exception object, cross to another thread (failure.h).
 
-// What a worker that failed leaves for the forward thread: its message first, then (release)
+// What a worker that failed leaves for the forward thread: its failure first, then (release)
 // the failure in the progress value.
-void worker_failed(Active& a, int rank, std::string message, std::exception_ptr error) {
-  a.error = std::move(message);
-  a.error_ptr = std::move(error);
+void worker_failed(Active& a, int rank, Failure failure) {
+  a.failure = std::move(failure);
   a.progress.store(-1 - rank, std::memory_order_release);
 }
 
@@ -398,7 +390,7 @@ class Rebalancer::Impl {
       if (open_) {
         open_->outcome = Outcome::kCancelled;
         open_->error = "shutdown() while the rebalance ran";
-        close_open(nullptr);
+        close_open(std::nullopt);
         publish_open();
       }
       active_.reset();
@@ -466,12 +458,12 @@ class Rebalancer::Impl {
   }
 
   // Ends the open record at this step; `raise` is what step_end throws under on_error=raise.
-  void close_open(std::exception_ptr raise) {
+  void close_open(std::optional<Failure> raise) {
     open_->end_step = step_;
     open_->steps = step_ - open_->trigger_step;
     open_->seconds = ms_between(open_started_, Clock::now()) / 1000.0;
     open_finished_ = true;
-    raise_ = raise;
+    raise_ = std::move(raise);
   }
 
   void fill_plan_figures(const RebalancePlan& plan) {
@@ -491,7 +483,7 @@ class Rebalancer::Impl {
     RebalanceRecord record = std::move(*open_);
     open_.reset();
     open_finished_ = false;
-    std::exception_ptr raise = std::exchange(raise_, nullptr);
+    const std::optional<Failure> raise = std::exchange(raise_, std::nullopt);
     const auto level = record.outcome == Outcome::kFailed      ? spdlog::level::warn
                        : record.outcome == Outcome::kCompleted ? spdlog::level::info
                                                                : spdlog::level::debug;
@@ -512,7 +504,7 @@ class Rebalancer::Impl {
     }
     if (record.outcome == Outcome::kFailed) {
       if (config_.on_failure) config_.on_failure(record);
-      if (config_.on_error == OnError::kRaise && raise) std::rethrow_exception(raise);
+      if (config_.on_error == OnError::kRaise && raise) raise->raise();
     }
   }
 
@@ -552,16 +544,17 @@ class Rebalancer::Impl {
     } catch (...) {
       spdlog::critical("eplb runtime rank {}: the installer failed installing layer {}: {}; "
                        "this rank's weights can no longer be trusted, stopping the process",
-                       rank_, layer, describe(std::current_exception()));
+                       rank_, layer, Failure::current().message);
       spdlog::shutdown();
       std::abort();
     }
   }
 
-  void fail_open(std::string message, std::exception_ptr error) {
+  // `error`: what step_end raises under on_error=raise (by default an IoError with `message`).
+  void fail_open(std::string message, std::optional<Failure> error) {
     open_->outcome = Outcome::kFailed;
     open_->error = std::move(message);
-    close_open(error ? error : std::make_exception_ptr(IoError(open_->error)));
+    close_open(error ? std::move(error) : Failure{FailureKind::kIoError, open_->error});
   }
 
   // -------------------------------------------------------------- async protocol
@@ -619,7 +612,7 @@ class Rebalancer::Impl {
   // abandoned here and nothing is returned: the agreement can no longer be trusted to be the
   // same on every rank, so no rebalance triggers again.
   std::optional<int64_t> take_agreement(PendingAgreement pending) {
-    const auto broken = [&](std::string message, std::exception_ptr error) {
+    const auto broken = [&](std::string message, std::optional<Failure> error) {
       control_broken_.store(true, std::memory_order_release);
       end_active(std::move(message), std::move(error));
       return std::nullopt;
@@ -635,7 +628,7 @@ class Rebalancer::Impl {
           return broken(detail::concat("the agreement result of step ", pending.step,
                                        " was not handed in (agreement_result) within ",
                                        config_.timeout.count(), " ms"),
-                        nullptr);
+                        std::nullopt);
         }
         value = slot.value;
       }
@@ -644,22 +637,22 @@ class Rebalancer::Impl {
                                      ") is above this rank's contribution ", pending.mine,
                                      ": it must be the minimum over all ranks of "
                                      "agreement_contribution()"),
-                      nullptr);
+                      std::nullopt);
       }
       return value;
     }
     if (pending.result.wait_for(result_bound()) != std::future_status::ready) {
       return broken(detail::concat("the agreement of step ", pending.step,
                                    " gave no result within ", result_bound().count(), " ms"),
-                    nullptr);
+                    std::nullopt);
     }
-    try {
-      return pending.result.get().at(0);
-    } catch (...) {
-      return broken(detail::concat("the agreement of step ", pending.step, " failed: ",
-                                   describe(std::current_exception())),
-                    std::current_exception());
+    CollectiveResult result = pending.result.get();
+    if (result.failure) {
+      std::string message = detail::concat("the agreement of step ", pending.step, " failed: ",
+                                           result.failure->message);
+      return broken(std::move(message), std::move(result.failure));
     }
+    return result.values.at(0);
   }
 
   void advance_async() {
@@ -673,10 +666,10 @@ class Rebalancer::Impl {
     if (agreed < 0) {
       const int64_t failed_rank = -1 - agreed;
       if (a.progress.load(std::memory_order_acquire) < 0) {
-        end_active(detail::concat("rank ", rank_, ": ", a.error), a.error_ptr);
+        end_active(detail::concat("rank ", rank_, ": ", a.failure.message), a.failure);
       } else {
         end_active(detail::concat("rank ", failed_rank, " failed (its log has the error)"),
-                   nullptr);
+                   std::nullopt);
       }
       return;
     }
@@ -691,7 +684,7 @@ class Rebalancer::Impl {
     if (plan.skipped) {
       open_->outcome = Outcome::kSkipped;
       open_->error = plan.skip_reason;
-      close_open(nullptr);
+      close_open(std::nullopt);
       finish_active();
       return;
     }
@@ -707,7 +700,7 @@ class Rebalancer::Impl {
     }
     if (a.installed_fwd == moved) {
       open_->outcome = Outcome::kCompleted;
-      close_open(nullptr);
+      close_open(std::nullopt);
       finish_active();
     }
   }
@@ -718,8 +711,8 @@ class Rebalancer::Impl {
   // The record keeps the plan's figures only if an agreement proved every rank had the plan
   // (figures_filled): filling them from this rank's own plan would make the records of ranks
   // whose workers were at different points differ.
-  void end_active(std::string message, std::exception_ptr error) {
-    fail_open(std::move(message), error);
+  void end_active(std::string message, std::optional<Failure> error) {
+    fail_open(std::move(message), std::move(error));
     cancel_worker(*active_);
     finish_active();
   }
@@ -776,7 +769,7 @@ class Rebalancer::Impl {
       while (a.window.wait_for(std::chrono::milliseconds(2)) != std::future_status::ready) {
         if (cancelled()) return;
       }
-      const std::vector<int64_t> window = a.window.get();
+      const std::vector<int64_t> window = a.window.get().take();
       if (config_.delay_hook) config_.delay_hook(DelayPoint::kPlacement);
       a.plan = make_plan(window, a.current_phy2log, config_, spec_.expert_bytes());
       a.progress.store(1, std::memory_order_release);
@@ -794,7 +787,7 @@ class Rebalancer::Impl {
         if (config_.install == Install::kSwap) map.install(layer);
       }
     } catch (...) {
-      worker_failed(a, rank_, describe(std::current_exception()), std::current_exception());
+      worker_failed(a, rank_, Failure::current());
     }
   }
 
@@ -811,27 +804,25 @@ class Rebalancer::Impl {
                                           config_.timeout, installs_done()));
     } catch (...) {
       control_broken_.store(true, std::memory_order_release);
-      fail_open(detail::concat("the window all-reduce failed: ",
-                               describe(std::current_exception())),
-                std::current_exception());
+      Failure failure = Failure::current();
+      fail_open(detail::concat("the window all-reduce failed: ", failure.message),
+                std::move(failure));
       return;
     }
     RebalancePlan plan;
-    std::string local_error;
-    std::exception_ptr local_ptr;
+    std::optional<Failure> local;
     try {
       if (config_.delay_hook) config_.delay_hook(DelayPoint::kPlacement);
       plan = make_plan(window, phy2log_, config_, spec_.expert_bytes());
     } catch (...) {
-      local_ptr = std::current_exception();
-      local_error = describe(local_ptr);
+      local = Failure::current();
     }
-    if (!agree_sync(local_ptr ? -1 - rank_ : 1, local_error, local_ptr)) return;
+    if (!agree_sync(local)) return;
     fill_plan_figures(plan);
     if (plan.skipped) {
       open_->outcome = Outcome::kSkipped;
       open_->error = plan.skip_reason;
-      close_open(nullptr);
+      close_open(std::nullopt);
       return;
     }
     const StageContext context = stage_context(nullptr);
@@ -839,42 +830,44 @@ class Rebalancer::Impl {
       try {
         stage_layer(context, map_, plan.moved_layers[k], plan.migrations[k]);
       } catch (...) {
-        local_ptr = std::current_exception();
-        local_error = describe(local_ptr);
+        local = Failure::current();
       }
-      if (!agree_sync(local_ptr ? -1 - rank_ : 1, local_error, local_ptr)) return;
+      if (!agree_sync(local)) return;
       install(plan, static_cast<int64_t>(k));
     }
     open_->outcome = Outcome::kCompleted;
-    close_open(nullptr);
+    close_open(std::nullopt);
   }
 
-  // One agreement of sync mode; false (and the record failed) unless every rank succeeded.
-  bool agree_sync(int64_t mine, const std::string& local_error, std::exception_ptr local_ptr) {
+  // One agreement of sync mode, on whether this rank failed (`local`); false (and the record
+  // failed) unless every rank succeeded.
+  bool agree_sync(const std::optional<Failure>& local) {
+    const int64_t mine = local ? -1 - rank_ : 1;
     int64_t agreed = 0;
     try {
       agreed = await(control_->all_reduce({mine}, control::ReduceOp::kMin, config_.timeout)).at(0);
     } catch (...) {
       control_broken_.store(true, std::memory_order_release);
-      fail_open(detail::concat("an agreement failed: ", describe(std::current_exception())),
-                std::current_exception());
+      Failure failure = Failure::current();
+      fail_open(detail::concat("an agreement failed: ", failure.message), std::move(failure));
       return false;
     }
     if (agreed >= 0) return true;
-    if (mine < 0) {
-      fail_open(detail::concat("rank ", rank_, ": ", local_error), local_ptr);
+    if (local) {
+      fail_open(detail::concat("rank ", rank_, ": ", local->message), local);
     } else {
-      fail_open(detail::concat("rank ", -1 - agreed, " failed (its log has the error)"), nullptr);
+      fail_open(detail::concat("rank ", -1 - agreed, " failed (its log has the error)"),
+                std::nullopt);
     }
     return false;
   }
 
-  std::vector<int64_t> await(std::future<std::vector<int64_t>> future) {
+  std::vector<int64_t> await(std::future<CollectiveResult> future) {
     if (future.wait_for(result_bound()) != std::future_status::ready) {
       fail<Timeout>("runtime: a collective gave no result within ", result_bound().count(),
                     " ms");
     }
-    return future.get();
+    return future.get().take();
   }
 
   // Immutable after construction / connect().
@@ -904,7 +897,7 @@ class Rebalancer::Impl {
   std::optional<RebalanceRecord> open_;  // the running rebalance's record
   bool open_finished_ = false;           // it ended at this step: publish at the end of it
   Clock::time_point open_started_;
-  std::exception_ptr raise_;
+  std::optional<Failure> raise_;
   std::atomic<bool> control_broken_{false};
   std::atomic<int64_t> published_step_{0};          // step_, for agreement_result's check
   std::atomic<int64_t> contribution_{kNoAgreement};  // agreement_contribution()

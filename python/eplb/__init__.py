@@ -65,6 +65,13 @@ balancedness: float64 [layers], mean rank load / per_layer, the best reachable b
 balancedness_mean: float, the mean of balancedness
 """
 
+# The largest deployment the library takes (eplb/core/types.h): experts and physical slots per
+# layer, ranks, layers. Inputs past them are refused before anything is sized.
+MAX_EXPERTS = _eplb.MAX_EXPERTS
+MAX_PHYSICAL = _eplb.MAX_PHYSICAL
+MAX_RANKS = _eplb.MAX_RANKS
+MAX_LAYERS = _eplb.MAX_LAYERS
+
 NO_AGREEMENT = _eplb.NO_AGREEMENT
 control_backends = _eplb.control_backends
 transport_backends = _eplb.transport_backends
@@ -91,14 +98,23 @@ def _as_load(weight, name="weight"):
     """A C-contiguous float64 [layers, experts] copy or view of `weight`."""
     if _is_torch(weight):
         import torch
+        if weight.is_complex():
+            raise InvalidArgument(f"{name} must be a numeric [layers, experts] array of real "
+                                  f"numbers, got dtype {weight.dtype}")
         # float64 holds every float32/float16/bfloat16/integer load exactly; the C++ side rounds
         # to float32 where the reference does.
         w = weight.detach().to(device="cpu", dtype=torch.float64).contiguous().numpy()
     else:
         try:
-            w = np.ascontiguousarray(weight, dtype=np.float64)
+            a = np.asarray(weight)
         except (TypeError, ValueError) as e:
             raise InvalidArgument(f"{name} must be a numeric [layers, experts] array: {e}") from e
+        # Real numbers only: a complex load would lose its imaginary part (with a warning),
+        # strings and objects are no loads.
+        if a.dtype.kind not in "biuf" and not (a.dtype.kind == "O" and a.size == 0):
+            raise InvalidArgument(f"{name} must be a numeric [layers, experts] array of real "
+                                  f"numbers (integers or floats), got dtype {a.dtype}")
+        w = np.ascontiguousarray(a, dtype=np.float64)
     if w.ndim != 2:
         raise InvalidArgument(
             f"{name} must be a 2-D [layers, experts] array, got shape {tuple(w.shape)}")
@@ -120,11 +136,19 @@ def _as_phy2log(phy2log, name):
     return np.ascontiguousarray(a, dtype=np.int64)
 
 
-def _as_int(value, name):
+_INT64_MIN, _INT64_MAX = -2**63, 2**63 - 1
+
+
+def _as_int(value, name, lo=_INT64_MIN, hi=_INT64_MAX):
+    """An integer in [lo, hi] (within int64 always, as the C++ library takes it)."""
     try:
-        return operator.index(value)
+        v = operator.index(value)
     except TypeError:
         raise TypeError(f"{name} must be an integer, got {value!r}") from None
+    if not max(lo, _INT64_MIN) <= v <= min(hi, _INT64_MAX):
+        raise InvalidArgument(f"{name} {v} is outside [{max(lo, _INT64_MIN)}, "
+                              f"{min(hi, _INT64_MAX)}]")
+    return v
 
 
 def rebalance_experts(weight, num_replicas, num_groups, num_nodes, num_gpus, *,
@@ -159,10 +183,10 @@ def rebalance_experts(weight, num_replicas, num_groups, num_nodes, num_gpus, *,
     """
     torch_in = _is_torch(weight)
     w = _as_load(weight)
-    physical = _as_int(num_replicas, "num_replicas")
-    groups = _as_int(num_groups, "num_groups")
-    nodes = _as_int(num_nodes, "num_nodes")
-    ranks = _as_int(num_gpus, "num_gpus")
+    physical = _as_int(num_replicas, "num_replicas", 1, MAX_PHYSICAL)
+    groups = _as_int(num_groups, "num_groups", 1, MAX_EXPERTS)
+    nodes = _as_int(num_nodes, "num_nodes", 1, MAX_RANKS)
+    ranks = _as_int(num_gpus, "num_gpus", 1, MAX_RANKS)
     if not isinstance(policy, str):
         raise TypeError(f"policy must be a string, got {policy!r}")
     prev = None if previous is None else _as_phy2log(previous, "previous")
@@ -192,7 +216,7 @@ def balancedness(weight, phy2log, num_gpus):
     """
     w = _as_load(weight)
     p = _as_phy2log(phy2log, "phy2log")
-    m = _eplb.evaluate(w, p, _as_int(num_gpus, "num_gpus"))
+    m = _eplb.evaluate(w, p, _as_int(num_gpus, "num_gpus", 1, MAX_RANKS))
     return Balancedness(m["balancedness"], m["balancedness_mean"], m["balancedness_step"])
 
 
@@ -209,8 +233,8 @@ def lower_bound(weight, num_replicas, num_gpus):
     [layers], balancedness_mean float). An all-zero layer has bound 0 and balancedness 1.
     """
     w = _as_load(weight)
-    ranks = _as_int(num_gpus, "num_gpus")
-    bound = _eplb.lower_bound(w, _as_int(num_replicas, "num_replicas"), ranks)
+    ranks = _as_int(num_gpus, "num_gpus", 1, MAX_RANKS)
+    bound = _eplb.lower_bound(w, _as_int(num_replicas, "num_replicas", 1, MAX_PHYSICAL), ranks)
     mean = w.sum(axis=1) / ranks
     with np.errstate(divide="ignore", invalid="ignore"):
         best = np.where(bound > 0, mean / np.where(bound > 0, bound, 1.0), 1.0)

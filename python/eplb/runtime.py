@@ -48,6 +48,7 @@ import uuid
 import numpy as np
 
 from . import _eplb
+from . import _as_int, MAX_LAYERS, MAX_RANKS
 
 InvalidArgument = _eplb.InvalidArgument
 
@@ -78,7 +79,7 @@ def _parse_tensor(name, spec):
     if not isinstance(name, str) or not name:
         raise InvalidArgument(f"weights: tensor names must be non-empty strings, got {name!r}")
     if isinstance(spec, (int, np.integer)) and not isinstance(spec, bool):
-        return name, int(spec), None, None
+        return name, _as_int(spec, f"weights: tensor '{name}' expert_bytes", 1), None, None
     try:
         shape, dtype = spec
         shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(
@@ -91,7 +92,11 @@ def _parse_tensor(name, spec):
     if any(s < 1 for s in shape):
         raise InvalidArgument(f"weights: tensor '{name}' has shape {shape}; every dimension "
                               "must be at least 1")
-    return name, math.prod(shape) * size, shape, dtype
+    nbytes = math.prod(shape) * size
+    if nbytes > 2**63 - 1:
+        raise InvalidArgument(f"weights: tensor '{name}' of shape {shape} holds {nbytes} bytes "
+                              "per expert, more than a 64-bit count")
+    return name, nbytes, shape, dtype
 
 
 class Rebalancer:
@@ -136,8 +141,8 @@ class Rebalancer:
                  transport="shm", weights, layers=None, initial=None, group="eplb"):
         if not isinstance(config, dict):
             raise TypeError(f"config must be a dict, got {type(config).__name__}")
-        rank = operator.index(rank)
-        world_size = operator.index(world_size)
+        world_size = _as_int(world_size, "world_size", 1, MAX_RANKS)
+        rank = _as_int(rank, "rank", 0, world_size - 1)
         items = weights.items() if isinstance(weights, dict) else weights
         try:
             items = list(items)
@@ -175,7 +180,7 @@ class Rebalancer:
         if layers is None:
             raise InvalidArgument("layers is required (the number of MoE layers) unless "
                                   "initial is a phy2log array")
-        layers = operator.index(layers)
+        layers = _as_int(layers, "layers", 1, MAX_LAYERS)
         if rendezvous is None:
             if world_size != 1:
                 raise InvalidArgument(
@@ -266,7 +271,8 @@ class Rebalancer:
         weighted dispatch hash it). Slot p lives on rank p // slots_per_rank. Returns int32
         numpy, or an int64 torch tensor for a torch input (torch indexes with int64)."""
         torch_in = _is_torch_tensor(topk_ids)
-        slots = self._rt.route(layer, _ids(topk_ids, "topk_ids"), operator.index(first_token))
+        slots = self._rt.route(layer, _ids(topk_ids, "topk_ids"),
+                               _as_int(first_token, "first_token"))
         if torch_in:
             return _torch().from_numpy(slots.astype(np.int64))
         return slots
@@ -339,7 +345,7 @@ class Rebalancer:
         """The minimum over all ranks of their agreement_contribution() at `step`; it must come
         before the step_end() that makes ``self.step == step + lag`` (that call waits for it at
         most timeout_ms, then fails the rebalance and stops rebalancing). Any thread."""
-        self._rt.agreement_result(operator.index(step), operator.index(min_value))
+        self._rt.agreement_result(_as_int(step, "step"), _as_int(min_value, "min_value"))
 
     # ------------------------------------------------------------------ observability
     def history(self):

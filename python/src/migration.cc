@@ -16,6 +16,10 @@ namespace {
 Placement to_any_placement(const IndexArray& phy2log, const std::string& what) {
   const int64_t* data = phy2log.data();
   const int64_t most = phy2log.size() > 0 ? *std::max_element(data, data + phy2log.size()) : 0;
+  if (most >= kMaxExperts) {
+    fail(what, " holds expert ", most, ", outside [0, ", kMaxExperts,
+         ") (eplb supports at most ", kMaxExperts, " experts per layer)");
+  }
   return to_placement(phy2log, std::max<int64_t>(most + 1, 1), what, false);
 }
 

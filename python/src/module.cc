@@ -80,6 +80,14 @@ Placement to_placement(const IndexArray& phy2log, int64_t experts, const std::st
   }
   const int64_t layers = phy2log.shape(0);
   const int64_t physical = phy2log.shape(1);
+  // Checked before anything is sized by them.
+  if (experts < 1 || experts > kMaxExperts) {
+    fail(what, ": ", experts, " experts per layer is outside [1, ", kMaxExperts, "]");
+  }
+  if (layers > kMaxLayers || physical > kMaxPhysical) {
+    fail(what, " has shape [", layers, ", ", physical, "]; eplb supports at most ", kMaxLayers,
+         " layers and ", kMaxPhysical, " physical slots per layer");
+  }
   Placement out(layers, experts, physical);
   const int64_t* data = phy2log.data();
   for (int64_t i = 0; i < layers * physical; ++i) {

@@ -37,14 +37,29 @@ int64_t int_of(const py::handle& value, const std::string& key) {
   if (PyBool_Check(value.ptr()) || !PyIndex_Check(value.ptr())) {
     fail("config['", key, "'] must be an integer, got ", py::str(py::repr(value)).cast<std::string>());
   }
-  return value.cast<int64_t>();
+  const auto index = py::reinterpret_steal<py::object>(PyNumber_Index(value.ptr()));
+  if (!index) throw py::error_already_set();
+  int overflow = 0;
+  const long long v = PyLong_AsLongLongAndOverflow(index.ptr(), &overflow);
+  if (overflow != 0) {
+    fail("config['", key, "'] is ", py::str(index).cast<std::string>(),
+         ", outside the 64-bit integer range");
+  }
+  if (v == -1 && PyErr_Occurred()) throw py::error_already_set();
+  return v;
 }
 
 double float_of(const py::handle& value, const std::string& key) {
   if (PyBool_Check(value.ptr()) || !(PyFloat_Check(value.ptr()) || PyIndex_Check(value.ptr()))) {
     fail("config['", key, "'] must be a number, got ", py::str(py::repr(value)).cast<std::string>());
   }
-  return value.cast<double>();
+  const double v = PyFloat_AsDouble(value.ptr());  // an int too large for a double: an error
+  if (v == -1.0 && PyErr_Occurred()) {
+    PyErr_Clear();
+    fail("config['", key, "'] is ", py::str(py::repr(value)).cast<std::string>(),
+         ", too large for a floating-point number");
+  }
+  return v;
 }
 
 std::string string_of(const py::handle& value, const std::string& key) {
@@ -338,6 +353,10 @@ py::array_t<int32_t> route(Runtime& r, int64_t layer, const IdArray& experts,
 
 void bind_runtime(py::module_& m) {
   m.attr("NO_AGREEMENT") = runtime::kNoAgreement;
+  m.attr("MAX_EXPERTS") = kMaxExperts;
+  m.attr("MAX_PHYSICAL") = kMaxPhysical;
+  m.attr("MAX_RANKS") = kMaxRanks;
+  m.attr("MAX_LAYERS") = kMaxLayers;
   m.def("control_backends", &control::backend_names,
         "Names of the control-plane backends this build has.");
   m.def("transport_backends", &transport::backend_names,

@@ -165,12 +165,14 @@ std::string_view outcome_name(Outcome outcome) {
 
 int64_t WeightSpec::expert_bytes() const {
   int64_t sum = 0;
-  for (const TensorSpec& t : tensors) sum += t.expert_bytes;
+  for (const TensorSpec& t : tensors) sum = checked_add(sum, t.expert_bytes, "weight spec bytes");
   return sum;
 }
 
 void WeightSpec::validate() const {
-  if (layers < 1) fail("weight spec: layers ", layers, " must be at least 1");
+  if (layers < 1 || layers > kMaxLayers) {
+    fail("weight spec: layers ", layers, " is outside [1, ", kMaxLayers, "]");
+  }
   if (tensors.empty()) fail("weight spec: at least one tensor per layer is needed");
   for (const TensorSpec& t : tensors) {
     if (t.expert_bytes < 1) {
@@ -178,14 +180,37 @@ void WeightSpec::validate() const {
            " (must be at least 1)");
     }
   }
+  (void)expert_bytes();  // their sum fits an int64 (InvalidArgument otherwise)
 }
 
 void Config::validate() const {
   layout.validate();
   if (interval < 1) fail("interval ", interval, " must be at least 1 step");
   if (window < 1) fail("window ", window, " must be at least 1 step");
-  if (lag < 1) fail("lag ", lag, " must be at least 1 step (an agreement acts after it runs)");
-  if (timeout.count() < 1) fail("timeout ", timeout.count(), " ms must be at least 1 ms");
+  if (lag < 1 || lag > kMaxLag) {
+    fail("lag ", lag, " is outside [1, ", kMaxLag,
+         "] steps (an agreement acts after it runs, and every rank keeps the agreements of the "
+         "last lag steps)");
+  }
+  if (timeout.count() < 1 || timeout > kMaxTimeout) {
+    fail("timeout ", timeout.count(), " ms is outside [1, ", kMaxTimeout.count(),
+         "] ms (one day: a peer that answers in no less is gone)");
+  }
+  // What balanced and sticky placements need of the layout, checked here rather than at the
+  // first rebalance (deepseek's packing allows two replicas of an expert on one rank).
+  if (policy != placement::Policy::kDeepseek) {
+    if (hierarchical && layout.groups % layout.nodes != 0) {
+      fail("hierarchical placement needs groups ", layout.groups, " to be a multiple of nodes ",
+           layout.nodes, " (whole groups are packed onto nodes)");
+    }
+    const int64_t experts = hierarchical ? layout.experts / layout.nodes : layout.experts;
+    if (layout.slots_per_rank() > experts) {
+      fail("each rank holds ", layout.slots_per_rank(), " slots (", layout.describe(),
+           ") but only ", experts, hierarchical ? " experts live on each node" : " experts exist",
+           ", so a rank would hold two replicas of one expert (need physical / ranks <= ",
+           experts, " with the ", placement::policy_name(policy), " policy)");
+    }
+  }
   if (peers_per_round < 1) fail("peers_per_round ", peers_per_round, " must be at least 1");
   if (!(tolerance >= 0 && tolerance < 1)) fail("tolerance ", tolerance, " must be in [0, 1)");
   if (!(min_gain >= -1 && min_gain <= 1)) fail("min_gain ", min_gain, " must be in [-1, 1]");
@@ -220,6 +245,10 @@ class Rebalancer::Impl {
            layout.experts, " x ", layout.physical, " (weight spec layers, layout)");
     }
     initial.validate();
+    // The arena: layers + 1 buffers of every tensor's slots on this rank.
+    const int64_t layer_bytes = checked_mul(spec_.expert_bytes(), layout.slots_per_rank(),
+                                            "the bytes of one layer on a rank");
+    checked_mul(layer_bytes, layers_ + 1, "the bytes of a rank's weights and staging");
     arena_ = ArenaLayout(spec_, layout.slots_per_rank());
     phy2log_ = initial.phy2log;
     tables_.reserve(static_cast<size_t>(layers_));

@@ -124,3 +124,17 @@ def test_bad_input_raises_value_error(args, match):
 def test_bad_peers_per_round():
     with pytest.raises(ValueError, match="peers per round 0"):
         eplb.plan_migration([[0, 1, 2, 3]], [[1, 0, 2, 3]], 2, 1, 8, peers_per_round=0)
+
+
+def test_huge_values_raise_value_error():
+    old = np.array([[0, 1, 2, 3]])
+    with pytest.raises(ValueError,
+                       match=r"new_phy2log holds expert 1099511627776, outside \[0, 65536\)"):
+        eplb.plan_migration(old, np.array([[0, 1, 2, 2**40]]), 2, 1, 8)
+    with pytest.raises(ValueError, match="does not fit a 64-bit byte count"):
+        eplb.plan_migration(old, old[:, ::-1], 2, 1, 2**63 - 1)
+    with pytest.raises(ValueError, match="expert_bytes 9223372036854775808 is outside"):
+        eplb.plan_migration(old, old, 2, 1, 2**63)
+    # The largest that fits still plans, with exact byte counts.
+    most = (2**63 - 1) // 4
+    assert eplb.plan_migration(old, old[:, ::-1], 2, 1, most)["totals"]["bytes_total"] == 4 * most

@@ -182,7 +182,7 @@ def test_bad_weight_raises_value_error(weight, match):
     ((16, 8, 2, 8), "groups 8 does not divide experts 12"),
     ((8, 4, 2, 8), "physical 8 is below experts 12"),
     ((16, 4, 0, 8), "nodes 0"),
-    ((16, 4, 2, 0), "ranks 0"),
+    ((16, 4, 2, 0), "num_gpus 0 is outside"),
 ])
 def test_bad_layout_raises_value_error(args, match):
     with pytest.raises(ValueError, match=match):
@@ -307,3 +307,27 @@ def test_torch_previous_and_bad_input():
         eplb.rebalance_experts(w[0], 16, 4, 2, 8)
     with pytest.raises(ValueError, match="nan"):
         eplb.rebalance_experts(torch.full((2, 12), float("nan")), 16, 4, 2, 8)
+
+
+# --- bounds: checked before anything is sized, as ValueError naming the argument ------------
+
+@pytest.mark.parametrize("args, match", [
+    ((np.ones((2, 4), dtype=np.complex128), 4, 1, 1, 2), "weight must be a numeric .* complex128"),
+    ((np.ones((2, 4)), 2**40, 1, 1, 2**20),
+     r"num_replicas 1099511627776 is outside \[1, 1048576\]"),
+    ((np.ones((2, 4)), 2**63, 1, 1, 2), r"num_replicas 9223372036854775808 is outside"),
+    ((np.ones((2, 4)), 4, 1, 1, 2**20), r"num_gpus 1048576 is outside \[1, 65536\]"),
+    ((np.ones((2, 4)), 4, 1, -2**70, 2), r"num_nodes -1180591620717411303424 is outside"),
+])
+def test_huge_or_complex_inputs_raise_value_error(args, match):
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no ComplexWarning on the way
+        with pytest.raises(ValueError, match=match):
+            eplb.rebalance_experts(*args)
+
+
+def test_complex_torch_loads_raise_value_error():
+    torch = pytest.importorskip("torch")
+    with pytest.raises(ValueError, match="complex"):
+        eplb.rebalance_experts(torch.ones((2, 4), dtype=torch.complex64), 4, 1, 1, 2)

@@ -67,11 +67,17 @@ def config(**extra):
     return c
 
 
+def one_config(**extra):
+    """A config for one rank: its 12 slots hold some of the 8 experts twice, which deepseek's
+    packing does and balanced and sticky never do."""
+    return config(**{"policy": "deepseek", **extra})
+
+
 # ------------------------------------------------------------------------------ one rank
 def make_single(**kw):
     args = dict(control="inproc", transport="inproc", weights=WEIGHTS, layers=LAYERS)
     args.update(kw)
-    return eplb.Rebalancer(config(), 0, 1, **args)
+    return eplb.Rebalancer(one_config(), 0, 1, **args)
 
 
 def test_single_rank_api(tmp_path):
@@ -79,7 +85,7 @@ def test_single_rank_api(tmp_path):
         assert rb.rank == 0 and rb.world_size == 1 and rb.layers == LAYERS
         assert rb.slots_per_rank == PHYSICAL
         assert rb.tensors == ["w13", "w2"]
-        assert rb.config["policy"] == "sticky" and rb.config["ranks"] == 1
+        assert rb.config["policy"] == "deepseek" and rb.config["ranks"] == 1
         held = rb.connect()
         assert held == (LAYERS + 1) * PHYSICAL * (24 + 10)
         assert rb.bytes_held == held
@@ -129,26 +135,57 @@ def test_single_rank_api(tmp_path):
     assert w.shape == (PHYSICAL, 2, 3)
 
 
+def test_impossible_layout_is_refused_at_construction():
+    # One rank of 12 slots cannot hold 8 experts without two replicas of one on the rank, which
+    # balanced and sticky never place: refused when the Rebalancer is made, not at its first
+    # rebalance. deepseek's packing allows it.
+    for policy in ("sticky", "balanced"):
+        with pytest.raises(eplb.InvalidArgument, match="two replicas of one expert"):
+            eplb.Rebalancer(config(policy=policy), 0, 1, control="inproc", transport="inproc",
+                            weights=WEIGHTS, layers=LAYERS)
+    eplb.Rebalancer(one_config(), 0, 1, control="inproc", transport="inproc",
+                    weights=WEIGHTS, layers=LAYERS).shutdown()
+
+
 def test_failed_rebalance_raises():
-    # One rank of 12 slots cannot place 8 experts without two replicas on a rank: the
-    # rebalance fails (on the worker), is abandoned, and on_error="raise" raises it.
-    c = config(mode="sync", interval=3, window=3, on_error="raise")
-    with eplb.Rebalancer(c, 0, 1, control="inproc", transport="inproc", weights=WEIGHTS,
-                         layers=LAYERS) as rb:
-        rb.connect()
-        rb.fill_weights(expert_value)
-        for step in range(1, 4):
-            rb.record_counts(0, skewed_counts(0, step, 0))
-            if step < 3:
-                rb.step_end()
-        with pytest.raises(eplb.Error, match="two replicas of one expert"):
-            rb.step_end()
-        history = rb.history()
-        assert [h["outcome"] for h in history] == ["failed"]
-        assert "physical / ranks" in history[0]["error"]
-        check_weights(rb)
-        rb.step_end()  # serving goes on
-        assert rb.step == 4
+    # Two ranks; rank 1 stops calling step_end before the first rebalance ends: rank 0's
+    # agreement times out, the rebalance is abandoned, and on_error="raise" raises it from
+    # step_end; serving goes on with every layer as it was.
+    c = config(mode="sync", interval=3, window=3, on_error="raise", timeout_ms=300)
+    rendezvous = unique("rt-raise")
+    raised, done = [], threading.Event()
+
+    def rank_body(rank):
+        with eplb.Rebalancer(c, rank, 2, control="inproc", transport="inproc",
+                             rendezvous=rendezvous, weights=WEIGHTS, layers=LAYERS) as rb:
+            rb.connect()
+            rb.fill_weights(expert_value)
+            for step in range(1, 5):
+                if rank == 1 and step == 3:
+                    done.wait(10)  # gone quiet: never contributes to the rebalance
+                    return
+                for layer in range(LAYERS):
+                    rb.record_counts(layer, skewed_counts(rank, step, layer))
+                try:
+                    rb.step_end()
+                except eplb.Error as e:
+                    raised.append((step, e, rb.history()))
+                    check_weights(rb)
+                    rb.step_end()  # serving goes on
+                    done.set()
+                    return
+            done.set()
+
+    threads = [threading.Thread(target=rank_body, args=(g,)) for g in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(raised) == 1, raised
+    step, error, history = raised[0]
+    assert step == 3
+    assert isinstance(error, (eplb.Timeout, eplb.IoError)), repr(error)
+    assert [h["outcome"] for h in history] == ["failed"]
 
 
 def test_initial_placement_forms(tmp_path):
@@ -176,7 +213,7 @@ def test_initial_placement_forms(tmp_path):
 ])
 def test_config_errors(changes, message):
     with pytest.raises(ValueError, match=message):
-        eplb.Rebalancer(config(**changes), 0, 1, control="inproc", transport="inproc",
+        eplb.Rebalancer(one_config(**changes), 0, 1, control="inproc", transport="inproc",
                         weights=WEIGHTS, layers=LAYERS)
 
 
@@ -189,21 +226,21 @@ def test_argument_errors():
     with pytest.raises(ValueError, match="rendezvous is required"):
         eplb.Rebalancer(config(), 0, 2, **ok)
     with pytest.raises(ValueError, match="layers is required"):
-        eplb.Rebalancer(config(), 0, 1, control="inproc", transport="inproc", weights=WEIGHTS)
+        eplb.Rebalancer(one_config(), 0, 1, control="inproc", transport="inproc", weights=WEIGHTS)
     with pytest.raises(ValueError, match="expert_bytes 0"):
-        eplb.Rebalancer(config(), 0, 1, control="inproc", transport="inproc",
+        eplb.Rebalancer(one_config(), 0, 1, control="inproc", transport="inproc",
                         weights={"w": 0}, layers=1)
     with pytest.raises(ValueError, match="must be given as expert_bytes"):
-        eplb.Rebalancer(config(), 0, 1, control="inproc", transport="inproc",
+        eplb.Rebalancer(one_config(), 0, 1, control="inproc", transport="inproc",
                         weights={"w": "big"}, layers=1)
     with pytest.raises(ValueError, match="unknown|inproc"):
-        eplb.Rebalancer(config(), 0, 1, control="carrier-pigeon", transport="inproc",
+        eplb.Rebalancer(one_config(), 0, 1, control="carrier-pigeon", transport="inproc",
                         weights=WEIGHTS, layers=LAYERS)
     with pytest.raises(ValueError, match="teleport|inproc"):
-        eplb.Rebalancer(config(), 0, 1, control="inproc", transport="teleport",
+        eplb.Rebalancer(one_config(), 0, 1, control="inproc", transport="teleport",
                         weights=WEIGHTS, layers=LAYERS)
     with pytest.raises(ValueError, match="expert 9"):
-        eplb.Rebalancer(config(), 0, 1, initial=np.full((LAYERS, PHYSICAL), 9), **ok)
+        eplb.Rebalancer(one_config(), 0, 1, initial=np.full((LAYERS, PHYSICAL), 9), **ok)
 
 
 def test_agreement_api():
@@ -215,9 +252,9 @@ def test_agreement_api():
         with pytest.raises(ValueError, match="internal"):
             rb.agreement_result(1, 0)
     with pytest.raises(ValueError, match="sync"):
-        eplb.Rebalancer(config(mode="sync", agreement="external"), 0, 1, control="inproc",
+        eplb.Rebalancer(one_config(mode="sync", agreement="external"), 0, 1, control="inproc",
                         transport="inproc", weights=WEIGHTS, layers=LAYERS)
-    with eplb.Rebalancer(config(agreement="external"), 0, 1, control="inproc",
+    with eplb.Rebalancer(one_config(agreement="external"), 0, 1, control="inproc",
                          transport="inproc", weights=WEIGHTS, layers=LAYERS) as rb:
         rb.connect()
         rb.step_end()
@@ -415,3 +452,32 @@ def test_torch_moe_example(tmp_path):
         env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "outputs match the reference" in run.stdout, run.stdout + run.stderr
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"interval": 2**70}, r"config\['interval'\] is 1180591620717411303424, outside the 64-bit"),
+    ({"window": -2**64}, r"config\['window'\] is -18446744073709551616, outside the 64-bit"),
+    ({"lag": 2**31}, r"lag 2147483648 is outside \[1, 1024\]"),
+    ({"timeout_ms": 2**62}, r"timeout 4611686018427387904 ms is outside"),
+    ({"tolerance": 10**400}, r"config\['tolerance'\] .* too large for a floating-point number"),
+])
+def test_config_bounds(changes, message):
+    with pytest.raises(ValueError, match=message):
+        eplb.Rebalancer(one_config(**changes), 0, 1, control="inproc", transport="inproc",
+                        weights=WEIGHTS, layers=LAYERS)
+
+
+def test_argument_bounds():
+    ok = dict(control="inproc", transport="inproc")
+    with pytest.raises(ValueError, match=r"layers 1180591620717411303424 is outside \[1, 65536\]"):
+        eplb.Rebalancer(one_config(), 0, 1, weights=WEIGHTS, layers=2**70, **ok)
+    with pytest.raises(ValueError, match=r"world_size 1180591620717411303424 is outside"):
+        eplb.Rebalancer(one_config(), 0, 2**70, rendezvous="x", weights=WEIGHTS, layers=1, **ok)
+    with pytest.raises(ValueError, match="expert_bytes 1180591620717411303424 is outside"):
+        eplb.Rebalancer(one_config(), 0, 1, weights={"w": 2**70}, layers=1, **ok)
+    with pytest.raises(ValueError, match="more than a 64-bit count"):
+        eplb.Rebalancer(one_config(), 0, 1, weights={"w": ((2**40, 2**40), "float32")},
+                        layers=1, **ok)
+    # Bytes that fit an int64 but not the arena's arithmetic.
+    with pytest.raises(ValueError, match="does not fit a 64-bit count"):
+        eplb.Rebalancer(one_config(), 0, 1, weights={"w": 2**60}, layers=LAYERS, **ok)

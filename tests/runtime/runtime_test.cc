@@ -18,6 +18,7 @@
 #include "eplb/core/error.h"
 #include "eplb/stats/load_file.h"
 #include "eplb/stats/placement_file.h"
+#include "eplb/stats/recorder.h"
 #include "eplb/transport/registry.h"
 #include "eplb/transport/transport.h"
 #include "runtime/harness.h"
@@ -667,6 +668,44 @@ TEST(RuntimeConfig, ConnectRefusesRanksThatDifferInPlanOptions) {
     }
   }
   for (const std::string& e : differ([](Config&) {})) EXPECT_EQ(e, "");
+}
+
+// What the runtime could only fail on later (a rank of more slots than experts must hold two
+// replicas of one, a lag or timeout that sizes buffers or overflows a deadline) is refused at
+// construction, with the rule.
+TEST(RuntimeConfig, RefusesWhatCouldOnlyFailLater) {
+  const auto message = [](const std::function<void(Config&)>& change) {
+    Config c = one_rank_config();
+    change(c);
+    try {
+      c.validate();
+    } catch (const InvalidArgument& e) {
+      return std::string(e.what());
+    }
+    return std::string("accepted");
+  };
+  EXPECT_EQ(message([](Config& c) {
+              c.layout = Layout{.experts = 8, .physical = 12, .ranks = 1, .nodes = 1, .groups = 1};
+            }),
+            "each rank holds 12 slots (E=8 P=12 G=1 N=1 groups=1) but only 8 experts exist, so a "
+            "rank would hold two replicas of one expert (need physical / ranks <= 8 with the "
+            "sticky policy)");
+  EXPECT_EQ(message([](Config& c) {
+              c.layout = Layout{.experts = 8, .physical = 12, .ranks = 1, .nodes = 1, .groups = 1};
+              c.policy = placement::Policy::kDeepseek;  // packs two replicas on a rank
+            }),
+            "accepted");
+  EXPECT_NE(message([](Config& c) { c.lag = 2147483647; })
+                .find("lag 2147483647 is outside [1, 1024]"),
+            std::string::npos);
+  EXPECT_NE(message([](Config& c) { c.timeout = std::chrono::milliseconds::max(); })
+                .find("is outside [1, 86400000] ms"),
+            std::string::npos);
+  EXPECT_EQ(message([](Config&) {}), "accepted");
+  // A window is checked against the memory it needs when the recorder is made.
+  EXPECT_THROW(stats::LoadRecorder(58, 256, int64_t{1} << 40), InvalidArgument);
+  EXPECT_THROW(stats::LoadRecorder::bytes_for(kMaxLayers, kMaxExperts, int64_t{1} << 62),
+               InvalidArgument);
 }
 
 // The external agreement on one rank, by hand: the contribution is kNoAgreement while no

@@ -165,6 +165,10 @@ struct WeightSpec {
   void validate() const;         // InvalidArgument naming the bad value
 };
 
+// The largest lag and timeout Config takes.
+inline constexpr int64_t kMaxLag = 1024;
+inline constexpr std::chrono::milliseconds kMaxTimeout{24LL * 3600 * 1000};
+
 struct Config {
   Layout layout;               // experts, physical, ranks (= communicator size), nodes, groups
   int64_t interval = 100;      // a rebalance is triggered at steps that are multiples of this
@@ -173,7 +177,7 @@ struct Config {
   bool hierarchical = false;   // pack groups to nodes first
   double tolerance = 0.01;     // sticky: accepted balancedness loss against balanced
   double min_gain = 0;         // skip when predicted balancedness gain is smaller than this
-  int64_t lag = 2;             // agreement of step s is acted on at step s + lag (>= 1)
+  int64_t lag = 2;             // agreement of step s is acted on at step s + lag, in [1, kMaxLag]
   std::chrono::milliseconds timeout{30'000};  // every collective and every batch of reads
   Mode mode = Mode::kAsync;
   Agreement agreement = Agreement::kInternal;  // kExternal needs mode kAsync

@@ -17,6 +17,7 @@
 #include <cstring>
 #include <filesystem>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -115,15 +116,10 @@ Figures run_threads(const Args& args) {
 
 Figures run_forked(const Args& args) {
   std::string rendezvous = fmt::format("bench-control-{}", getpid());
-  std::string folder;
+  std::optional<control::ScratchFolder> folder;
   if (args.backend == "gloo") {
-    const char* tmp = std::getenv("TMPDIR");
-    folder = std::string(tmp && *tmp ? tmp : "/tmp") + "/eplb-bench-control-XXXXXX";
-    if (mkdtemp(folder.data()) == nullptr) {
-      fail<IoError>("cannot create a rendezvous folder from ", folder, ": ",
-                    std::strerror(errno));
-    }
-    rendezvous = folder;
+    folder.emplace("eplb-bench-control");
+    rendezvous = folder->path();
   }
   int pipe_fds[2];
   if (pipe(pipe_fds) != 0) fail<IoError>("pipe failed: ", std::strerror(errno));
@@ -140,10 +136,6 @@ Figures run_forked(const Args& args) {
   Figures figures;
   const auto got = ::read(pipe_fds[0], &figures, sizeof(figures));
   close(pipe_fds[0]);
-  if (!folder.empty()) {
-    std::error_code ignored;
-    std::filesystem::remove_all(folder, ignored);
-  }
   control::check_all_ok(exits);
   if (got != static_cast<ssize_t>(sizeof(figures))) fail<IoError>("rank 0 reported no figures");
   return figures;
@@ -208,7 +200,10 @@ void run(const Args& args) {
     fail<InvalidArgument>("--backend ", args.backend, " is not built in (this build has: ",
                           known, ")");
   }
-  if (args.ranks < 1) fail<InvalidArgument>("--ranks ", args.ranks, " must be at least 1");
+  if (args.ranks < 1 || args.ranks > control::max_local_ranks()) {
+    fail<InvalidArgument>("--ranks ", args.ranks, " is outside [1, ", control::max_local_ranks(),
+                          "] (ranks this machine takes, as processes or threads)");
+  }
   if (args.iters < 1) fail<InvalidArgument>("--iters ", args.iters, " must be at least 1");
   if (args.backend == "inproc") {
     print(args, run_threads(args));

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -24,6 +25,8 @@
 #include "eplb/control/communicator.h"
 #include "eplb/control/launch.h"
 #include "eplb/core/error.h"
+#include "eplb/core/memory.h"
+#include "eplb/core/types.h"
 #include "eplb/runtime/rebalancer.h"
 #include "eplb/transport/registry.h"
 #include "eplb/transport/transport.h"
@@ -146,9 +149,8 @@ double percentile(std::vector<double> values, double q) {
 }
 
 ModeFigures run_mode(const BenchRuntimeArgs& args, runtime::Mode mode) {
-  const char* tmp = std::getenv("TMPDIR");
-  std::string dir = std::string(tmp && *tmp ? tmp : "/tmp") + "/eplb-bench-runtime-XXXXXX";
-  if (::mkdtemp(dir.data()) == nullptr) fail<IoError>("mkdtemp failed for ", dir);
+  const control::ScratchFolder scratch("eplb-bench-runtime");
+  const std::string& dir = scratch.path();
   const std::string rendezvous =
       fmt::format("eplb-bench-runtime-{}-{}", ::getpid(), runtime::mode_name(mode));
   control::ForkOptions fork_options;
@@ -181,8 +183,6 @@ ModeFigures run_mode(const BenchRuntimeArgs& args, runtime::Mode mode) {
       ++records;
     }
   }
-  std::error_code ignored;
-  std::filesystem::remove_all(dir, ignored);
   figures.p50 = percentile(all_steps, 0.50);
   figures.p99 = percentile(all_steps, 0.99);
   figures.max = all_steps.empty() ? 0 : *std::max_element(all_steps.begin(), all_steps.end());
@@ -195,14 +195,29 @@ ModeFigures run_mode(const BenchRuntimeArgs& args, runtime::Mode mode) {
 }
 
 void run_bench_runtime(BenchRuntimeArgs args) {
-  if (args.ranks < 2) fail("--ranks ", args.ranks, " must be at least 2");
-  if (args.layers < 1) fail("--layers ", args.layers, " must be at least 1");
-  if (args.slots_per_rank < 2) {
-    fail("--slots-per-rank ", args.slots_per_rank, " must be at least 2");
+  if (args.ranks < 2 || args.ranks > control::max_local_ranks()) {
+    fail("--ranks ", args.ranks, " is outside [2, ", control::max_local_ranks(),
+         "] (rank processes this machine takes)");
+  }
+  if (args.layers < 1 || args.layers > kMaxLayers) {
+    fail("--layers ", args.layers, " is outside [1, ", kMaxLayers, "]");
+  }
+  if (args.slots_per_rank < 2 || args.slots_per_rank > kMaxPhysical / args.ranks) {
+    fail("--slots-per-rank ", args.slots_per_rank, " is outside [2, ", kMaxPhysical / args.ranks,
+         "] (at most ", kMaxPhysical, " physical slots per layer)");
   }
   if (args.expert_bytes < 1) fail("--expert-bytes ", args.expert_bytes, " must be at least 1");
+  // Every rank holds its slots of every layer and one staging layer.
+  const int64_t rank_bytes = checked_mul(
+      checked_mul(args.layers + 1, args.slots_per_rank, "--layers x --slots-per-rank"),
+      args.expert_bytes, "the weights of one rank (--layers x --slots-per-rank x --expert-bytes)");
+  check_fits_in_memory(checked_mul(rank_bytes, args.ranks, "the weights of all ranks"),
+                       detail::concat("the weights of ", args.ranks, " ranks"),
+                       "lower --layers, --slots-per-rank or --expert-bytes");
   if (args.steps < 1) fail("--steps ", args.steps, " must be at least 1");
-  if (args.forward_ms < 0) fail("--forward-ms ", args.forward_ms, " must be >= 0");
+  if (!(std::isfinite(args.forward_ms) && args.forward_ms >= 0 && args.forward_ms <= 60'000)) {
+    fail("--forward-ms ", args.forward_ms, " must be a number in [0, 60000] (milliseconds)");
+  }
   if (args.experts == 0) args.experts = args.ranks * (args.slots_per_rank - 1);
   if (args.experts < args.slots_per_rank || args.experts > args.ranks * args.slots_per_rank) {
     fail("--experts ", args.experts, " must be in [--slots-per-rank, --ranks x --slots-per-rank] = [",

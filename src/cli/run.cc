@@ -171,9 +171,8 @@ void plot(const std::string& png, const std::vector<emu::RunResult>& results) {
     fail<NotSupported>("--plot needs gnuplot, which is not on PATH (Debian: apt-get install "
                        "gnuplot-nox)");
   }
-  const char* tmp = std::getenv("TMPDIR");
-  std::string dir = std::string(tmp && *tmp ? tmp : "/tmp") + "/eplb-plot-XXXXXX";
-  if (::mkdtemp(dir.data()) == nullptr) fail<IoError>("mkdtemp failed for ", dir);
+  const control::ScratchFolder scratch("eplb-plot");
+  const std::string& dir = scratch.path();
   std::string marks, balance, stall;
   for (size_t i = 0; i < results.size(); ++i) {
     const emu::RunResult& r = results[i];
@@ -217,8 +216,6 @@ void plot(const std::string& png, const std::vector<emu::RunResult>& results) {
     std::ifstream in(dir + "/err.txt");
     std::getline(in, err, '\0');
   }
-  std::error_code ignored;
-  std::filesystem::remove_all(dir, ignored);
   if (rc != 0) fail<IoError>("gnuplot failed to write ", png, ": ", err);
 }
 

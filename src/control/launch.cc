@@ -1,19 +1,24 @@
 #include "eplb/control/launch.h"
 
 #include <signal.h>
+#include <sys/mman.h>
 #include <sys/prctl.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <filesystem>
 #include <thread>
 
 #include "eplb/config.h"
 #include "eplb/core/error.h"
+#include "eplb/core/memory.h"
 
 namespace eplb::control {
 namespace {
@@ -102,13 +107,35 @@ std::unique_ptr<Communicator> connect_from_env() {
 
 std::string RankExit::describe() const {
   std::string text = detail::concat("rank ", rank, " (pid ", pid, "): ");
+  if (stopped) {
+    // Stopped ranks answer nobody: their peers' collectives time out, and the launcher ends
+    // them once nothing else runs.
+    text += "stopped (SIGSTOP or SIGTSTP) and stopped answering its peers until they timed out; "
+            "then killed by the launcher";
+    return text;
+  }
   if (signal != 0) {
     text += detail::concat("killed by signal ", signal, " (", strsignal(signal), ")");
   } else {
     text += detail::concat("exit code ", exit_code);
   }
   if (killed_by_launcher) text += ", killed by the launcher";
+  if (!error.empty()) text += ": " + error;
   return text;
+}
+
+int max_local_ranks() {
+  long most = kMaxLocalRanks;
+  // A rank process takes some MiB even when its work is small (its stacks, a communicator's
+  // and a transport's buffers): 16 MiB each as a floor.
+  const int64_t available = memory_available();
+  if (available >= 0) most = std::min<long>(most, static_cast<long>(available >> 24));
+  rlimit limit{};
+  if (getrlimit(RLIMIT_NPROC, &limit) == 0 && limit.rlim_cur != RLIM_INFINITY) {
+    // Leave room for the threads of this process and of the ranks themselves.
+    most = std::min<long>(most, static_cast<long>(limit.rlim_cur / 4));
+  }
+  return static_cast<int>(std::max(1L, most));
 }
 
 void check_all_ok(const std::vector<RankExit>& exits) {
@@ -119,9 +146,49 @@ void check_all_ok(const std::vector<RankExit>& exits) {
   if (!failed.empty()) fail<IoError>("ranks failed: ", failed);
 }
 
+ScratchFolder::ScratchFolder(std::string_view prefix) {
+  const char* tmp = env("TMPDIR");
+  const std::filesystem::path root = tmp != nullptr ? tmp : "/tmp";
+  // Step 1: the folders of launchers that died without removing theirs. A folder's name
+  // carries its launcher's pid; one whose pid is alive (its own, or a reused one) stays.
+  const std::string stem = std::string(prefix) + "-";
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator(root, ec)) {
+    const std::string name = entry.path().filename().string();
+    if (name.size() <= stem.size() || name.compare(0, stem.size(), stem) != 0) continue;
+    char* end = nullptr;
+    const long pid = std::strtol(name.c_str() + stem.size(), &end, 10);
+    if (pid <= 0 || end == nullptr || *end != '-' || !entry.is_directory(ec)) continue;
+    if (::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) {
+      std::error_code ignored;
+      std::filesystem::remove_all(entry.path(), ignored);
+    }
+  }
+  // Step 2: this launcher's own.
+  path_ = (root / detail::concat(prefix, "-", getpid(), "-XXXXXX")).string();
+  if (::mkdtemp(path_.data()) == nullptr) {
+    fail<IoError>("cannot create a folder from ", path_, ": ", std::strerror(errno),
+                  " (set TMPDIR to a writable folder)");
+  }
+}
+
+ScratchFolder::~ScratchFolder() {
+  std::error_code ignored;
+  std::filesystem::remove_all(path_, ignored);
+}
+
 namespace {
 
-[[noreturn]] void run_child(int rank, pid_t parent, const std::function<int(int)>& body) {
+// Each child's error message, in memory shared with the launcher (mapped before the forks).
+constexpr size_t kErrorBytes = 2048;
+
+void keep_error(char* slot, const char* message) {
+  std::strncpy(slot, message, kErrorBytes - 1);
+  slot[kErrorBytes - 1] = '\0';
+}
+
+[[noreturn]] void run_child(int rank, pid_t parent, const std::function<int(int)>& body,
+                            char* error_slot) {
   // Die with the launcher, so that no rank outlives it.
   prctl(PR_SET_PDEATHSIG, SIGKILL);
   if (getppid() != parent) _exit(125);
@@ -130,8 +197,10 @@ namespace {
     code = body(rank);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "rank %d: %s\n", rank, e.what());
+    keep_error(error_slot, e.what());
   } catch (...) {
     std::fprintf(stderr, "rank %d: unknown exception\n", rank);
+    keep_error(error_slot, "an exception that is not a std::exception");
   }
   std::fflush(stdout);
   std::fflush(stderr);
@@ -143,7 +212,25 @@ namespace {
 std::vector<RankExit> fork_ranks(int n, const std::function<int(int rank)>& body,
                                  const ForkOptions& options) {
   EPLB_CHECK(n >= 1, "fork_ranks: n ", n, " must be at least 1");
+  if (n > max_local_ranks()) {
+    fail("ranks ", n, " is more rank processes than this machine takes: at most ",
+         max_local_ranks(), " (", kMaxLocalRanks, ", fewer when the memory available gives "
+         "less than 16 MiB each or the process limit, ulimit -u, less than 4 processes each)");
+  }
   std::vector<RankExit> exits(n);
+  const size_t error_bytes = static_cast<size_t>(n) * kErrorBytes;
+  void* shared = mmap(nullptr, error_bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS,
+                      -1, 0);
+  if (shared == MAP_FAILED) {
+    fail<IoError>("fork_ranks: mmap of ", error_bytes, " B for the ranks' errors failed: ",
+                  std::strerror(errno));
+  }
+  auto* errors = static_cast<char*>(shared);  // zero-filled: no error
+  struct Unmap {
+    void* at;
+    size_t bytes;
+    ~Unmap() { munmap(at, bytes); }
+  } unmap{shared, error_bytes};
   std::vector<bool> running(n, false), stopped(n, false);
   // Output buffered so far would otherwise be written once per child too.
   std::fflush(stdout);
@@ -159,6 +246,7 @@ std::vector<RankExit> fork_ranks(int n, const std::function<int(int rank)>& body
       }
       running[r] = false;
       exits[r].killed_by_launcher = true;
+      exits[r].stopped = stopped[r];
       exits[r].signal = WIFSIGNALED(status) ? WTERMSIG(status) : SIGKILL;
       if (WIFEXITED(status)) {
         exits[r].signal = 0;
@@ -170,7 +258,7 @@ std::vector<RankExit> fork_ranks(int n, const std::function<int(int rank)>& body
   for (int r = 0; r < n; ++r) {
     exits[r].rank = r;
     const pid_t pid = fork();
-    if (pid == 0) run_child(r, parent, body);
+    if (pid == 0) run_child(r, parent, body, errors + static_cast<size_t>(r) * kErrorBytes);
     if (pid < 0) {
       const int err = errno;
       kill_running();
@@ -218,6 +306,10 @@ std::vector<RankExit> fork_ranks(int n, const std::function<int(int rank)>& body
     }
     std::this_thread::sleep_for(nap);
     nap = std::min(nap * 2, std::chrono::microseconds(2000));
+  }
+  for (int r = 0; r < n; ++r) {
+    const char* slot = errors + static_cast<size_t>(r) * kErrorBytes;
+    exits[r].error.assign(slot, strnlen(slot, kErrorBytes));
   }
   return exits;
 }

@@ -24,10 +24,13 @@
 #include "eplb/control/communicator.h"
 #include "eplb/control/launch.h"
 #include "eplb/core/error.h"
+#include "eplb/core/memory.h"
+#include "eplb/core/types.h"
 #include "eplb/placement/policy.h"
 #include "eplb/routing/dispatch.h"
-#include "eplb/stats/load_file.h"
 #include "eplb/runtime/rebalancer.h"
+#include "eplb/stats/load_file.h"
+#include "eplb/stats/recorder.h"
 #include "eplb/transport/registry.h"
 #include "eplb/transport/transport.h"
 
@@ -83,7 +86,14 @@ struct Pending {
 }  // namespace
 
 void RunOptions::validate(const Workload& workload) const {
-  if (ranks < 1) fail("--ranks ", ranks, " must be at least 1");
+  if (ranks < 1 || ranks > kMaxRanks) fail("--ranks ", ranks, " is outside [1, ", kMaxRanks, "]");
+  if (redundant < -1) {
+    fail("--redundant ", redundant, " must not be negative (-1 means one per rank)");
+  }
+  if (redundant > kMaxPhysical - workload.experts) {
+    fail("--redundant ", redundant, " gives more than ", kMaxPhysical,
+         " physical slots per layer, the most eplb supports");
+  }
   if (nodes < 1 || ranks % nodes != 0) {
     fail("--nodes ", nodes, " must divide --ranks ", ranks, " (every node has as many ranks)");
   }
@@ -92,7 +102,9 @@ void RunOptions::validate(const Workload& workload) const {
   if (steps < 1) fail("--steps ", steps, " must be at least 1");
   if (interval < 1) fail("--interval ", interval, " must be at least 1");
   if (window < 1) fail("--window ", window, " must be at least 1");
-  if (lag < 1) fail("--lag ", lag, " must be at least 1");
+  if (lag < 1 || lag > runtime::kMaxLag) {
+    fail("--lag ", lag, " is outside [1, ", runtime::kMaxLag, "] steps");
+  }
   if (verify_every < 1) fail("--verify-every ", verify_every, " must be at least 1");
   if (timeout_ms < 1) fail("--timeout-ms ", timeout_ms, " must be at least 1");
   if (mode != "async" && mode != "sync" && mode != "off") {
@@ -118,6 +130,20 @@ void RunOptions::validate(const Workload& workload) const {
          "which this build lacks: it needs UCX (use --nodes 1)");
   }
   make_config(*this, workload).validate();
+  check_window_fits(workload, 1);
+}
+
+void RunOptions::check_window_fits(const Workload& workload, int64_t local_ranks) const {
+  // Every rank records a window of loads: what the ranks of this machine will hold together,
+  // checked before any starts (each rank's recorder checks its own share again).
+  const int64_t window_bytes = stats::LoadRecorder::bytes_for(workload.layers, workload.experts,
+                                                              window);
+  check_fits_in_memory(
+      checked_mul(window_bytes, local_ranks, "the load windows of this machine's ranks"),
+      detail::concat("--window ", window, " (", local_ranks, local_ranks == 1 ? " rank" : " ranks",
+                     " here, each keeping ", window, " steps x ", workload.layers, " layers x ",
+                     workload.experts, " experts of counts)"),
+      "lower --window");
 }
 
 std::string run_rank(const RunOptions& options, const Workload& workload,
@@ -430,17 +456,45 @@ std::unique_ptr<transport::Transport> make_transport(const RunOptions& options, 
 }
 
 std::string describe_failures(const std::vector<control::RankExit>& exits) {
-  // The rank that died on its own first, then the ones that stopped because of it.
+  // The ranks that died or stopped on their own first, then those that failed with an error
+  // (each distinct message once), then the ones that ended because of them.
   std::string died, others;
+  std::vector<std::pair<std::string, std::vector<int>>> errors;  // message, ranks
   for (const control::RankExit& e : exits) {
     if (e.ok()) continue;
-    const bool own = !e.killed_by_launcher && e.signal != 0 && e.signal != SIGINT;
+    const bool own = e.stopped || (!e.killed_by_launcher && e.signal != 0 && e.signal != SIGINT);
+    if (!own && !e.error.empty()) {
+      auto same = std::find_if(errors.begin(), errors.end(),
+                               [&](const auto& m) { return m.first == e.error; });
+      if (same == errors.end()) {
+        errors.push_back({e.error, {e.rank}});
+      } else {
+        same->second.push_back(e.rank);
+      }
+      continue;
+    }
     (own ? died : others) += ((own ? died : others).empty() ? "" : "; ") + e.describe();
   }
-  if (!died.empty()) {
-    return fmt::format("{} died; the run stopped{}", died,
-                       others.empty() ? "" : " (then: " + others + ")");
+  std::string failed;
+  for (const auto& [message, ranks] : errors) {
+    std::string who = ranks.size() == 1 ? fmt::format("rank {}", ranks[0]) : "ranks ";
+    for (size_t i = 0; ranks.size() > 1 && i < ranks.size(); ++i) {
+      if (i == 3 && ranks.size() > 4) {
+        who += fmt::format(" and {} more", ranks.size() - 3);
+        break;
+      }
+      who += fmt::format("{}{}", i == 0 ? "" : ", ", ranks[i]);
+    }
+    failed += fmt::format("{}{} failed: {}", failed.empty() ? "" : "; ", who, message);
   }
+  if (!died.empty()) {
+    std::string then = failed;
+    if (!others.empty()) then += (then.empty() ? "" : "; ") + others;
+    const bool stopped = died.find("stopped (") != std::string::npos;
+    return fmt::format("{}{}; the run stopped{}", died, stopped ? "" : " died",
+                       then.empty() ? "" : " (then: " + then + ")");
+  }
+  if (!failed.empty()) return failed + (others.empty() ? "" : " (then: " + others + ")");
   return "ranks failed: " + others;
 }
 
@@ -448,16 +502,14 @@ std::string describe_failures(const std::vector<control::RankExit>& exits) {
 
 RunResult run_local(const RunOptions& options, const Workload& workload) {
   options.validate(workload);
-  const char* tmp = std::getenv("TMPDIR");
-  std::string dir = std::string(tmp && *tmp ? tmp : "/tmp") + "/eplb-run-XXXXXX";
-  if (::mkdtemp(dir.data()) == nullptr) fail<IoError>("mkdtemp failed for ", dir);
-  struct Cleanup {
-    std::string dir;
-    ~Cleanup() {
-      std::error_code ignored;
-      std::filesystem::remove_all(dir, ignored);
-    }
-  } cleanup{dir};
+  if (options.ranks > control::max_local_ranks()) {
+    fail("--ranks ", options.ranks, " is more rank processes than this machine takes: at most ",
+         control::max_local_ranks(), " (", control::kMaxLocalRanks,
+         ", fewer where the memory available or the process limit, ulimit -u, leave less room)");
+  }
+  options.check_window_fits(workload, options.ranks);
+  const control::ScratchFolder scratch("eplb-run");
+  const std::string& dir = scratch.path();
 
   // The stop flag lives in shared memory: a signal to the launcher or to any rank reaches all.
   void* shared = ::mmap(nullptr, sizeof(std::atomic<int>), PROT_READ | PROT_WRITE,

@@ -1,9 +1,13 @@
 // Launching ranks: fork_ranks() and the torchrun-style environment.
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstdlib>
+#include <filesystem>
+#include <string>
 #include <stdexcept>
 
 #include "control/checks.h"
@@ -32,6 +36,77 @@ TEST(ControlForkRanks, ExceptionIsExitCodeOne) {
   });
   EXPECT_TRUE(exits[0].ok());
   EXPECT_EQ(exits[1].exit_code, 1);
+  // The launcher has the rank's message, not only its exit code.
+  EXPECT_EQ(exits[1].error, "rank 1 fails on purpose");
+  EXPECT_NE(exits[1].describe().find("exit code 1: rank 1 fails on purpose"), std::string::npos)
+      << exits[1].describe();
+  EXPECT_TRUE(exits[0].error.empty());
+  try {
+    check_all_ok(exits);
+    ADD_FAILURE() << "check_all_ok accepted a failed rank";
+  } catch (const IoError& e) {
+    EXPECT_NE(std::string(e.what()).find("rank 1 fails on purpose"), std::string::npos) << e.what();
+  }
+}
+
+TEST(ControlForkRanks, LongErrorIsCutNotLost) {
+  const auto exits =
+      fork_ranks(1, [](int) -> int { throw InvalidArgument(std::string(10000, 'x')); });
+  EXPECT_EQ(exits[0].exit_code, 1);
+  EXPECT_GT(exits[0].error.size(), 1000u);
+  EXPECT_LT(exits[0].error.size(), 10000u);
+}
+
+TEST(ControlForkRanks, TooManyRanksFailBeforeAnyFork) {
+  EXPECT_GE(max_local_ranks(), 1);
+  EXPECT_LE(max_local_ranks(), kMaxLocalRanks);
+  bool forked = false;
+  try {
+    fork_ranks(100000, [&](int) {
+      forked = true;
+      return 0;
+    });
+    ADD_FAILURE() << "100000 ranks were accepted";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("ranks 100000 is more rank processes"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_FALSE(forked);
+}
+
+TEST(ControlScratchFolder, RemovesFoldersOfDeadLaunchersOnly) {
+  char root_template[] = "/tmp/eplb-scratch-test-XXXXXX";
+  ASSERT_NE(mkdtemp(root_template), nullptr);
+  const std::string root = root_template;
+  const char* old = std::getenv("TMPDIR");
+  const std::string saved = old != nullptr ? old : "";
+  setenv("TMPDIR", root.c_str(), 1);
+  // A launcher that is gone: a child that exited (and was reaped), so its pid is free.
+  const pid_t child = fork();
+  if (child == 0) _exit(0);
+  int status = 0;
+  waitpid(child, &status, 0);
+  const std::string dead = root + "/eplb-test-" + std::to_string(child) + "-abcdef";
+  const std::string alive = root + "/eplb-test-" + std::to_string(getpid()) + "-ghijkl";
+  const std::string other = root + "/eplb-other-" + std::to_string(child) + "-mnopqr";
+  for (const std::string& dir : {dead, alive, other}) ASSERT_EQ(mkdir(dir.c_str(), 0700), 0);
+  std::string mine;
+  {
+    ScratchFolder folder("eplb-test");
+    mine = folder.path();
+    EXPECT_EQ(mine.rfind(root + "/eplb-test-" + std::to_string(getpid()) + "-", 0), 0u) << mine;
+    EXPECT_EQ(access(mine.c_str(), F_OK), 0);
+    EXPECT_NE(access(dead.c_str(), F_OK), 0) << "the folder of a dead launcher stayed";
+    EXPECT_EQ(access(alive.c_str(), F_OK), 0) << "the folder of a live launcher was removed";
+    EXPECT_EQ(access(other.c_str(), F_OK), 0) << "a folder of another prefix was removed";
+  }
+  EXPECT_NE(access(mine.c_str(), F_OK), 0) << "the folder outlived its object";
+  if (old != nullptr) {
+    setenv("TMPDIR", saved.c_str(), 1);
+  } else {
+    unsetenv("TMPDIR");
+  }
+  std::filesystem::remove_all(root);
 }
 
 TEST(ControlForkRanks, KillsTheRestWhenOneDies) {
@@ -70,6 +145,10 @@ TEST(ControlForkRanks, StoppedRankIsKilledOnceTheOthersAreDone) {
   });
   EXPECT_TRUE(exits[0].ok());
   EXPECT_TRUE(exits[1].killed_by_launcher);
+  EXPECT_TRUE(exits[1].stopped);
+  EXPECT_NE(exits[1].describe().find("stopped (SIGSTOP or SIGTSTP) and stopped answering"),
+            std::string::npos)
+      << exits[1].describe();
 }
 
 class ScopedEnv {

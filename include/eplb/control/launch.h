@@ -19,6 +19,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "eplb/control/communicator.h"
@@ -64,12 +65,23 @@ struct RankExit {
   int exit_code = -1;             // when it exited, else -1
   int signal = 0;                 // the signal that ended it, else 0
   bool killed_by_launcher = false;  // ended by fork_ranks (a peer failed, timeout, or stopped)
+  bool stopped = false;             // it was stopped (SIGSTOP, SIGTSTP) when the launcher ended it
+  std::string error;  // the message of the exception the body threw (cut to 2 KiB), if any
   bool ok() const { return exit_code == 0 && signal == 0; }
-  std::string describe() const;   // "rank 2 (pid 123): killed by signal 9 (Killed)"
+  // "rank 2 (pid 123): exit code 1: <error>", "rank 1 (pid 9): stopped (SIGSTOP) and never
+  // resumed; killed by the launcher"
+  std::string describe() const;
 };
 
+// The most rank processes fork_ranks starts on one machine: kMaxLocalRanks, fewer where the
+// memory available leaves less than 16 MiB a rank or the process limit (ulimit -u) less than 4
+// processes a rank. A rank count above it is an error before the first fork.
+inline constexpr int kMaxLocalRanks = 1024;
+int max_local_ranks();
+
 // Forks n children; child r runs body(r) and exits with its return value (an exception:
-// message on stderr, exit code 1). Children do not return into the caller's code: they end
+// message on stderr and in RankExit::error, exit code 1). n above max_local_ranks():
+// InvalidArgument, before any fork. Children do not return into the caller's code: they end
 // with _exit, so the parent's atexit handlers and static destructors never run twice.
 // Waits for all of them and returns one RankExit per rank. No child outlives the call:
 //  - when one fails, the others get `grace` to exit, then are killed;
@@ -83,5 +95,21 @@ std::vector<RankExit> fork_ranks(int n, const std::function<int(int rank)>& body
 
 // Throws IoError listing every rank that did not exit with 0.
 void check_all_ok(const std::vector<RankExit>& exits);
+
+// A launcher's scratch folder, where its forked ranks leave their reports: a new folder
+// $TMPDIR/<prefix>-<pid>-XXXXXX (TMPDIR defaulting to /tmp), removed with everything in it when
+// the object goes. A launcher that is killed cannot remove its folder, so the constructor
+// first removes the folders of this prefix whose launcher process is gone.
+class ScratchFolder {
+ public:
+  explicit ScratchFolder(std::string_view prefix);
+  ~ScratchFolder();
+  ScratchFolder(const ScratchFolder&) = delete;
+  ScratchFolder& operator=(const ScratchFolder&) = delete;
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
 
 }  // namespace eplb::control

@@ -56,6 +56,8 @@ struct RunOptions {
   bool progress = false;           // rank 0 draws a progress line on stdout
 
   void validate(const Workload& workload) const;  // InvalidArgument naming the option
+  // InvalidArgument when `local_ranks` ranks' load windows would not fit in memory here.
+  void check_window_fits(const Workload& workload, int64_t local_ranks) const;
   // Redundant slots per layer, the -1 default resolved.
   int64_t redundant_slots() const { return redundant < 0 ? ranks : redundant; }
 };

@@ -9,6 +9,7 @@
 // needs the owner's CPU and must end in Timeout. inproc ranks are threads and cannot be stopped.
 
 #include <signal.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include <gtest/gtest.h>
@@ -354,6 +355,88 @@ TEST_P(TransportConformance, StoppedRankGivesBytesOrTimeoutNeverAHang) {
     ASSERT_NO_THROW(r.transport->post(reads)->wait(kWaitTimeout));
     for (std::size_t i = 0; i < reads.size(); ++i) expect_read(reads[i], dsts[i], "survivors");
     ctx.rendezvous->all_gather("survivors-done", ctx.rank, survivors, {});
+  }, &skip);
+  if (skipped) GTEST_SKIP() << skip;
+}
+
+// Registered memory as engines have it: many small tensors at unaligned bases inside one
+// allocation of the caller's, read at odd offsets and lengths by every peer. Then (shm, whose
+// readers use cross-memory attach) a registered region its owner unmaps: reads of it fail with
+// IoError, nothing crashes, and the owner's other regions stay readable.
+TEST_P(TransportConformance, RegisteredMemoryOfEveryShape) {
+  const Param p = GetParam();
+  constexpr int kTensors = 40;
+  const auto tensor_bytes = [](int rank, int i) {
+    return static_cast<std::size_t>(1 + (i * 37 + rank * 11) % 300);
+  };
+  std::string skip;
+  const bool skipped = testing::run_ranks(run_options(p), [&](RankContext& ctx) {
+    std::unique_ptr<Transport> transport = create_or_skip(p, ctx.rank);
+    if (!transport->capabilities().register_memory) {
+      throw SkipRanks{p.backend + " serves no caller memory (register_memory)"};
+    }
+    std::vector<std::byte> memory(64 * 1024);
+    std::size_t at = 1 + static_cast<std::size_t>(ctx.rank % 7);  // unaligned from the start
+    for (int i = 0; i < kTensors; ++i) {
+      const std::size_t bytes = tensor_bytes(ctx.rank, i);
+      for (std::size_t b = 0; b < bytes; ++b) memory[at + b] = pattern(ctx.rank, i, b);
+      const Region region = transport->register_memory(memory.data() + at, bytes);
+      EXPECT_EQ(region.id, i);
+      EXPECT_EQ(region.data, memory.data() + at);
+      at += bytes + 1 + static_cast<std::size_t>(i % 5);  // odd gaps between them
+    }
+    // One more, in pages of its own, that its owner (rank 0) unmaps below.
+    const std::size_t page = static_cast<std::size_t>(::sysconf(_SC_PAGESIZE));
+    void* pages = ::mmap(nullptr, 2 * page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
+                         -1, 0);
+    ASSERT_NE(pages, MAP_FAILED);
+    std::memset(pages, 0x3c, 2 * page);
+    EXPECT_EQ(transport->register_memory(pages, 2 * page).id, kTensors);
+    const auto descriptors = ctx.all_gather("descriptors", transport->export_descriptor());
+    for (int peer = 0; peer < ctx.world; ++peer) {
+      transport->import_descriptor(peer, descriptors[peer]);
+    }
+    std::mt19937 rng(977u + static_cast<std::uint32_t>(ctx.rank));
+    std::vector<Read> reads;
+    std::vector<Destination> dsts;
+    for (int peer = 0; peer < ctx.world; ++peer) {
+      for (int i = 0; i < kTensors; ++i) {
+        const std::size_t size = tensor_bytes(peer, i);
+        Read read{peer, i, rng() % size, nullptr, 0};
+        read.bytes = 1 + rng() % (size - read.offset);
+        if (i % 4 == 0) read = {peer, i, 0, nullptr, size};  // whole tensors too
+        dsts.emplace_back(read.bytes);
+        reads.push_back(read);
+      }
+    }
+    for (std::size_t i = 0; i < reads.size(); ++i) reads[i].dst = dsts[i].data();
+    ASSERT_NO_THROW(transport->post(reads)->wait(kWaitTimeout));
+    for (std::size_t i = 0; i < reads.size(); ++i) {
+      expect_read(reads[i], dsts[i], "registered read " + std::to_string(i));
+    }
+    ctx.barrier("read");
+    if (p.backend == "shm" && ctx.world > 1) {
+      if (ctx.rank == 0) {
+        ASSERT_EQ(::munmap(pages, 2 * page), 0);
+      }
+      ctx.barrier("unmapped");
+      if (ctx.rank != 0) {
+        std::vector<std::byte> dst(page);
+        const Read gone{0, kTensors, page / 2, dst.data(), page};
+        std::unique_ptr<Batch> batch = transport->post(std::span<const Read>(&gone, 1));
+        EXPECT_THROW(batch->wait(kWaitTimeout), IoError);
+        // The owner's other registered memory is still there.
+        Destination still(tensor_bytes(0, 1));
+        const Read fine{0, 1, 0, still.data(), tensor_bytes(0, 1)};
+        ASSERT_NO_THROW(transport->post(std::span<const Read>(&fine, 1))->wait(kWaitTimeout));
+        expect_read(fine, still, "after the unmap");
+      }
+    } else {
+      ctx.barrier("unmapped");
+    }
+    ctx.barrier("done");
+    transport->close();  // before its memory goes (UCX unmaps what it mapped)
+    if (!(p.backend == "shm" && ctx.world > 1 && ctx.rank == 0)) ::munmap(pages, 2 * page);
   }, &skip);
   if (skipped) GTEST_SKIP() << skip;
 }

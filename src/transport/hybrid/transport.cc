@@ -73,7 +73,7 @@ class HybridTransport final : public Transport {
   std::string_view backend() const override { return kBackend; }
   int rank() const override { return rank_; }
   Capabilities capabilities() const override {
-    return {.device_memory = false, .one_sided = false, .register_memory = false,
+    return {.device_memory = false, .one_sided = false, .register_memory = true,
             .cross_node = true};
   }
 
@@ -98,9 +98,23 @@ class HybridTransport final : public Transport {
     return region;
   }
 
-  Region register_memory(void*, std::size_t) override {
-    fail<NotSupported>("hybrid serves only memory it allocated (peers on the node map it); "
-                       "use allocate()");
+  // Both halves register the caller's memory: peers of the node read it with cross-memory
+  // attach (shm), the others through UCX's mapping of it.
+  Region register_memory(void* data, std::size_t bytes) override {
+    EPLB_CHECK(!closed_, "register_memory() after close()");
+    if (!broken_.empty()) fail<IoError>("hybrid: no more regions: ", broken_);
+    const Region region = near_->register_memory(data, bytes);
+    Region registered;
+    try {
+      registered = far_->register_memory(region.data, region.bytes);
+    } catch (const std::exception& e) {
+      broken_ = detail::concat("registering region ", region.id, " (", region.bytes,
+                               " bytes) with UCX failed: ", e.what());
+      throw;
+    }
+    EPLB_CHECK_EQ(registered.id, region.id, "hybrid: the UCX region id must match the shm one");
+    region_bytes_.push_back(region.bytes);
+    return region;
   }
 
   std::vector<std::byte> export_descriptor() const override {

@@ -7,6 +7,9 @@
 // over TCP otherwise). The descriptor carries the node name, both backends' descriptors and the
 // regions' sizes; an importer compares node names and imports only the half it will use.
 //
+// register_memory() registers caller memory with both halves: peers on the node read it with
+// cross-memory attach (shm's registered regions), the others through UCX's mapping of it.
+//
 // Nodes are named by Options::node; an empty name means this machine (its boot id and pid
 // namespace), so ranks on one machine share memory unless told they are on different nodes
 // (emulated nodes: `eplb run --nodes`). Ranks named on one node must really share a machine:

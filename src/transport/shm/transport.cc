@@ -1,8 +1,13 @@
 #include "transport/shm/transport.h"
 
+#include <sys/prctl.h>
+#include <sys/uio.h>
+
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <cstring>
+#include <fstream>
 #include <new>
 #include <string>
 #include <vector>
@@ -17,19 +22,83 @@ namespace eplb::transport::shm {
 namespace {
 
 constexpr std::string_view kBackend = "shm";
-constexpr std::uint16_t kVersion = 1;
+constexpr std::uint16_t kVersion = 2;
 constexpr std::uint64_t kControlMagic = 0x4c54435f42504c45ull;  // "EPLB_CTL"
+
+// A region is a memfd this transport allocated (peers map it) or caller memory it registered
+// (peers read it with process_vm_readv, cross-memory attach).
+enum class Kind : std::uint8_t { kSegment = 0, kRegistered = 1 };
+
+struct OwnRegion {
+  Segment segment;  // kSegment only
+  std::byte* data = nullptr;
+  std::size_t bytes = 0;
+  Kind kind = Kind::kSegment;
+};
 
 struct Peer {
   bool imported = false;
   bool self = false;
+  std::int32_t pid = 0;
   Segment control;
-  std::vector<Segment> regions;        // [region id]
-  std::vector<std::uint64_t> bytes;    // [region id]
+  std::vector<Segment> regions;          // [region id]: the mapping of a kSegment region
+  std::vector<std::uint64_t> addresses;  // [region id]: the owner's address of a kRegistered one
+  std::vector<Kind> kinds;               // [region id]
+  std::vector<std::uint64_t> bytes;      // [region id]
   PeerProcess process;
 
   const ControlPage* page() const { return control_page(control); }
 };
+
+std::string yama_scope() {
+  std::ifstream in("/proc/sys/kernel/yama/ptrace_scope");
+  std::string scope;
+  if (!(in >> scope)) return "";
+  return scope;
+}
+
+// Why a cross-memory read of rank `peer` failed, and what would make it work.
+[[noreturn]] void fail_cross_memory(int peer, int err, const char* when) {
+  if (err == ESRCH) {
+    fail<IoError>("shm: rank ", peer, " is gone (its process exited) ", when);
+  }
+  if (err == EFAULT) {
+    fail<IoError>("shm: rank ", peer, "'s registered memory is no longer mapped ", when,
+                  " (its owner freed it while it was registered)");
+  }
+  if (err == EPERM || err == EACCES || err == ENOSYS) {
+    const std::string scope = yama_scope();
+    fail<NotSupported>(
+        "shm: reading rank ", peer, "'s registered memory (process_vm_readv, cross-memory "
+        "attach) was refused ", when, ": ", std::strerror(err), ". It needs ptrace permission "
+        "between the ranks' processes (same user, and ",
+        scope.empty() ? "no Yama ptrace_scope here"
+                      : "kernel.yama.ptrace_scope " + scope + ": 0 or 1 allow it, 2 needs "
+                        "CAP_SYS_PTRACE, 3 forbids it",
+        "; in a container, CAP_SYS_PTRACE and a seccomp profile that allows process_vm_readv). "
+        "Or let eplb allocate the engine's host tensors from shareable memory "
+        "(Transport::allocate; eplb.empty() in Python), which needs no permission");
+  }
+  fail<IoError>("shm: process_vm_readv from rank ", peer, " failed ", when, ": ",
+                std::strerror(err));
+}
+
+// Copies `bytes` at `address` of process `pid` to `dst`; the errno of a failure, else 0.
+int read_process(std::int32_t pid, std::uint64_t address, void* dst, std::size_t bytes) {
+  std::size_t done = 0;
+  while (done < bytes) {
+    iovec local{static_cast<std::byte*>(dst) + done, bytes - done};
+    iovec remote{reinterpret_cast<void*>(address + done), bytes - done};
+    const ssize_t n = ::process_vm_readv(pid, &local, 1, &remote, 1, 0);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return errno;
+    }
+    if (n == 0) return EFAULT;
+    done += static_cast<std::size_t>(n);
+  }
+  return 0;
+}
 
 class ShmTransport final : public Transport {
  public:
@@ -44,21 +113,38 @@ class ShmTransport final : public Transport {
   std::string_view backend() const override { return kBackend; }
   int rank() const override { return rank_; }
   Capabilities capabilities() const override {
-    return {.device_memory = false, .one_sided = true, .register_memory = false,
+    return {.device_memory = false, .one_sided = true, .register_memory = true,
             .cross_node = false};
   }
 
   Region allocate(std::size_t bytes) override {
     EPLB_CHECK_GT(bytes, std::size_t{0}, "allocate() needs a positive size");
     check_open();
-    regions_.push_back(create_segment(kBackend, "eplb-shm-region", bytes));
-    const Segment& s = regions_.back();
-    return {static_cast<int>(regions_.size()) - 1, s.data, s.bytes};
+    OwnRegion r;
+    r.segment = create_segment(kBackend, "eplb-shm-region", bytes);
+    r.data = r.segment.data;
+    r.bytes = r.segment.bytes;
+    regions_.push_back(std::move(r));
+    return {static_cast<int>(regions_.size()) - 1, regions_.back().data, regions_.back().bytes};
   }
 
-  Region register_memory(void*, std::size_t) override {
-    fail<NotSupported>("shm cannot serve reads from caller memory (peers can map only memory ",
-                       "shm allocated): use allocate() and place the data there");
+  // Caller memory: peers read it with process_vm_readv, one syscall per read and still no work
+  // of this process's threads. Under Yama's ptrace_scope 1 only a process's ancestors may read
+  // it, and ranks are siblings: this process names any process of its user as allowed.
+  Region register_memory(void* data, std::size_t bytes) override {
+    EPLB_CHECK(data != nullptr, "register_memory() of a null pointer");
+    EPLB_CHECK_GT(bytes, std::size_t{0}, "register_memory() needs a positive size");
+    check_open();
+    if (!ptracer_set_) {
+      (void)::prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0);  // EINVAL without Yama
+      ptracer_set_ = true;
+    }
+    OwnRegion r;
+    r.data = static_cast<std::byte*>(data);
+    r.bytes = bytes;
+    r.kind = Kind::kRegistered;
+    regions_.push_back(std::move(r));
+    return {static_cast<int>(regions_.size()) - 1, regions_.back().data, regions_.back().bytes};
   }
 
   std::vector<std::byte> export_descriptor() const override {
@@ -68,10 +154,15 @@ class ShmTransport final : public Transport {
     out.put(static_cast<std::int32_t>(control_.fd));
     out.put(control_.inode);
     out.put(static_cast<std::uint32_t>(regions_.size()));
-    for (const Segment& s : regions_) {
-      out.put(static_cast<std::int32_t>(s.fd));
-      out.put(s.inode);
-      out.put(static_cast<std::uint64_t>(s.bytes));
+    for (const OwnRegion& r : regions_) {
+      out.put(static_cast<std::uint8_t>(r.kind));
+      if (r.kind == Kind::kSegment) {
+        out.put(static_cast<std::int32_t>(r.segment.fd));
+        out.put(r.segment.inode);
+      } else {
+        out.put(static_cast<std::uint64_t>(reinterpret_cast<std::uintptr_t>(r.data)));
+      }
+      out.put(static_cast<std::uint64_t>(r.bytes));
     }
     return std::move(out).finish();
   }
@@ -87,16 +178,31 @@ class ShmTransport final : public Transport {
     const auto identity = in.get<ProcessIdentity>("process identity");
     const auto control_fd = in.get<std::int32_t>("control fd");
     const auto control_inode = in.get<std::uint64_t>("control inode");
-    const auto count = in.get_count("region count", 20);
+    const auto count = in.get_count("region count", 17);
     struct Entry {
-      std::int32_t fd;
-      std::uint64_t inode, bytes;
+      Kind kind = Kind::kSegment;
+      std::int32_t fd = -1;
+      std::uint64_t inode = 0, address = 0, bytes = 0;
     };
     std::vector<Entry> entries(count);
     for (auto& e : entries) {
-      e.fd = in.get<std::int32_t>("region fd");
-      e.inode = in.get<std::uint64_t>("region inode");
+      const auto kind = in.get<std::uint8_t>("region kind");
+      if (kind > static_cast<std::uint8_t>(Kind::kRegistered)) {
+        fail<InvalidArgument>("shm descriptor of rank ", peer, ": region kind ", int{kind},
+                              " is neither a segment (0) nor registered memory (1)");
+      }
+      e.kind = static_cast<Kind>(kind);
+      if (e.kind == Kind::kSegment) {
+        e.fd = in.get<std::int32_t>("region fd");
+        e.inode = in.get<std::uint64_t>("region inode");
+      } else {
+        e.address = in.get<std::uint64_t>("region address");
+      }
       e.bytes = in.get<std::uint64_t>("region size");
+      if (e.kind == Kind::kRegistered && e.address + e.bytes < e.address) {
+        fail<InvalidArgument>("shm descriptor of rank ", peer, ": registered region at ",
+                              e.address, " of ", e.bytes, " bytes wraps the address space");
+      }
     }
     in.expect_end();
     if (!identity.same_machine_as(identity_)) {
@@ -105,8 +211,13 @@ class ShmTransport final : public Transport {
     }
     Peer p;
     p.imported = true;
+    p.pid = identity.pid;
     p.bytes.reserve(count);
-    for (const Entry& e : entries) p.bytes.push_back(e.bytes);
+    for (const Entry& e : entries) {
+      p.bytes.push_back(e.bytes);
+      p.kinds.push_back(e.kind);
+      p.addresses.push_back(e.address);
+    }
     if (identity == identity_) {
       if (peer != rank_) {
         fail<InvalidArgument>("shm descriptor imported as peer ", peer, " comes from this ",
@@ -121,8 +232,23 @@ class ShmTransport final : public Transport {
         fail<InvalidArgument>("shm descriptor of rank ", peer, " points at memory that is not ",
                               "an eplb control page");
       }
+      bool probed = false;
       for (const Entry& e : entries) {
-        p.regions.push_back(map_peer_segment(kBackend, peer, identity.pid, e.fd, e.inode, e.bytes));
+        if (e.kind == Kind::kSegment) {
+          p.regions.push_back(
+              map_peer_segment(kBackend, peer, identity.pid, e.fd, e.inode, e.bytes));
+          continue;
+        }
+        p.regions.emplace_back();
+        // Whether cross-memory attach is allowed is known only by trying: once per peer, now,
+        // rather than at the first rebalance.
+        if (!probed) {
+          std::byte one{};
+          if (const int err = read_process(identity.pid, e.address, &one, 1); err != 0) {
+            fail_cross_memory(peer, err, "when its descriptor was imported");
+          }
+          probed = true;
+        }
       }
     }
     if (peers_.size() <= static_cast<std::size_t>(peer)) peers_.resize(peer + 1);
@@ -134,7 +260,7 @@ class ShmTransport final : public Transport {
   std::unique_ptr<Batch> post(std::span<const Read> reads) override {
     check_open();
     std::vector<std::uint64_t> own_bytes;
-    for (const Segment& s : regions_) own_bytes.push_back(s.bytes);
+    for (const OwnRegion& r : regions_) own_bytes.push_back(r.bytes);
     for (std::size_t i = 0; i < reads.size(); ++i) {
       const Read& r = reads[i];
       if (is_self(r.peer)) {
@@ -147,17 +273,29 @@ class ShmTransport final : public Transport {
     for (const Read& r : reads) {
       if (is_self(r.peer)) {
         if (r.bytes > 0) {
-          std::memcpy(r.dst, regions_[static_cast<std::size_t>(r.region)].data + r.offset,
-                      r.bytes);
+          std::memmove(r.dst, regions_[static_cast<std::size_t>(r.region)].data + r.offset,
+                       r.bytes);
         }
         continue;
       }
       Peer& p = peers_[static_cast<std::size_t>(r.peer)];
-      if (r.bytes > 0) {
-        std::memcpy(r.dst, p.regions[static_cast<std::size_t>(r.region)].data + r.offset,
-                    r.bytes);
-      }
       if (touched_.empty() || touched_.back() != r.peer) touched_.push_back(r.peer);
+      if (r.bytes == 0) continue;
+      const auto region = static_cast<std::size_t>(r.region);
+      if (p.kinds[region] == Kind::kSegment) {
+        std::memcpy(r.dst, p.regions[region].data + r.offset, r.bytes);
+      } else if (const int err = read_process(p.pid, p.addresses[region] + r.offset, r.dst,
+                                              r.bytes);
+                 err != 0) {
+        // A peer that died shows as ESRCH here; its liveness check below says the same.
+        std::string owners = check_owners();
+        if (!owners.empty()) return std::make_unique<SettledBatch>(std::move(owners));
+        try {
+          fail_cross_memory(r.peer, err, "in a batch");
+        } catch (const Error& e) {
+          return std::make_unique<SettledBatch>(e.what());
+        }
+      }
     }
     return std::make_unique<SettledBatch>(check_owners());
   }
@@ -215,8 +353,9 @@ class ShmTransport final : public Transport {
   int rank_;
   ProcessIdentity identity_;
   bool closed_ = false;
+  bool ptracer_set_ = false;
   Segment control_;
-  std::vector<Segment> regions_;  // [region id]
+  std::vector<OwnRegion> regions_;  // [region id]
   std::vector<Peer> peers_;       // [peer rank]
   std::vector<int> touched_;      // peers read by the batch being posted
 };

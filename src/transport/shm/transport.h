@@ -3,6 +3,15 @@
 // a peer opens it through /proc/<owner>/fd/<n> (same user), maps it read-only, and a read is a
 // memcpy from that mapping: no syscall per transfer, no help from the owner.
 //
+// Registered memory (register_memory: a malloc'd buffer, a PyTorch CPU tensor, an engine's own
+// weights) is in no memfd: a peer reads it with process_vm_readv (cross-memory attach), one
+// syscall per read, still without the owner's threads. That needs ptrace permission between
+// the processes; import_descriptor() tries one byte and says, when it is refused, which setting
+// refuses it (Yama's ptrace_scope, a container's capabilities) and the alternative (allocate()).
+// The owner allows its peers under Yama's ptrace_scope 1 itself (PR_SET_PTRACER_ANY). A
+// registered buffer must stay mapped while registered: one freed under a reader fails its
+// batch with IoError, never a crash.
+//
 // Liveness. The owner's pages stay mapped in its readers after it dies or closes, so a copy
 // always "succeeds"; to be honest about failure a batch checks, after its copies, that every
 // owner it read from is still open (a flag in a shared control page) and alive (its pidfd, one

@@ -327,7 +327,9 @@ LocalRegion UcxTransport::map_memory(void* address, std::size_t bytes, bool allo
   ucp_mem_attr_t attr{};
   attr.field_mask = UCP_MEM_ATTR_FIELD_ADDRESS | UCP_MEM_ATTR_FIELD_LENGTH;
   EPLB_UCX_CHECK(ucp_mem_query(r.memh, &attr), "cannot query mapped memory");
-  r.data = static_cast<std::byte*>(attr.address);
+  // UCX reports the registration's own start, which for caller memory may be rounded down to
+  // a page: the region is the caller's bytes, from the caller's address.
+  r.data = allocate ? static_cast<std::byte*>(attr.address) : static_cast<std::byte*>(address);
   r.bytes = bytes;
   void* packed = nullptr;
   std::size_t packed_size = 0;

@@ -58,6 +58,7 @@ nlohmann::json to_json(const emu::RunOptions& o, const emu::RunResult& r) {
                           {"slots_moved", f.slots_moved},
                           {"bytes_moved", f.bytes_moved},
                           {"bytes_local_copy", f.bytes_local_copy},
+                          {"bytes_installed", f.bytes_installed},
                           {"stall_total_ms", f.stall_total_ms},
                           {"stall_max_ms", f.stall_max_ms},
                           {"predicted_balancedness_before", f.predicted_before},
@@ -73,6 +74,7 @@ nlohmann::json to_json(const emu::RunOptions& o, const emu::RunResult& r) {
           {"ranks", o.ranks},
           {"nodes", o.nodes},
           {"transport", o.transport_backend()},
+          {"weights", o.weights},
           {"steps", r.steps},
           {"interrupted", r.interrupted},
           {"rebalances", r.rebalances},
@@ -85,6 +87,7 @@ nlohmann::json to_json(const emu::RunOptions& o, const emu::RunResult& r) {
           {"moe_ms_after", r.moe_ms_after},
           {"bytes_moved", r.bytes_moved},
           {"bytes_local_copy", r.bytes_local_copy},
+          {"bytes_installed", r.bytes_installed},
           {"stall_max_ms", r.stall_max_ms},
           {"stall_total_ms", r.stall_total_ms},
           {"mismatches", r.mismatches},
@@ -106,9 +109,11 @@ void print_header(const RunArgs& a, const emu::Workload& w) {
              "layer ({} redundant), {} tokens per rank per step\n",
              o.ranks, o.nodes, o.nodes > 1 ? "s" : "", transport, w.layers, w.experts, w.top_k,
              w.experts + redundant, redundant, o.tokens_per_rank);
-  fmt::print("  experts: fp32 FFN hidden {} x intermediate {} ({} each); trace {}\n",
+  fmt::print("  experts: fp32 FFN hidden {} x intermediate {} ({} each, {}); trace {}\n",
              o.shape.hidden, o.shape.intermediate,
-             human_bytes(static_cast<double>(o.shape.expert_bytes())), w.source);
+             human_bytes(static_cast<double>(o.shape.expert_bytes())),
+             o.weights == "engine" ? "each rank's own tensors, registered" : "in eplb's arena",
+             w.source);
   fmt::print("  {} steps, rebalance every {} steps from the last {} ({} policy, {} dispatch)\n\n",
              o.steps, o.interval, o.window, o.policy, o.dispatch);
 }
@@ -346,6 +351,10 @@ void add_run(CLI::App& app) {
       ->capture_default_str();
   cmd->add_option("--seed", o.seed, "Sampler and random dispatch seed")->capture_default_str();
   cmd->add_option("--transport", o.transport, "auto, shm, ucx or hybrid")->capture_default_str();
+  cmd->add_option("--weights", o.weights,
+                  "engine (each rank allocates its experts, eplb registers them) or arena (eplb "
+                  "allocates them)")
+      ->capture_default_str();
   cmd->add_option("--timeout-ms", o.timeout_ms, "Every collective and every batch of reads")
       ->capture_default_str();
   cmd->add_flag("--compare", a->compare, "Run EPLB off, sync and async on the same workload");

@@ -122,6 +122,10 @@ void RunOptions::validate(const Workload& workload) const {
     fail("--ranks ", ranks, " is more than the ", physical,
          " physical slots (experts + --redundant): every rank needs a slot");
   }
+  if (weights != "engine" && weights != "arena") {
+    fail("--weights '", weights, "' is not engine (each rank allocates its experts and eplb "
+         "registers them) or arena (eplb allocates them)");
+  }
   if (transport != "auto" && !transport::has_backend(transport)) {
     fail("--transport '", transport, "' is not built in");
   }
@@ -162,6 +166,17 @@ std::string run_rank(const RunOptions& options, const Workload& workload,
   runtime::WeightSpec spec{.layers = L,
                            .tensors = {{"gate_up", shape.gate_up_bytes()},
                                        {"down", shape.down_bytes()}}};
+  // --weights engine: this rank allocates its experts itself, per layer and tensor,
+  // expert-major, as an engine does at model load, and registers them; they never move.
+  std::vector<std::vector<float>> own;  // [layers][tensors]
+  if (options.weights == "engine") {
+    for (int64_t l = 0; l < L; ++l) {
+      for (const int64_t floats : {shape.gate_up_floats(), shape.down_floats()}) {
+        own.emplace_back(static_cast<size_t>(spr * floats));
+        spec.engine.push_back({.base = own.back().data(), .stride = 0});
+      }
+    }
+  }
   runtime::Rebalancer rb(config, communicator, transport, spec,
                          trivial_placement(L, workload.experts, config.layout.physical));
   const int64_t bytes_held = rb.connect();
@@ -311,6 +326,7 @@ std::string run_rank(const RunOptions& options, const Workload& workload,
                        {"bytes_intra_node", r.bytes_intra_node},
                        {"bytes_inter_node", r.bytes_inter_node},
                        {"bytes_local_copy", r.bytes_local_copy},
+                       {"bytes_installed", r.bytes_installed},
                        {"stall_total_ms", r.stall_total_ms},
                        {"stall_max_ms", r.stall_max_ms},
                        {"balancedness_before", r.balancedness_before},
@@ -386,6 +402,7 @@ RunResult merge_reports(const RunOptions& options, const Workload& workload,
     f.predicted_after = h["balancedness_after"].get<double>();
     for (const json& rank : r) {
       if (i >= rank["history"].size()) continue;
+      f.bytes_installed += rank["history"][i]["bytes_installed"].get<int64_t>();
       f.stall_total_ms = std::max(f.stall_total_ms, rank["history"][i]["stall_total_ms"].get<double>());
       f.stall_max_ms = std::max(f.stall_max_ms, rank["history"][i]["stall_max_ms"].get<double>());
     }
@@ -394,6 +411,7 @@ RunResult merge_reports(const RunOptions& options, const Workload& workload,
       ++result.rebalances;
       result.bytes_moved += f.bytes_moved;
       result.bytes_local_copy += f.bytes_local_copy;
+      result.bytes_installed += f.bytes_installed;
     }
     result.stall_total_ms += f.stall_total_ms;
     result.stall_max_ms = std::max(result.stall_max_ms, f.stall_max_ms);

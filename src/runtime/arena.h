@@ -48,6 +48,25 @@ class ArenaLayout {
   std::vector<int64_t> tensor_offset_;  // [tensors] within a layer buffer
 };
 
+// The engine's own tensors on this rank (WeightSpec::engine), [layers][tensors], as the
+// transport serves them: one registered region each, in the same order and so with the same
+// region ids on every rank (connect() checks), and the same strides (the fingerprint does).
+// Slot j of a tensor is at base + j * stride, here and, at that offset of the same region, on
+// every peer. With them the arena is the staging layer alone (buffer 0, BufferMap of no layer).
+struct EngineTensors {
+  struct Tensor {
+    int region = -1;
+    std::byte* base = nullptr;
+    int64_t stride = 0;
+  };
+  int64_t tensors = 0;
+  std::vector<Tensor> at;  // [layers][tensors]
+
+  const Tensor& of(int64_t layer, int64_t tensor) const {
+    return at[static_cast<size_t>(layer * tensors + tensor)];
+  }
+};
+
 struct BufferMap {
   std::vector<int32_t> buffer_of_layer;  // [layers]
   int32_t spare = 0;

@@ -5,6 +5,8 @@
 #include <cstring>
 #include <memory>
 #include <thread>
+#include <tuple>
+#include <utility>
 
 #include "eplb/core/error.h"
 #include "eplb/placement/metrics.h"
@@ -137,7 +139,8 @@ bool stage_layer(const StageContext& context, const BufferMap& map, int64_t laye
   const Layout& layout = *context.layout;
   const int64_t spr = layout.slots_per_rank();
   const int64_t first = context.rank * spr;
-  const int64_t live = map.buffer_of_layer[layer];
+  // The arena's live buffer of the layer (none with the engine's tensors: live_at says where).
+  const int64_t live = context.engine != nullptr ? -1 : map.buffer_of_layer[layer];
   const int64_t spare = map.spare;
   const auto cancelled = [&] {
     return context.cancel && context.cancel->load(std::memory_order_acquire);
@@ -146,19 +149,35 @@ bool stage_layer(const StageContext& context, const BufferMap& map, int64_t laye
   // install, or the source of its copy) in work queued before that install.
   if (context.installer && !wait_installs(context)) return false;
   const auto deadline = Clock::now() + context.timeout;
-  // Local copies: memcpy on host memory; on device memory, reads of this rank's own region,
-  // gathered and done as one batch by flush_local().
+  // Where slot `slot` (local index) of tensor t of this layer lives on `peer`: the engine's
+  // tensor (same region and stride on every rank), or the live layer buffer of the arena.
+  const EngineTensors* engine = context.engine;
+  const auto live_at = [&](int peer, int64_t t, int64_t slot) -> std::pair<int, uint64_t> {
+    if (engine != nullptr) {
+      const EngineTensors::Tensor& e = engine->of(layer, t);
+      return {e.region, static_cast<uint64_t>(slot * e.stride)};
+    }
+    const int region = peer == context.rank ? context.own_region : (*context.peer_region)[peer];
+    return {region, static_cast<uint64_t>(arena.offset(live, t, slot))};
+  };
+  // Local copies: memcpy on host memory; on device memory, reads of this rank's own regions,
+  // gathered and done as one batch by flush_local(). From the live weights (from_live) or
+  // within the spare buffer.
   std::vector<transport::Read> local_reads;
-  const auto copy_slot = [&](int64_t src_buffer, int64_t src_slot, int64_t dst_slot) {
+  const auto copy_slot = [&](bool from_live, int64_t src_slot, int64_t dst_slot) {
     for (int64_t t = 0; t < arena.tensors(); ++t) {
       std::byte* dst = context.base + arena.offset(spare, t, dst_slot);
-      const int64_t src = arena.offset(src_buffer, t, src_slot);
       const auto bytes = static_cast<size_t>(arena.tensor_bytes(t));
+      std::pair<int, uint64_t> src{context.own_region,
+                                   static_cast<uint64_t>(arena.offset(spare, t, src_slot))};
+      if (from_live) src = live_at(context.rank, t, src_slot);
       if (context.device_memory) {
-        local_reads.push_back({.peer = context.rank, .region = context.own_region,
-                               .offset = static_cast<uint64_t>(src), .dst = dst, .bytes = bytes});
+        local_reads.push_back({.peer = context.rank, .region = src.first, .offset = src.second,
+                               .dst = dst, .bytes = bytes});
+      } else if (from_live && engine != nullptr) {
+        std::memcpy(dst, engine->of(layer, t).base + src.second, bytes);
       } else {
-        std::memcpy(dst, context.base + src, bytes);
+        std::memcpy(dst, context.base + src.second, bytes);
       }
     }
   };
@@ -170,11 +189,12 @@ bool stage_layer(const StageContext& context, const BufferMap& map, int64_t laye
   };
   const auto actions = migration.plan.rank_actions(context.rank, layout);
 
-  // Step 1: what this rank already holds: unchanged slots and local copies, from live.
+  // Step 1: what this rank already holds: unchanged slots (the arena's staging buffer becomes
+  // the whole live layer; the engine's tensors keep theirs in place) and local copies.
   for (int64_t j = 0; j < spr; ++j) {
     const migration::SlotAction& a = actions[j];
-    if (a.action == migration::Action::kUnchanged) copy_slot(live, j, j);
-    if (a.action == migration::Action::kLocalCopy) copy_slot(live, a.src_slot - first, j);
+    if (a.action == migration::Action::kUnchanged && engine == nullptr) copy_slot(true, j, j);
+    if (a.action == migration::Action::kLocalCopy) copy_slot(true, a.src_slot - first, j);
   }
   if (!flush_local()) return false;
 
@@ -191,8 +211,7 @@ bool stage_layer(const StageContext& context, const BufferMap& map, int64_t laye
       for (int64_t t = 0; t < arena.tensors(); ++t) {
         transport::Read read;
         read.peer = r.src_rank;
-        read.region = (*context.peer_region)[r.src_rank];
-        read.offset = static_cast<uint64_t>(arena.offset(live, t, src_local));
+        std::tie(read.region, read.offset) = live_at(r.src_rank, t, src_local);
         read.dst = context.base + arena.offset(spare, t, r.dst_slot - first);
         read.bytes = static_cast<size_t>(arena.tensor_bytes(t));
         batch_reads.push_back(read);
@@ -208,7 +227,7 @@ bool stage_layer(const StageContext& context, const BufferMap& map, int64_t laye
   // Step 3: free rides, in slot order, from slots read above.
   for (int64_t j = 0; j < spr; ++j) {
     const migration::SlotAction& a = actions[j];
-    if (a.action == migration::Action::kFreeRide) copy_slot(spare, a.src_slot - first, j);
+    if (a.action == migration::Action::kFreeRide) copy_slot(false, a.src_slot - first, j);
   }
   if (!flush_local()) return false;
   return !cancelled();

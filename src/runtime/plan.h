@@ -57,11 +57,15 @@ struct StageContext {
   Installer* installer = nullptr;  // null: nothing queued reads the staging buffer
   bool device_memory = false;      // the arena is device memory: copies go through transport
   int own_region = 0;              // this rank's arena region (for local copies)
+  // The engine's own tensors hold the live weights (null: the arena's layer buffers do); the
+  // arena is then the staging layer alone.
+  const EngineTensors* engine = nullptr;
 };
 
 // Builds layer `layer`'s new content for this rank in the spare buffer of `map`: unchanged
-// slots and local copies from the live buffer, reads from peers' live buffers round by round,
-// then free rides within the spare buffer. First waits for the installer's last mark, so
+// slots (arena only: with the engine's tensors they stay where they are) and local copies from
+// the live weights, reads from peers' live weights round by round, then free rides within the
+// spare buffer. First waits for the installer's last mark, so
 // nothing the engine may still read is overwritten. Local copies are memcpy on host memory and
 // reads of this rank's own region (the transport's copy engine) on device memory. Nothing live changes on any rank. Returns false
 // when cancelled (the spare buffer is then garbage); throws on a failed or late read.

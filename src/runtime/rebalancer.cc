@@ -69,6 +69,11 @@ uint64_t config_fingerprint(const Config& c, const WeightSpec& w) {
   mix(std::bit_cast<int64_t>(c.tolerance)), mix(std::bit_cast<int64_t>(c.min_gain));
   mix(w.layers);
   for (const TensorSpec& t : w.tensors) mix(t.expert_bytes);
+  // A reader computes offsets in a peer's tensors from its own strides.
+  mix(w.engine_weights() ? 1 : 0);
+  for (int64_t l = 0; w.engine_weights() && l < w.layers; ++l) {
+    for (int64_t t = 0; t < static_cast<int64_t>(w.tensors.size()); ++t) mix(w.stride(l, t));
+  }
   return h;
 }
 
@@ -163,6 +168,11 @@ std::string_view outcome_name(Outcome outcome) {
   return "?";
 }
 
+int64_t WeightSpec::stride(int64_t layer, int64_t tensor) const {
+  const int64_t s = memory(layer, tensor).stride;
+  return s != 0 ? s : tensors[static_cast<size_t>(tensor)].expert_bytes;
+}
+
 int64_t WeightSpec::expert_bytes() const {
   int64_t sum = 0;
   for (const TensorSpec& t : tensors) sum = checked_add(sum, t.expert_bytes, "weight spec bytes");
@@ -181,6 +191,26 @@ void WeightSpec::validate() const {
     }
   }
   (void)expert_bytes();  // their sum fits an int64 (InvalidArgument otherwise)
+  if (!engine_weights()) return;
+  const auto per_layer = static_cast<int64_t>(tensors.size());
+  if (static_cast<int64_t>(engine.size()) != layers * per_layer) {
+    fail("weight spec: engine holds ", engine.size(), " tensors, expected layers x tensors = ",
+         layers, " x ", per_layer, " (one per layer and tensor, layer-major)");
+  }
+  for (int64_t l = 0; l < layers; ++l) {
+    for (int64_t t = 0; t < per_layer; ++t) {
+      const TensorMemory& m = memory(l, t);
+      const TensorSpec& spec = tensors[static_cast<size_t>(t)];
+      if (m.base == nullptr) {
+        fail("weight spec: layer ", l, " tensor '", spec.name, "' has a null base address");
+      }
+      if (m.stride != 0 && m.stride < spec.expert_bytes) {
+        fail("weight spec: layer ", l, " tensor '", spec.name, "' has stride ", m.stride,
+             " bytes, below its expert_bytes ", spec.expert_bytes,
+             " (slots would overlap; 0 means contiguous)");
+      }
+    }
+  }
 }
 
 void Config::validate() const {
@@ -250,6 +280,14 @@ class Rebalancer::Impl {
                                             "the bytes of one layer on a rank");
     checked_mul(layer_bytes, layers_ + 1, "the bytes of a rank's weights and staging");
     arena_ = ArenaLayout(spec_, layout.slots_per_rank());
+    if (spec_.engine_weights()) {
+      map_ = BufferMap(0);  // the arena is the staging layer alone: buffer 0
+      for (int64_t l = 0; l < layers_; ++l) {
+        for (int64_t t = 0; t < arena_.tensors(); ++t) {
+          checked_mul(spec_.stride(l, t), layout.slots_per_rank(), "the bytes of a tensor");
+        }
+      }
+    }
     phy2log_ = initial.phy2log;
     tables_.reserve(static_cast<size_t>(layers_));
     for (int64_t l = 0; l < layers_; ++l) {
@@ -268,8 +306,12 @@ class Rebalancer::Impl {
            "Config::installer (eplb::cuda::StreamInstaller on the engine's stream) so that "
            "installs are ordered with the engine's queued work");
     }
-    // Step 1: the arena, staging included, as one region.
-    region_ = transport_.allocate(static_cast<size_t>(arena_.total_bytes()));
+    // Step 1: the arena, staging included, as one region; or the staging layer alone and the
+    // engine's tensors registered, one region each.
+    const bool engine = spec_.engine_weights();
+    region_ = transport_.allocate(
+        static_cast<size_t>(engine ? arena_.layer_bytes() : arena_.total_bytes()));
+    if (engine) register_engine_tensors();
     // Step 2: exchange (fingerprint, region id, descriptor) with every peer.
     const std::vector<std::byte> descriptor = transport_.export_descriptor();
     const uint64_t fingerprint = config_fingerprint(config_, spec_);
@@ -292,6 +334,14 @@ class Rebalancer::Impl {
              "sizes must be the same on every rank)");
       }
       std::memcpy(&peer_region_[g], b.data() + sizeof theirs, sizeof(int32_t));
+      // The engine's tensors follow the staging region in the same order on every rank, so
+      // their region ids are the same everywhere when the staging regions' are.
+      if (engine && peer_region_[g] != region_id) {
+        fail("runtime: rank ", g, " registered its regions in another order than rank ", rank_,
+             " (staging region ", peer_region_[g], " against ", region_id,
+             "): create the transport for the Rebalancer alone, or register the same regions "
+             "before connect() on every rank");
+      }
       if (static_cast<int>(g) != rank_) {
         transport_.import_descriptor(
             static_cast<int>(g),
@@ -305,11 +355,14 @@ class Rebalancer::Impl {
     std::vector<transport::Read> reads;
     for (int g = 0; g < static_cast<int>(all.size()); ++g) {
       if (g == rank_) continue;
+      // With the engine's tensors, from the first of them: what rebalances will read.
       reads.push_back({.peer = g,
-                       .region = peer_region_[g],
+                       .region = engine ? engine_.at.front().region : peer_region_[g],
                        .offset = 0,
                        .dst = probe.data() + kProbe * g,
-                       .bytes = std::min<size_t>(kProbe, region_.bytes)});
+                       .bytes = std::min<size_t>(
+                           kProbe, engine ? static_cast<size_t>(arena_.tensor_bytes(0))
+                                          : region_.bytes)});
     }
     if (!reads.empty()) {
       std::unique_ptr<transport::Batch> batch = transport_.post(reads);
@@ -326,11 +379,41 @@ class Rebalancer::Impl {
     });
     connected_ = true;
     bytes_held_.store(static_cast<int64_t>(region_.bytes), std::memory_order_release);
-    spdlog::info("eplb runtime rank {}: connected to {} peers over {} ({}), holding {} bytes "
-                 "({} layers + 1 staging of {} bytes), mode {}",
-                 rank_, all.size() - 1, transport_.backend(), comm_.backend(), region_.bytes,
-                 layers_, arena_.layer_bytes(), mode_name(config_.mode));
+    if (engine) {
+      spdlog::info("eplb runtime rank {}: connected to {} peers over {} ({}), holding {} bytes "
+                   "of staging beside the engine's {} layers x {} tensors, mode {}",
+                   rank_, all.size() - 1, transport_.backend(), comm_.backend(), region_.bytes,
+                   layers_, arena_.tensors(), mode_name(config_.mode));
+    } else {
+      spdlog::info("eplb runtime rank {}: connected to {} peers over {} ({}), holding {} bytes "
+                   "({} layers + 1 staging of {} bytes), mode {}",
+                   rank_, all.size() - 1, transport_.backend(), comm_.backend(), region_.bytes,
+                   layers_, arena_.layer_bytes(), mode_name(config_.mode));
+    }
     return static_cast<int64_t>(region_.bytes);
+  }
+
+  // The engine's tensors, one transport region each, right after the staging region.
+  void register_engine_tensors() {
+    if (!transport_.capabilities().register_memory) {
+      fail<NotSupported>("the ", transport_.backend(), " transport cannot serve reads from "
+                         "memory the engine allocated (register_memory); use a transport that "
+                         "can (shm, ucx, hybrid, inproc) or let eplb allocate the arena");
+    }
+    const int64_t spr = config_.layout.slots_per_rank();
+    engine_.tensors = arena_.tensors();
+    engine_.at.clear();
+    for (int64_t l = 0; l < layers_; ++l) {
+      for (int64_t t = 0; t < arena_.tensors(); ++t) {
+        const TensorMemory& m = spec_.memory(l, t);
+        const int64_t stride = spec_.stride(l, t);
+        const int64_t bytes = (spr - 1) * stride + arena_.tensor_bytes(t);
+        const transport::Region r = transport_.register_memory(m.base, static_cast<size_t>(bytes));
+        EPLB_CHECK_EQ(r.id, region_.id + 1 + static_cast<int>(engine_.at.size()),
+                      "the engine's regions follow the staging region");
+        engine_.at.push_back({r.id, static_cast<std::byte*>(m.base), stride});
+      }
+    }
   }
 
   // ---------------------------------------------------------------- forward thread
@@ -351,8 +434,24 @@ class Rebalancer::Impl {
                layers_, ")");
     EPLB_CHECK(tensor >= 0 && tensor < arena_.tensors(), "weights: tensor ", tensor,
                " is outside [0, ", arena_.tensors(), ")");
+    const int64_t spr = config_.layout.slots_per_rank();
+    if (spec_.engine_weights()) {
+      const EngineTensors::Tensor& e = engine_.of(layer, tensor);
+      return {e.base, static_cast<size_t>((spr - 1) * e.stride + arena_.tensor_bytes(tensor))};
+    }
     return {region_.data + arena_.offset(map_.buffer_of_layer[layer], tensor, 0),
-            static_cast<size_t>(arena_.tensor_bytes(tensor) * config_.layout.slots_per_rank())};
+            static_cast<size_t>(arena_.tensor_bytes(tensor) * spr)};
+  }
+
+  std::span<std::byte> slot_weights(int64_t layer, int64_t tensor, int64_t slot) const {
+    const int64_t spr = config_.layout.slots_per_rank();
+    EPLB_CHECK(slot >= 0 && slot < spr, "slot_weights: slot ", slot, " is outside [0, ", spr,
+               ")");
+    const std::span<std::byte> all = weights(layer, tensor);
+    const int64_t stride =
+        spec_.engine_weights() ? engine_.of(layer, tensor).stride : arena_.tensor_bytes(tensor);
+    return all.subspan(static_cast<size_t>(slot * stride),
+                       static_cast<size_t>(arena_.tensor_bytes(tensor)));
   }
 
   std::span<const int32_t> phy2log(int64_t layer) const {
@@ -542,7 +641,9 @@ class Rebalancer::Impl {
   // (or enqueued, by the installer).
   void install(RebalancePlan& plan, int64_t k) {
     const int64_t layer = plan.moved_layers[k];
-    if (config_.install == Install::kSwap) {
+    if (spec_.engine_weights()) {
+      install_into_engine(plan, k);
+    } else if (swaps()) {
       map_.install(layer);
     } else {
       std::byte* live = region_.data + arena_.offset(map_.buffer_of_layer[layer], 0, 0);
@@ -553,6 +654,7 @@ class Rebalancer::Impl {
       } else {
         std::memcpy(live, staged, bytes);
       }
+      open_->bytes_installed += static_cast<int64_t>(bytes);
     }
     if (config_.installer) installer_or_stop([&] { config_.installer->mark(); }, layer);
     std::swap(tables_[layer], plan.tables[k]);
@@ -560,6 +662,31 @@ class Rebalancer::Impl {
               phy2log_.begin() + layer * config_.layout.physical);
     ++installed_total_;
     ++open_->layers_installed;
+  }
+
+  // Installs swap buffers only with the arena and Install::kSwap.
+  bool swaps() const { return !spec_.engine_weights() && config_.install == Install::kSwap; }
+
+  // The engine's tensors of layer k of `plan` get, slot by slot, the staged bytes of every
+  // slot whose expert changes; the others are not written.
+  void install_into_engine(const RebalancePlan& plan, int64_t k) {
+    const int64_t layer = plan.moved_layers[k];
+    const auto actions = plan.migrations[k].plan.rank_actions(rank_, config_.layout);
+    for (size_t j = 0; j < actions.size(); ++j) {
+      if (actions[j].action == migration::Action::kUnchanged) continue;
+      for (int64_t t = 0; t < arena_.tensors(); ++t) {
+        const EngineTensors::Tensor& e = engine_.of(layer, t);
+        std::byte* live = e.base + static_cast<int64_t>(j) * e.stride;
+        const std::byte* staged = region_.data + arena_.offset(0, t, static_cast<int64_t>(j));
+        const auto bytes = static_cast<size_t>(arena_.tensor_bytes(t));
+        if (config_.installer) {
+          installer_or_stop([&] { config_.installer->copy(live, staged, bytes); }, layer);
+        } else {
+          std::memcpy(live, staged, bytes);
+        }
+        open_->bytes_installed += static_cast<int64_t>(bytes);
+      }
+    }
   }
 
   // An installer that fails mid-install (a CUDA error on the engine's stream) leaves this
@@ -774,6 +901,7 @@ class Rebalancer::Impl {
     context.installer = config_.installer.get();
     context.device_memory = transport_.capabilities().device_memory;
     context.own_region = region_.id;
+    context.engine = spec_.engine_weights() ? &engine_ : nullptr;
     return context;
   }
 
@@ -813,7 +941,7 @@ class Rebalancer::Impl {
         std::unique_lock<std::mutex> lock(a.mu);
         a.cv.wait(lock, [&] { return a.installed > static_cast<int64_t>(k) || cancelled(); });
         if (cancelled()) return;
-        if (config_.install == Install::kSwap) map.install(layer);
+        if (swaps()) map.install(layer);
       }
     } catch (...) {
       worker_failed(a, rank_, Failure::current());
@@ -917,6 +1045,7 @@ class Rebalancer::Impl {
   std::vector<int32_t> phy2log_;                 // [layers][physical]
   std::vector<routing::DispatchTables> tables_;  // [layers]
   BufferMap map_;
+  EngineTensors engine_;  // the engine's own tensors, from connect() on; empty with the arena
   int64_t step_ = 0;
   int64_t installed_total_ = 0;
   int64_t next_index_ = 0;
@@ -978,6 +1107,13 @@ std::span<std::byte> Rebalancer::weights(int64_t layer, int64_t tensor) {
 }
 std::span<const std::byte> Rebalancer::weights(int64_t layer, int64_t tensor) const {
   return impl_->weights(layer, tensor);
+}
+std::span<std::byte> Rebalancer::slot_weights(int64_t layer, int64_t tensor, int64_t slot) {
+  return impl_->slot_weights(layer, tensor, slot);
+}
+std::span<const std::byte> Rebalancer::slot_weights(int64_t layer, int64_t tensor,
+                                                    int64_t slot) const {
+  return impl_->slot_weights(layer, tensor, slot);
 }
 std::span<const int32_t> Rebalancer::phy2log(int64_t layer) const {
   return impl_->phy2log(layer);

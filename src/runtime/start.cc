@@ -53,10 +53,8 @@ void fill_weights(Rebalancer& rebalancer,
   for (int64_t l = 0; l < spec.layers; ++l) {
     const auto phy2log = rebalancer.phy2log(l);
     for (int64_t t = 0; t < static_cast<int64_t>(spec.tensors.size()); ++t) {
-      const std::span<std::byte> all = rebalancer.weights(l, t);
-      const auto bytes = static_cast<size_t>(spec.tensors[t].expert_bytes);
       for (int64_t j = 0; j < spr; ++j) {
-        fill(l, t, phy2log[first + j], all.subspan(static_cast<size_t>(j) * bytes, bytes));
+        fill(l, t, phy2log[first + j], rebalancer.slot_weights(l, t, j));
       }
     }
   }

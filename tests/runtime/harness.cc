@@ -52,9 +52,10 @@ class CountingTransport final : public transport::Transport {
     allocated_bytes_.fetch_add(static_cast<int64_t>(bytes));
     return inner_->allocate(bytes);
   }
+  // Registered memory is the engine's, not what eplb holds: counted apart.
   transport::Region register_memory(void* data, std::size_t bytes) override {
     allocations_.fetch_add(1);
-    allocated_bytes_.fetch_add(static_cast<int64_t>(bytes));
+    registered_bytes_.fetch_add(static_cast<int64_t>(bytes));
     return inner_->register_memory(data, bytes);
   }
   std::vector<std::byte> export_descriptor() const override {
@@ -76,6 +77,7 @@ class CountingTransport final : public transport::Transport {
 
   int64_t allocations() const { return allocations_.load(); }
   int64_t allocated_bytes() const { return allocated_bytes_.load(); }
+  int64_t registered_bytes() const { return registered_bytes_.load(); }
   int64_t imports() const { return imports_.load(); }
 
  private:
@@ -83,6 +85,7 @@ class CountingTransport final : public transport::Transport {
   std::function<void()> before_post_;
   std::atomic<int64_t> allocations_{0};
   std::atomic<int64_t> allocated_bytes_{0};
+  std::atomic<int64_t> registered_bytes_{0};
   std::atomic<int64_t> imports_{0};
 };
 
@@ -359,12 +362,12 @@ uint64_t check_rank(const Scenario& s, const Rebalancer& rb, int rank, int64_t s
     h = fnv_vec(h, tables.static_slot);
     // Every local slot holds its expert's weights, byte for byte.
     for (int64_t t = 0; t < static_cast<int64_t>(s.weights.tensors.size()); ++t) {
-      const auto all = rb.weights(l, t);
       const int64_t bytes = s.weights.tensors[t].expert_bytes;
       for (int64_t j = 0; j < spr; ++j) {
+        const auto slot = rb.slot_weights(l, t, j);
         const int32_t expert = phy2log[first + j];
         for (int64_t i = 0; i < bytes; ++i) {
-          if (all[j * bytes + i] != weight_byte(l, t, expert, i)) {
+          if (slot[i] != weight_byte(l, t, expert, i)) {
             error("layer ", l, " tensor ", t, " slot ", first + j, " byte ", i,
                   " does not hold expert ", expert, "'s weights");
             break;
@@ -453,13 +456,48 @@ RankResult run_rank(const Scenario& s, int rank, const std::string& rendezvous,
     config.installer = installer;
     transport.set_before_post([installer] { installer->before_post(); });
   }
-  Rebalancer rb(config, *comm, transport, s.weights, initial);
+  // The engine's own tensors: one buffer per layer and tensor, at an unaligned base, with
+  // `engine_pad` bytes between slots (the gaps must never be written), as an engine allocates.
+  WeightSpec spec = s.weights;
+  std::vector<std::vector<std::byte>> own;
+  constexpr std::byte kGap{0x5a};
+  const int64_t spr = config.layout.slots_per_rank();
+  if (s.engine_weights) {
+    for (int64_t l = 0; l < spec.layers; ++l) {
+      for (const TensorSpec& t : spec.tensors) {
+        const int64_t stride = t.expert_bytes + s.engine_pad;
+        own.emplace_back(static_cast<size_t>(8 + spr * stride), kGap);
+        const size_t skew = static_cast<size_t>(1 + (l + rank) % 7);
+        spec.engine.push_back({.base = own.back().data() + skew,
+                               .stride = s.engine_pad == 0 ? 0 : stride});
+      }
+    }
+  }
+  const auto gaps_intact = [&] {
+    if (s.engine_pad == 0) return true;
+    for (size_t i = 0; i < own.size(); ++i) {
+      const auto t = static_cast<int64_t>(i % spec.tensors.size());
+      const int64_t bytes = spec.tensors[static_cast<size_t>(t)].expert_bytes;
+      const auto* base = static_cast<const std::byte*>(spec.engine[i].base);
+      for (int64_t j = 0; j < spr; ++j) {
+        for (int64_t g = 0; g < s.engine_pad; ++g) {
+          if (base[j * (bytes + s.engine_pad) + bytes + g] != kGap) return false;
+        }
+      }
+    }
+    return true;
+  };
+  Rebalancer rb(config, *comm, transport, spec, initial);
   const int64_t held = rb.connect();
-  // With Install::kCopy the weights never move.
+  // With Install::kCopy, or the engine's own tensors, the weights never move.
   std::vector<const std::byte*> addresses;
   for (int64_t l = 0; l < s.weights.layers; ++l) {
     for (int64_t t = 0; t < static_cast<int64_t>(s.weights.tensors.size()); ++t) {
       addresses.push_back(rb.weights(l, t).data());
+      if (s.engine_weights && addresses.back() != spec.memory(l, t).base) {
+        result.errors.push_back(detail::concat("rank ", rank, ": weights(", l, ", ", t,
+                                               ") is not the engine's tensor"));
+      }
     }
   }
   const int64_t allocations = transport.allocations();
@@ -484,7 +522,11 @@ RankResult run_rank(const Scenario& s, int rank, const std::string& rendezvous,
   for (int64_t step = 0; step < s.max_steps; ++step) {
     load.record(rb, step);
     const uint64_t hash = check_rank(s, rb, rank, step, result.errors) & ((1ull << 62) - 1);
-    if (config.install == Install::kCopy) {
+    if (s.engine_weights && !gaps_intact() && result.errors.size() < 20) {
+      result.errors.push_back(detail::concat("rank ", rank, " step ", step, ": an install wrote "
+                                             "between the slots of an engine tensor"));
+    }
+    if (config.install == Install::kCopy || s.engine_weights) {
       for (int64_t l = 0, i = 0; l < s.weights.layers; ++l) {
         for (int64_t t = 0; t < static_cast<int64_t>(s.weights.tensors.size()); ++t, ++i) {
           if (rb.weights(l, t).data() != addresses[static_cast<size_t>(i)]) {
@@ -600,7 +642,7 @@ void write_result(const RankResult& r, const std::string& path) {
   for (const auto& h : r.history) {
     out << "history " << static_cast<int>(h.outcome) << " " << h.trigger_step << " "
         << h.end_step << " " << h.layers_moved << " " << h.layers_installed << " "
-        << h.slots_moved << " " << h.error << "\n";
+        << h.slots_moved << " " << h.bytes_installed << " " << h.error << "\n";
   }
 }
 
@@ -625,7 +667,7 @@ RankResult read_result(const std::string& path, int rank) {
       RebalanceRecord h;
       int outcome = 0;
       fields >> outcome >> h.trigger_step >> h.end_step >> h.layers_moved >> h.layers_installed >>
-          h.slots_moved;
+          h.slots_moved >> h.bytes_installed;
       h.outcome = static_cast<Outcome>(outcome);
       std::getline(fields, h.error);
       r.history.push_back(h);

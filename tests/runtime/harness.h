@@ -64,6 +64,10 @@ struct Scenario {
   bool stop_mid_rebalance = false;   // every rank shuts down at the same step mid-rebalance
   bool compare_through_control = true;  // per-step hash through the harness communicator
   bool installer = false;  // a counting Installer: one mark per install, checked every step
+  // The engine allocates the weights (WeightSpec::engine) instead of the runtime's arena: one
+  // buffer per layer and tensor at an unaligned base, `engine_pad` bytes between slots.
+  bool engine_weights = false;
+  int64_t engine_pad = 0;
 };
 
 struct RankResult {

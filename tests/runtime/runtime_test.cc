@@ -152,6 +152,49 @@ TEST(RuntimeThreads, CopyInstallKeepsWeightsInPlace) {
   }
 }
 
+// Installs into the engine's tensors write only the slots whose expert changes: over all
+// ranks, slots moved x the bytes of an expert, for every completed rebalance.
+void expect_engine_installs(const Scenario& s, const std::vector<RankResult>& results) {
+  const RankResult& reference = results[0];
+  for (size_t i = 0; i < reference.history.size(); ++i) {
+    if (reference.history[i].outcome != Outcome::kCompleted) continue;
+    int64_t written = 0;
+    for (const RankResult& r : results) written += r.history.at(i).bytes_installed;
+    EXPECT_EQ(written, reference.history[i].slots_moved * s.weights.expert_bytes())
+        << "rebalance " << i;
+  }
+}
+
+// The engine keeps its tensors: unaligned, with gaps between slots (never written), at
+// addresses that never change, installs writing only what changes.
+TEST(RuntimeThreads, EngineWeightsStayTheEngines) {
+  for (const Mode mode : {Mode::kAsync, Mode::kSync}) {
+    for (const int64_t pad : {int64_t{0}, int64_t{13}}) {
+      Scenario s = skewed(std::string("engine-") + std::string(mode_name(mode)) + "-pad" +
+                              std::to_string(pad),
+                          mode);
+      s.engine_weights = true;
+      s.engine_pad = pad;
+      s.delays = true;
+      const auto results = testing::run_scenario(s);
+      expect_consistent(s, results);
+      EXPECT_GE(count(results[0], Outcome::kCompleted), s.completed);
+      EXPECT_GT(moved_slots(results[0]), 0);
+      expect_engine_installs(s, results);
+    }
+  }
+}
+
+TEST(RuntimeThreads, EngineWeightsWithAnInstaller) {
+  Scenario s = skewed("engine-installer", Mode::kAsync);
+  s.engine_weights = true;
+  s.engine_pad = 8;
+  s.installer = true;
+  const auto results = testing::run_scenario(s);
+  expect_consistent(s, results);
+  EXPECT_GE(count(results[0], Outcome::kCompleted), s.completed);
+}
+
 TEST(RuntimeConfig, InstallNames) {
   EXPECT_EQ(parse_install("swap"), Install::kSwap);
   EXPECT_EQ(parse_install("copy"), Install::kCopy);
@@ -408,6 +451,23 @@ TEST(RuntimeProcesses, CopyInstallOverShm) {
   const auto results = testing::run_scenario(s);
   expect_consistent(s, results);
   EXPECT_GE(count(results[0], Outcome::kCompleted), s.completed);
+}
+
+// Processes reading each other's engine-allocated memory: shm through cross-memory attach,
+// hybrid through its shm half, UCX through its mapping of the memory.
+TEST(RuntimeProcesses, EngineWeightsOverEveryTransport) {
+  for (const std::string transport : {"shm", "hybrid", "ucx"}) {
+    if (!transport::has_backend(transport)) continue;
+    Scenario s = as_processes(flame("engine-" + transport, Mode::kAsync), transport);
+    s.engine_weights = true;
+    s.engine_pad = transport == "shm" ? 5 : 0;
+    s.delays = transport == "shm";
+    const auto results = testing::run_scenario(s);
+    if (!results.empty() && !results[0].skipped.empty()) continue;
+    expect_consistent(s, results);
+    EXPECT_GE(count(results[0], Outcome::kCompleted), s.completed) << transport;
+    expect_engine_installs(s, results);
+  }
 }
 
 TEST(RuntimeProcesses, ShmSyncSkewed) {

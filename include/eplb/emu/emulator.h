@@ -42,6 +42,9 @@ struct RunOptions {
   std::string policy = "balanced";
   std::string mode = "async";  // async | sync | off (no rebalancing)
   std::string dispatch = "static";
+  // engine: each rank allocates its expert weights and registers them (what engines do);
+  // arena: the runtime allocates them.
+  std::string weights = "engine";
   int64_t verify_every = 16;   // verify the tokens whose hash picks 1 in this many; 1: all
   uint64_t seed = 1;
   int64_t timeout_ms = 60'000;
@@ -78,6 +81,7 @@ struct RebalanceFigures {
   int64_t slots_moved = 0;
   int64_t bytes_moved = 0;      // remote reads, all ranks
   int64_t bytes_local_copy = 0;
+  int64_t bytes_installed = 0;  // written into live weights by installs, all ranks
   double stall_total_ms = 0;    // max over ranks
   double stall_max_ms = 0;      // max over ranks
   double predicted_before = 0;
@@ -98,6 +102,7 @@ struct RunResult {
   double moe_ms_after = 0;
   int64_t bytes_moved = 0;
   int64_t bytes_local_copy = 0;
+  int64_t bytes_installed = 0;   // written into live weights by installs, all ranks
   double stall_max_ms = 0;
   double stall_total_ms = 0;
   int64_t mismatches = 0;

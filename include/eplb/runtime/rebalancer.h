@@ -19,7 +19,10 @@
 // to the caller, must outlive the Rebalancer (or its shutdown()), and must not be used by
 // anyone else in between.
 //
-// Weights. The arena holds layers + 1 layer buffers of [tensors][slots_per_rank][expert_bytes];
+// Weights. The engine's own tensors (WeightSpec::engine), which eplb registers with the
+// transport and installs into by copying only the slots whose expert changes (one staging
+// layer beside them); or an arena eplb allocates, for a server with no weights of its own.
+// The arena holds layers + 1 layer buffers of [tensors][slots_per_rank][expert_bytes];
 // the extra one is the staging buffer. By default (Install::kSwap) a layer is installed by
 // swapping its buffer with the staging buffer, so weights(layer, tensor) is, like
 // dispatch(layer), valid until the next step_end(): an engine re-reads both after every step_end
@@ -144,6 +147,7 @@ struct RebalanceRecord {
   int64_t bytes_inter_node = 0;
   int64_t bytes_local_copy = 0;
   int64_t rounds = 0;              // read rounds, summed over moved layers
+  int64_t bytes_installed = 0;     // bytes this rank's installs wrote into live weights
   int64_t steps = 0;               // end_step - trigger_step
   double seconds = 0;              // wall time from trigger to end on this rank
   double stall_total_ms = 0;       // this rank's forward thread in step_end, steps of this
@@ -157,10 +161,29 @@ struct TensorSpec {
   int64_t expert_bytes = 0;  // bytes of one expert of this tensor
 };
 
+// Where the engine keeps one tensor of one layer: this rank's slots of it, slot j at
+// base + j * stride (docs/runtime.md, "Embedding with the engine's own weights").
+struct TensorMemory {
+  void* base = nullptr;
+  int64_t stride = 0;  // bytes from one slot to the next, >= the tensor's expert_bytes; 0: those
+};
+
 struct WeightSpec {
   int64_t layers = 0;
   std::vector<TensorSpec> tensors;
+  // The engine's own tensors, [layers][tensors] (layer-major), or empty for an arena eplb
+  // allocates. With them eplb allocates one staging layer only, registers these with the
+  // transport (peers read them in place), and installs by copying into them the slots whose
+  // expert changes: weights() is these tensors, at addresses that never change. Host memory,
+  // or device memory where the transport's capabilities().device_memory; every rank must give
+  // the same strides. The memory stays the engine's and must outlive the Rebalancer.
+  std::vector<TensorMemory> engine = {};
 
+  bool engine_weights() const { return !engine.empty(); }
+  const TensorMemory& memory(int64_t layer, int64_t tensor) const {
+    return engine[static_cast<size_t>(layer) * tensors.size() + static_cast<size_t>(tensor)];
+  }
+  int64_t stride(int64_t layer, int64_t tensor) const;  // resolved (never 0)
   int64_t expert_bytes() const;  // sum over tensors: bytes that move with one expert
   void validate() const;         // InvalidArgument naming the bad value
 };
@@ -208,9 +231,10 @@ class Rebalancer {
   Rebalancer& operator=(const Rebalancer&) = delete;
 
   // Start-up, on every rank together (it runs collectives): allocates the arena (layers + 1
-  // layer buffers, zero-filled) as one transport region, exchanges descriptors with every
-  // peer, reads a few bytes from each, starts the control and worker threads. Returns the
-  // bytes held (arena, staging included); nothing more is allocated or connected later.
+  // layer buffers, zero-filled) as one transport region, or with the engine's own weights one
+  // staging layer and registers the engine's tensors; exchanges descriptors with every peer,
+  // reads a few bytes from each, starts the control and worker threads. Returns the bytes eplb
+  // holds (arena or staging); nothing more is allocated or connected later.
   int64_t connect();
 
   // ---- forward thread ----
@@ -220,10 +244,15 @@ class Rebalancer {
   void record_counts(int64_t layer, std::span<const int64_t> counts);
   // The tables of `layer` now; valid until the next step_end().
   const routing::DispatchTables& dispatch(int64_t layer) const;
-  // This rank's weights of one tensor of `layer`: [slots_per_rank][expert_bytes]; slot j holds
-  // the expert phy2log(layer)[rank * slots_per_rank + j]. Valid until the next step_end().
+  // This rank's weights of one tensor of `layer`: [slots_per_rank][expert_bytes] (the engine's
+  // tensor with its stride, with engine weights); slot j holds the expert
+  // phy2log(layer)[rank * slots_per_rank + j]. Valid until the next step_end() with the arena
+  // and Install::kSwap; at fixed addresses otherwise.
   std::span<std::byte> weights(int64_t layer, int64_t tensor);
   std::span<const std::byte> weights(int64_t layer, int64_t tensor) const;
+  // The bytes of one slot of one tensor of `layer` (within weights()).
+  std::span<std::byte> slot_weights(int64_t layer, int64_t tensor, int64_t slot);
+  std::span<const std::byte> slot_weights(int64_t layer, int64_t tensor, int64_t slot) const;
   // The placement in force now, one layer: [physical].
   std::span<const int32_t> phy2log(int64_t layer) const;
   // The placement in force now, all layers (built on demand).

@@ -3,9 +3,12 @@
 
 Every rank is a process started with torch.multiprocessing (spawn). eplb's control plane runs on
 gloo (a FileStore in a temporary folder); the engine's own collectives (the token exchange and
-the combine) run on torch.distributed's gloo group. The expert weights live in eplb's arena:
-each rank computes with torch tensors that are views of it, and eplb moves experts between the
-ranks' arenas while the loop keeps running.
+the combine) run on torch.distributed's gloo group. By default the expert weights live in
+eplb's arena: each rank computes with torch tensors that are views of it. With --own-weights the
+model creates its experts as nn.Parameters the way an engine does at model load (per layer and
+tensor, [local experts, ...]) and registers them with eplb, which reads its peers' in place and
+writes into them only the slots whose expert changes. Either way eplb moves experts between the
+ranks while the loop keeps running.
 
 Per step and layer, each rank:
   1. routes its tokens (a synthetic router whose hot experts all start on rank 0 and move halfway
@@ -18,6 +21,7 @@ After every step it checks, bit for bit, that each of its slots holds the weight
 eplb says is there, then calls rb.step_end() and fetches the weight views again.
 
     PYTHONPATH=<build>/python python3 examples/torch_moe.py [--ranks 2 --steps 120 ...]
+    PYTHONPATH=<build>/python python3 examples/torch_moe.py --own-weights
     PYTHONPATH=<build>/python python3 examples/torch_moe.py --trace data/flame-moe-290m/routing_top6.csv
 """
 
@@ -61,6 +65,8 @@ def parse_args(argv=None):
     p.add_argument("--control", default=None, help="eplb control backend (default gloo)")
     p.add_argument("--workdir", help="folder for the rendezvous files (default: a temp folder)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--own-weights", action="store_true",
+                   help="the model allocates its experts as nn.Parameters and registers them")
     args = p.parse_args(argv)
     if args.trace:
         args.experts, args.top_k = 64, 6
@@ -155,6 +161,16 @@ def run_rank(rank, args, workdir):
               "agreement": args.agreement}
     # The expert weights: one gate_up and one down tensor per expert, float32.
     weights = {"gate_up": ((2 * args.ffn, H), torch.float32), "down": ((H, args.ffn), torch.float32)}
+    params = None
+    if args.own_weights:
+        # As an engine's fused-MoE layer: its parameters, allocated at model load, never moved.
+        spr = (args.experts + args.redundant) // G
+        params = torch.nn.ParameterList()
+        for _ in range(args.layers):
+            params.append(torch.nn.Parameter(torch.zeros(spr, 2 * args.ffn, H), requires_grad=False))
+            params.append(torch.nn.Parameter(torch.zeros(spr, H, args.ffn), requires_grad=False))
+        weights = {"gate_up": [params[2 * l].data for l in range(args.layers)],
+                   "down": [params[2 * l + 1].data for l in range(args.layers)]}
     reference = [[expert_weights(args, l, e) for e in range(args.experts)]
                  for l in range(args.layers)]
     router = Router(args)
@@ -167,6 +183,8 @@ def run_rank(rank, args, workdir):
         held = rb.connect()
         rb.fill_weights(lambda l, name, e: reference[l][e][0 if name == "gate_up" else 1])
         spr = rb.slots_per_rank
+        if params is not None:
+            pointers = [p.data_ptr() for p in params]
 
         for step in range(args.steps):
             h = step_tokens(args, step, rank)
@@ -223,8 +241,14 @@ def run_rank(rank, args, workdir):
                             and torch.equal(w2[j], reference[layer][e][1])):
                         raise AssertionError(f"rank {rank} step {step}: layer {layer} slot {j} "
                                              f"does not hold expert {e}")
+                if params is not None and (w13.data_ptr() != params[2 * layer].data_ptr() or
+                                           w2.data_ptr() != params[2 * layer + 1].data_ptr()):
+                    raise AssertionError(f"rank {rank} step {step}: layer {layer}'s weights are "
+                                         "not the model's parameters")
             balance.append(sum(step_balance) / len(step_balance))
             rb.step_end()
+            if params is not None and [p.data_ptr() for p in params] != pointers:
+                raise AssertionError(f"rank {rank} step {step}: a parameter moved")
             if args.agreement == "external":
                 # The engine carries eplb's agreement on a collective of its own (here a
                 # one-value all-reduce; a real engine adds it to one it runs anyway).
@@ -246,12 +270,13 @@ def run_rank(rank, args, workdir):
     if rank == 0:
         seconds = time.perf_counter() - start
         done = [r for r in history if r["outcome"] == "completed"]
+        kept = "the model's own parameters" if args.own_weights else "in its arena"
         first = balance[:args.interval]
         last = balance[-args.interval:]
         print(f"eplb torch_moe: {G} ranks, {args.layers} layers, {args.experts} experts in "
               f"{args.experts + args.redundant} slots, top-{args.top_k}, {args.steps} steps of "
               f"{T} tokens per rank, control {control} (agreement {args.agreement}), transport shm, "
-              f"{held} bytes held per rank")
+              f"{held} bytes held per rank by eplb, weights {kept}")
         print(f"rebalances: {len(history)} ({len(done)} completed, "
               f"{sum(r['outcome'] == 'skipped' for r in history)} skipped), "
               f"{sum(r['slots_moved'] for r in done)} slots moved, "

@@ -99,6 +99,53 @@ def _parse_tensor(name, spec):
     return name, nbytes, shape, dtype
 
 
+def _is_engine_tensors(spec):
+    """A list (or tuple) of tensors or arrays, one per layer: the engine's own weights."""
+    return (isinstance(spec, (list, tuple)) and len(spec) > 0 and
+            all(_is_torch_tensor(t) or isinstance(t, np.ndarray) for t in spec))
+
+
+def _engine_tensor(name, layer, t, slots):
+    """(address, slot stride in bytes, slot shape, dtype, expert bytes) of one engine tensor,
+    after checking it can be registered: on the CPU, [slots, ...], each slot contiguous."""
+    where = f"weights: tensor '{name}' of layer {layer}"
+    if _is_torch_tensor(t):
+        if t.device.type != "cpu":
+            raise InvalidArgument(
+                f"{where} is on {t.device}: only CPU tensors can be registered with this "
+                "build's transports (device memory goes through the cuda transport's arena)")
+        shape, strides, size = tuple(t.shape), tuple(t.stride()), t.element_size()
+        dtype, address = t.dtype, t.data_ptr()
+    else:
+        if not t.flags.writeable:
+            raise InvalidArgument(f"{where} is a read-only array: installs write into it")
+        shape, size, dtype = t.shape, t.itemsize, t.dtype
+        strides = tuple(s // size for s in t.strides)
+        address = t.__array_interface__["data"][0]
+        if any(s % size for s in t.strides):
+            raise InvalidArgument(f"{where} has strides {t.strides} that are not whole elements")
+    if len(shape) < 1 or shape[0] != slots:
+        raise InvalidArgument(
+            f"{where} has shape {shape}: its first dimension must be this rank's {slots} slots "
+            "(physical // world_size)")
+    # Every slot one contiguous run of bytes; the slots may be apart (a padded stride).
+    expected = []
+    step = 1
+    for extent in reversed(shape[1:]):
+        expected.append(step)
+        step *= extent
+    expected.reverse()
+    if any(e > 1 and s != x for e, s, x in zip(shape[1:], strides[1:], expected)):
+        raise InvalidArgument(
+            f"{where} has strides {strides} (in elements): each slot [{', '.join(map(str, shape[1:]))}] "
+            "must be contiguous (expert-major, as engines allocate them)")
+    nbytes = math.prod(shape[1:]) * size
+    stride = strides[0] * size if slots > 1 else nbytes
+    if stride < nbytes:
+        raise InvalidArgument(f"{where}: slots {stride} bytes apart overlap (each holds {nbytes})")
+    return address, stride, tuple(shape[1:]), dtype, nbytes
+
+
 class Rebalancer:
     """One rank of eplb's runtime (C++ ``eplb::runtime::Rebalancer``).
 
@@ -120,9 +167,15 @@ class Rebalancer:
         transport: weight transport, "shm", "ucx", "hybrid" (shm within a node, UCX across) or
             "inproc"; eplb.transport_backends().
         weights: the tensors of one layer's expert, as a list of (name, spec) or a dict
-            name -> spec, where spec is the bytes of one expert (an int: views default to
-            uint8 [slots_per_rank, bytes]) or (shape, dtype) (views default to
-            dtype [slots_per_rank, *shape]; dtype may be a numpy or a torch dtype).
+            name -> spec, where spec is either
+              - the engine's own tensors: a list with one tensor per layer (PyTorch CPU tensors
+                or numpy arrays) of shape [slots_per_rank, ...], each slot contiguous. eplb
+                registers them, reads peers' in place, and installs into them the slots whose
+                expert changes; weights(layer, name) is that very tensor for the whole run
+                (the same data_ptr()), and eplb allocates only one staging layer;
+              - or, for an arena eplb allocates: the bytes of one expert (an int: views default
+                to uint8 [slots_per_rank, bytes]) or (shape, dtype) (views default to
+                dtype [slots_per_rank, *shape]; dtype may be a numpy or a torch dtype).
         layers: number of MoE layers (may be left out when `initial` is an array).
         initial: the starting placement: None or "trivial" (slot p holds expert p % experts),
             a placement file (eplb's JSON or SGLang's physical_to_logical_map), or a
@@ -150,16 +203,28 @@ class Rebalancer:
             raise InvalidArgument("weights must be a dict or a list of (name, spec) pairs, got "
                                   f"{weights!r}") from None
         tensors = []
+        owned = []  # the engine's tensors, per name: [layers]
         for item in items:
             try:
                 name, spec = item
             except (TypeError, ValueError):
                 raise InvalidArgument(
                     f"weights: each entry must be a (name, spec) pair, got {item!r}") from None
-            tensors.append(_parse_tensor(name, spec))
+            if _is_engine_tensors(spec):
+                if not isinstance(name, str) or not name:
+                    raise InvalidArgument(
+                        f"weights: tensor names must be non-empty strings, got {name!r}")
+                owned.append((name, list(spec)))
+                tensors.append((name, 0, None, None))  # sized below
+            else:
+                tensors.append(_parse_tensor(name, spec))
         names = [t[0] for t in tensors]
         if len(set(names)) != len(names):
             raise InvalidArgument(f"weights: tensor names must be distinct, got {names}")
+        if owned and len(owned) != len(tensors):
+            raise InvalidArgument(
+                "weights: give every tensor as the engine's own (a list of one tensor per layer) "
+                f"or none; {[n for n, _ in owned]} are and the others are not")
 
         initial_array, initial_path = None, None
         if initial is None or (isinstance(initial, str) and initial == "trivial"):
@@ -177,10 +242,40 @@ class Rebalancer:
             initial_array = np.ascontiguousarray(a, dtype=np.int64)
             if layers is None:
                 layers = a.shape[0]
+        if layers is None and owned:
+            layers = len(owned[0][1])
         if layers is None:
             raise InvalidArgument("layers is required (the number of MoE layers) unless "
-                                  "initial is a phy2log array")
+                                  "initial is a phy2log array or the weights are the engine's")
         layers = _as_int(layers, "layers", 1, MAX_LAYERS)
+        engine = []
+        self._engine = None
+        if owned:
+            physical = config.get("physical")
+            if not isinstance(physical, (int, np.integer)) or physical < 1 or physical % world_size:
+                raise InvalidArgument(
+                    f"config['physical'] {physical!r} must be a positive multiple of world_size "
+                    f"{world_size} (each rank holds physical // world_size slots)")
+            slots = int(physical) // world_size
+            per_layer = {}
+            for index, (name, per) in enumerate(owned):
+                if len(per) != layers:
+                    raise InvalidArgument(f"weights: tensor '{name}' has {len(per)} layers of "
+                                          f"tensors, expected {layers}")
+                first = None
+                for layer, t in enumerate(per):
+                    address, stride, shape, dtype, nbytes = _engine_tensor(name, layer, t, slots)
+                    if first is None:
+                        first = (shape, dtype)
+                    elif (shape, dtype) != first:
+                        raise InvalidArgument(
+                            f"weights: tensor '{name}' of layer {layer} is {shape} {dtype}, "
+                            f"layer 0's is {first[0]} {first[1]}: every layer must be alike")
+                    per_layer[(layer, index)] = (address, stride)
+                tensors[index] = (name, nbytes, first[0], first[1])
+            engine = [per_layer[(layer, index)] for layer in range(layers)
+                      for index in range(len(owned))]
+            self._engine = [per for _, per in owned]  # [tensors][layers], kept alive here
         if rendezvous is None:
             if world_size != 1:
                 raise InvalidArgument(
@@ -196,7 +291,7 @@ class Rebalancer:
         self._layers = layers
         self._rt = _eplb._Runtime(dict(config), rank, world_size, str(control), rendezvous,
                                   str(group), str(transport), [(t[0], t[1]) for t in tensors],
-                                  layers, initial_array, initial_path)
+                                  layers, initial_array, initial_path, engine)
         self._config = self._rt.config()
         self._slots_per_rank = self._config["physical"] // world_size
         self._connected = False
@@ -278,18 +373,22 @@ class Rebalancer:
         return slots
 
     def weights(self, layer, tensor, dtype=None, shape=None, as_torch=False):
-        """This rank's weights of one tensor of `layer`, a view of the arena (no copy): slot j
-        holds the expert ``local_experts(layer)[j]``.
+        """This rank's weights of one tensor of `layer`: slot j holds the expert
+        ``local_experts(layer)[j]``. With the engine's own tensors, that very tensor (unless
+        dtype, shape or as_torch ask for another view of it); else a view of the arena (no copy).
 
         `tensor`: its name or index. `dtype`, `shape`: how to view one expert (default: as
         declared in `weights`, else uint8 [expert_bytes]); a torch dtype, or as_torch=True,
         gives a torch CPU tensor (through DLPack). Shape of the result: [slots_per_rank, *shape].
 
-        VALID ONLY UNTIL THE NEXT step_end(): fetch it again after every step_end() (unless
-        config "install" is "copy": then the arena never moves).
+        With the arena, VALID ONLY UNTIL THE NEXT step_end(): fetch it again after every
+        step_end() (unless config "install" is "copy": then the arena never moves). The
+        engine's tensors never move.
         """
         index = self._tensor_index(tensor)
         name, nbytes, declared_shape, declared_dtype = self._tensors[index]
+        if self._engine is not None and dtype is None and shape is None and not as_torch:
+            return self._engine[index][_as_int(layer, "layer", 0, self._layers - 1)]
         raw = self._rt.weights(layer, index)  # uint8 [slots_per_rank, nbytes]
         if dtype is None:
             dtype = declared_dtype if declared_dtype is not None else np.uint8

@@ -188,6 +188,7 @@ py::dict record_dict(const runtime::RebalanceRecord& r) {
   d["bytes_inter_node"] = r.bytes_inter_node;
   d["bytes_local_copy"] = r.bytes_local_copy;
   d["rounds"] = r.rounds;
+  d["bytes_installed"] = r.bytes_installed;
   d["steps"] = r.steps;
   d["seconds"] = r.seconds;
   d["stall_total_ms"] = r.stall_total_ms;
@@ -274,7 +275,8 @@ std::unique_ptr<Runtime> make_runtime(const py::dict& config, int rank, int worl
                                       const std::string& group, const std::string& transport,
                                       const std::vector<std::pair<std::string, int64_t>>& tensors,
                                       int64_t layers, const std::optional<IndexArray>& initial,
-                                      const std::optional<std::string>& initial_path) {
+                                      const std::optional<std::string>& initial_path,
+                                      const std::vector<std::pair<uintptr_t, int64_t>>& engine) {
   if (world_size < 1) fail("world_size ", world_size, " must be at least 1");
   if (rank < 0 || rank >= world_size) {
     fail("rank ", rank, " is outside [0, ", world_size, ") (world_size ", world_size, ")");
@@ -283,6 +285,11 @@ std::unique_ptr<Runtime> make_runtime(const py::dict& config, int rank, int worl
   runtime::WeightSpec spec;
   spec.layers = layers;
   for (const auto& [name, bytes] : tensors) spec.tensors.push_back({name, bytes});
+  // The caller's own tensors, [layers][tensors]: (address, stride); the Python object keeps
+  // them alive as long as this runtime.
+  for (const auto& [address, stride] : engine) {
+    spec.engine.push_back({.base = reinterpret_cast<void*>(address), .stride = stride});
+  }
   std::optional<Placement> start;
   if (initial) {
     if (initial->ndim() == 2 && initial->shape(1) != c.layout.physical) {
@@ -306,9 +313,15 @@ std::unique_ptr<Runtime> make_runtime(const py::dict& config, int rank, int worl
 py::array weights_view(py::object self, int64_t layer, int64_t tensor) {
   Runtime& r = self.cast<Runtime&>();
   std::span<std::byte> bytes = r.rb().weights(layer, tensor);
+  const runtime::WeightSpec& spec = r.rb().weight_spec();
   const py::ssize_t slots = r.layout().slots_per_rank();
-  const py::ssize_t per_slot = static_cast<py::ssize_t>(bytes.size()) / slots;
-  return py::array(py::dtype::of<uint8_t>(), {slots, per_slot}, {per_slot, py::ssize_t{1}},
+  EPLB_CHECK(tensor >= 0 && tensor < static_cast<int64_t>(spec.tensors.size()), "tensor ",
+             tensor, " is outside [0, ", spec.tensors.size(), ")");
+  const auto per_slot = static_cast<py::ssize_t>(spec.tensors[tensor].expert_bytes);
+  // The engine's tensors may have a stride between slots; the arena's slots are contiguous.
+  const auto stride = static_cast<py::ssize_t>(
+      spec.engine_weights() ? spec.stride(layer, tensor) : per_slot);
+  return py::array(py::dtype::of<uint8_t>(), {slots, per_slot}, {stride, py::ssize_t{1}},
                    bytes.data(), self);
 }
 
@@ -365,7 +378,8 @@ void bind_runtime(py::module_& m) {
   py::class_<Runtime>(m, "_Runtime")
       .def(py::init(&make_runtime), py::arg("config"), py::arg("rank"), py::arg("world_size"),
            py::arg("control"), py::arg("rendezvous"), py::arg("group"), py::arg("transport"),
-           py::arg("tensors"), py::arg("layers"), py::arg("initial"), py::arg("initial_path"))
+           py::arg("tensors"), py::arg("layers"), py::arg("initial"), py::arg("initial_path"),
+           py::arg("engine"))
       .def("connect",
            [](Runtime& r) {
              runtime::Rebalancer& rb = r.rb();

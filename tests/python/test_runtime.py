@@ -314,12 +314,12 @@ def test_torch_paths():
 
 # --------------------------------------------------------------- several ranks: threads
 def run_rank(rank, world, rendezvous, cfg, steps_min, steps_max, log, control, transport,
-             agree=None):
+             agree=None, weights=WEIGHTS):
     """One rank's serving loop: record a skewed load, check weights and routes every step, log
     the placement and tables, and stop once a rebalance completed (at least steps_min steps).
     With `agree` (external agreement), agree(rank, value) is the engine's min-reduction."""
     with eplb.Rebalancer(cfg, rank, world, control=control, transport=transport,
-                         rendezvous=rendezvous, weights=WEIGHTS, layers=LAYERS) as rb:
+                         rendezvous=rendezvous, weights=weights, layers=LAYERS) as rb:
         rb.connect()
         rb.fill_weights(expert_value)
         rng = np.random.default_rng(rank)
@@ -409,21 +409,38 @@ def test_threads_four_ranks():
 
 
 # ------------------------------------------------------------- several ranks: processes
-def process_rank(rank, world, rendezvous, queue):
+def engine_tensors(world, torch_tensors=False):
+    """The engine's own weights, as an engine allocates them at model load: per tensor name, one
+    tensor per layer of [slots_per_rank, ...]; w2's slots 16 bytes apart (a padded stride)."""
+    slots = PHYSICAL // world
+    if torch_tensors:
+        import torch
+        return {"w13": [torch.zeros((slots, 2, 3), dtype=torch.float32) for _ in range(LAYERS)],
+                "w2": [torch.zeros((slots, 16), dtype=torch.uint8)[:, :10]
+                       for _ in range(LAYERS)]}
+    return {"w13": [np.zeros((slots, 2, 3), dtype=np.float32) for _ in range(LAYERS)],
+            "w2": [np.zeros((slots, 16), dtype=np.uint8)[:, :10] for _ in range(LAYERS)]}
+
+
+def process_rank(rank, world, rendezvous, queue, engine=False):
     try:
         log = []
-        history = run_rank(rank, world, rendezvous, config(), 12, 400, log, "shm", "shm")
+        weights = engine_tensors(world) if engine else WEIGHTS
+        history = run_rank(rank, world, rendezvous, config(), 12, 400, log, "shm", "shm",
+                           weights=weights)
         queue.put((rank, None, log, [(h["end_step"], h["outcome"]) for h in history]))
     except BaseException as e:
         queue.put((rank, repr(e), None, None))
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="shm backends and fork are Linux-only here")
-def test_processes_shm():
+@pytest.mark.parametrize("engine", [False, True], ids=["arena", "engine-weights"])
+def test_processes_shm(engine):
+    # With the engine's own weights (numpy arrays), peers read them by cross-memory attach.
     context = multiprocessing.get_context("fork")
     queue = context.Queue()
     rendezvous = unique("rt-procs")
-    procs = [context.Process(target=process_rank, args=(g, 2, rendezvous, queue))
+    procs = [context.Process(target=process_rank, args=(g, 2, rendezvous, queue, engine))
              for g in range(2)]
     for p in procs:
         p.start()
@@ -437,8 +454,78 @@ def test_processes_shm():
     assert out[0][3] == out[1][3] and ("completed" in [o for _, o in out[0][3]])
 
 
+# ------------------------------------------------------------- the engine's own weights
+def test_engine_tensors_threads_keep_their_addresses():
+    torch = pytest.importorskip("torch")
+    world = 2
+    rendezvous = unique("rt-engine")
+    tensors = [engine_tensors(world, torch_tensors=True) for _ in range(world)]
+    pointers = [{k: [t.data_ptr() for t in v] for k, v in ts.items()} for ts in tensors]
+    results, errors = [None] * world, []
+
+    def body(rank):
+        try:
+            log = []
+            results[rank] = run_rank(rank, world, rendezvous, config(), 12, 400, log, "inproc",
+                                     "inproc", weights=tensors[rank])
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=body, args=(g,)) for g in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    assert any(h["outcome"] == "completed" for h in results[0])
+    assert all(h["bytes_installed"] >= 0 for h in results[0])
+    for rank in range(world):
+        for name, per in tensors[rank].items():
+            assert [t.data_ptr() for t in per] == pointers[rank][name]
+    with eplb.Rebalancer(one_config(), 0, 1, control="inproc", transport="inproc",
+                         weights=engine_tensors(1, torch_tensors=True)) as rb:
+        held = rb.connect()
+        assert rb.layers == LAYERS  # from the lists
+        assert rb.weights(0, "w2") is rb._engine[1][0]
+        assert held == PHYSICAL * (2 * 3 * 4 + 10)  # the staging layer alone
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda w: w["w13"].pop(), "tensor 'w13' has 2 layers of tensors, expected 3"),
+    (lambda w: w["w13"].__setitem__(1, np.zeros((5, 2, 3), np.float32)),
+     r"tensor 'w13' of layer 1 has shape \(5, 2, 3\): its first dimension must be this rank's 12"),
+    (lambda w: w["w13"].__setitem__(2, np.zeros((12, 3, 2), np.float32).transpose(0, 2, 1)),
+     "must be contiguous"),
+    (lambda w: w["w13"].__setitem__(0, np.zeros((12, 2, 3), np.float64)),
+     "tensor 'w13' of layer 1 is .* every layer must be alike"),
+    (lambda w: w.__setitem__("w2", 10), "give every tensor as the engine's own"),
+])
+def test_engine_tensor_errors(change, message):
+    weights = engine_tensors(1)
+    change(weights)
+    with pytest.raises(ValueError, match=message):
+        eplb.Rebalancer(one_config(), 0, 1, control="inproc", transport="inproc", weights=weights,
+                        layers=LAYERS)
+
+
+def test_engine_tensor_read_only_and_device_errors():
+    weights = engine_tensors(1)
+    weights["w2"][1].flags.writeable = False
+    with pytest.raises(ValueError, match="tensor 'w2' of layer 1 is a read-only array"):
+        eplb.Rebalancer(one_config(), 0, 1, control="inproc", transport="inproc", weights=weights)
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    weights = engine_tensors(1, torch_tensors=True)
+    weights["w13"][0] = weights["w13"][0].cuda()
+    with pytest.raises(ValueError, match="is on cuda"):
+        eplb.Rebalancer(one_config(), 0, 1, control="inproc", transport="inproc", weights=weights)
+
+
 # ------------------------------------------------------------------------- the example
-def test_torch_moe_example(tmp_path):
+@pytest.mark.parametrize("extra", [[], ["--own-weights"]], ids=["arena", "own-weights"])
+def test_torch_moe_example(tmp_path, extra):
     pytest.importorskip("torch")
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in [os.path.dirname(os.path.dirname(
@@ -448,10 +535,12 @@ def test_torch_moe_example(tmp_path):
          "--layers", "2", "--experts", "8", "--redundant", "4", "--hidden", "16", "--ffn", "32",
          "--tokens", "32", "--steps", "40", "--interval", "8", "--window", "8",
          "--agreement", "external",
-         "--workdir", str(tmp_path)],
+         "--workdir", str(tmp_path)] + extra,
         env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "outputs match the reference" in run.stdout, run.stdout + run.stderr
+    if extra:
+        assert "weights the model's own parameters" in run.stdout, run.stdout
 
 
 @pytest.mark.parametrize("changes, message", [

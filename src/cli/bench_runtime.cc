@@ -50,6 +50,7 @@ struct BenchRuntimeArgs {
   std::string mode = "both";
   std::string transport = "shm";
   std::string policy = "balanced";
+  std::string weights = "engine";  // engine: each rank allocates them; arena: the runtime does
   int64_t timeout_ms = 60'000;
   bool json = false;
   bool verbose = false;
@@ -107,6 +108,13 @@ int run_rank(const BenchRuntimeArgs& args, runtime::Mode mode, const std::string
   config.min_gain = -1;  // forced: every trigger rebalances
   config.timeout = std::chrono::milliseconds(args.timeout_ms);
   runtime::WeightSpec spec{.layers = args.layers, .tensors = {{"w", args.expert_bytes}}};
+  std::vector<std::vector<std::byte>> own;  // --weights engine: [layers], this rank's slots
+  if (args.weights == "engine") {
+    for (int64_t l = 0; l < args.layers; ++l) {
+      own.emplace_back(static_cast<size_t>(args.slots_per_rank * args.expert_bytes));
+      spec.engine.push_back({.base = own.back().data(), .stride = 0});
+    }
+  }
   runtime::Rebalancer rb(config, *comm, *transport, spec,
                          trivial_placement(args.layers, args.experts, config.layout.physical));
   rb.connect();
@@ -229,6 +237,10 @@ void run_bench_runtime(BenchRuntimeArgs args) {
   if (!transport::has_backend(args.transport)) {
     fail("--transport '", args.transport, "' is not built in");
   }
+  if (args.weights != "engine" && args.weights != "arena") {
+    fail("--weights '", args.weights, "' is not engine (each rank allocates its weights, the "
+         "runtime registers them) or arena (the runtime allocates them)");
+  }
   if (!args.verbose) spdlog::set_level(spdlog::level::warn);
 
   std::vector<std::pair<std::string, ModeFigures>> results;
@@ -254,14 +266,16 @@ void run_bench_runtime(BenchRuntimeArgs args) {
     out["ratio_total"] = ratio_total;
     out["ratio_max"] = ratio_max;
   }
+  out["weights"] = args.weights;
   if (args.json) {
     fmt::print("{}\n", out.dump());
     return;
   }
   fmt::print("runtime stall: {} ranks, {} layers x {} slots per rank, {} B per expert, {} steps "
-             "of {} ms, rebalance every {} steps ({} transport)\n",
+             "of {} ms, rebalance every {} steps ({} transport, weights {})\n",
              args.ranks, args.layers, args.slots_per_rank, args.expert_bytes, args.steps,
-             args.forward_ms, args.interval, args.transport);
+             args.forward_ms, args.interval, args.transport,
+             args.weights == "engine" ? "the ranks' own, registered" : "in the runtime's arena");
   for (const auto& [mode, f] : results) {
     fmt::print("  {:5}  step_end p50 {:.3f} ms  p99 {:.3f} ms  max {:.3f} ms  |  per rebalance "
                "{:.2f} ms over {:.1f} steps, {} slots moved  ({} rebalances)\n",
@@ -296,6 +310,10 @@ void add_bench_runtime(CLI::App& bench) {
   cmd->add_option("--forward-ms", args->forward_ms, "Duration of the fake forward pass")
       ->capture_default_str();
   cmd->add_option("--mode", args->mode, "async, sync or both")->capture_default_str();
+  cmd->add_option("--weights", args->weights,
+                  "engine (each rank allocates its weights, the runtime registers them) or "
+                  "arena (the runtime allocates them)")
+      ->capture_default_str();
   cmd->add_option("--transport", args->transport, "shm or ucx (ranks are processes)")
       ->capture_default_str();
   cmd->add_option("--policy", args->policy, "deepseek, balanced or sticky")->capture_default_str();

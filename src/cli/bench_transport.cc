@@ -72,9 +72,23 @@ double median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
-void run_rank(Board& board, const std::string& backend, int rank, int ranks, std::size_t bytes) {
+void run_rank(Board& board, const std::string& backend, int rank, int ranks, std::size_t bytes,
+              bool registered) {
   auto transport = transport::create(backend, transport::Options{.rank = rank});
-  const transport::Region region = transport->allocate(bytes);
+  // --registered: the served bytes are the caller's (as an engine's weights are), not the
+  // transport's own allocation.
+  std::vector<std::byte> own;
+  transport::Region region;
+  if (registered) {
+    if (!transport->capabilities().register_memory) {
+      fail<NotSupported>("bench transport --registered: the ", backend, " backend cannot serve "
+                         "memory it did not allocate");
+    }
+    own.resize(bytes);
+    region = transport->register_memory(own.data(), bytes);
+  } else {
+    region = transport->allocate(bytes);
+  }
   std::memset(region.data, 0x40 + rank, bytes);
   const auto descriptor = transport->export_descriptor();
   if (descriptor.size() > kMaxDescriptor) {
@@ -129,7 +143,8 @@ void report_failure(Board& board, const std::exception& e) {
   }
 }
 
-void run_processes(Board& board, const std::string& backend, int ranks, std::size_t bytes) {
+void run_processes(Board& board, const std::string& backend, int ranks, std::size_t bytes,
+                   bool registered) {
   std::fflush(stdout);
   std::vector<pid_t> pids;
   for (int rank = 0; rank < ranks; ++rank) {
@@ -138,7 +153,7 @@ void run_processes(Board& board, const std::string& backend, int ranks, std::siz
     if (pid == 0) {
       int code = 0;
       try {
-        run_rank(board, backend, rank, ranks, bytes);
+        run_rank(board, backend, rank, ranks, bytes, registered);
       } catch (const std::exception& e) {
         report_failure(board, e);
         code = 1;
@@ -160,12 +175,13 @@ void run_processes(Board& board, const std::string& backend, int ranks, std::siz
   }
 }
 
-void run_threads(Board& board, const std::string& backend, int ranks, std::size_t bytes) {
+void run_threads(Board& board, const std::string& backend, int ranks, std::size_t bytes,
+                 bool registered) {
   std::vector<std::thread> threads;
   for (int rank = 0; rank < ranks; ++rank) {
     threads.emplace_back([&, rank] {
       try {
-        run_rank(board, backend, rank, ranks, bytes);
+        run_rank(board, backend, rank, ranks, bytes, registered);
       } catch (const std::exception& e) {
         report_failure(board, e);
       }
@@ -174,7 +190,8 @@ void run_threads(Board& board, const std::string& backend, int ranks, std::size_
   for (auto& t : threads) t.join();
 }
 
-void bench_transport(const std::string& backend, int ranks, std::size_t bytes, bool json) {
+void bench_transport(const std::string& backend, int ranks, std::size_t bytes, bool registered,
+                     bool json) {
   if (!transport::has_backend(backend)) transport::create(backend, {});  // throws the message
   if (ranks < 1 || ranks > kMaxRanks) {
     fail<InvalidArgument>("--ranks ", ranks, " is out of range (1..", kMaxRanks, ")");
@@ -190,9 +207,9 @@ void bench_transport(const std::string& backend, int ranks, std::size_t bytes, b
   std::unique_ptr<Board, void (*)(Board*)> board(new (mem) Board{},
                                                  [](Board* b) { ::munmap(b, sizeof(Board)); });
   if (backend == "inproc") {
-    run_threads(*board, backend, ranks, bytes);
+    run_threads(*board, backend, ranks, bytes, registered);
   } else {
-    run_processes(*board, backend, ranks, bytes);
+    run_processes(*board, backend, ranks, bytes, registered);
   }
   if (board->failed.load()) fail<IoError>("bench transport --backend ", backend, ": ", board->error);
 
@@ -203,13 +220,16 @@ void bench_transport(const std::string& backend, int ranks, std::size_t bytes, b
   }
   const double ratio = gbps / memcpy_gbps;
   if (json) {
-    nlohmann::json out{{"backend", backend}, {"ranks", ranks},           {"bytes", bytes},
-                       {"gbps", gbps},       {"memcpy_gbps", memcpy_gbps}, {"ratio", ratio}};
+    nlohmann::json out{{"backend", backend},   {"ranks", ranks},
+                       {"bytes", bytes},       {"registered", registered},
+                       {"gbps", gbps},         {"memcpy_gbps", memcpy_gbps},
+                       {"ratio", ratio}};
     fmt::print("{}\n", out.dump());
   } else {
-    fmt::print("transport {}: {} ranks pulling {} bytes each: {:.2f} GB/s per rank "
+    fmt::print("transport {}{}: {} ranks pulling {} bytes each: {:.2f} GB/s per rank "
                "(memcpy {:.2f} GB/s, {:.2f}x)\n",
-               backend, ranks, bytes, gbps, memcpy_gbps, ratio);
+               backend, registered ? " (registered memory)" : "", ranks, bytes, gbps,
+               memcpy_gbps, ratio);
   }
 }
 
@@ -220,6 +240,7 @@ void add_bench_transport(CLI::App& bench) {
     std::string backend;
     int ranks = 2;
     std::size_t bytes = 64 << 20;
+    bool registered = false;
     bool json = false;
   };
   auto args = std::make_shared<Args>();
@@ -230,8 +251,13 @@ void add_bench_transport(CLI::App& bench) {
   cmd->add_option("--backend", args->backend, "Backend: " + names)->required();
   cmd->add_option("--ranks", args->ranks, "Ranks (threads for inproc, processes otherwise)");
   cmd->add_option("--bytes", args->bytes, "Bytes each rank pulls from its peers");
+  cmd->add_flag("--registered", args->registered,
+                "Serve memory the ranks allocated themselves (register_memory), as an engine's "
+                "weights, instead of the transport's own");
   cmd->add_flag("--json", args->json, "Print one JSON object");
-  cmd->callback([args] { bench_transport(args->backend, args->ranks, args->bytes, args->json); });
+  cmd->callback([args] {
+    bench_transport(args->backend, args->ranks, args->bytes, args->registered, args->json);
+  });
 }
 
 }  // namespace eplb::cli

@@ -29,10 +29,15 @@ check placement policy ms_per_call balancedness -- placement --layers 2 --repeat
 check migration rounds rounds_lower_bound bytes_total -- migration --layers 2 --repeat 2
 check transport backend ranks bytes gbps memcpy_gbps ratio -- transport --backend shm --ranks 2 \
   --bytes 1048576
+check transport-registered registered gbps ratio -- transport --backend shm --ranks 2 \
+  --bytes 1048576 --registered
 check control backend ranks p50_us p99_us -- control --backend shm --ranks 2 --iters 50
 check runtime async sync ratio_total ratio_max stall_max_ms stall_total_ms -- runtime --ranks 2 \
   --layers 4 --slots-per-rank 3 --expert-bytes 4096 --steps 60 --interval 10 --window 5 \
   --forward-ms 0.2
+check runtime-arena async sync ratio_total weights -- runtime --ranks 2 --layers 4 \
+  --slots-per-rank 3 --expert-bytes 4096 --steps 60 --interval 10 --window 5 --forward-ms 0.2 \
+  --weights arena
 
 "$eplb" bench transport --backend nope --ranks 2 >/dev/null 2>"$tmp/err"
 [ $? -eq 2 ] && grep -q "nope" "$tmp/err" || fail "bench transport --backend nope: $(cat "$tmp/err")"

@@ -47,6 +47,18 @@ for mode in async sync; do
   fi
 done
 
+# The weights in the runtime's arena instead of each rank's own (the default): same outputs.
+for weights in engine arena; do
+  if "$eplb" run "${small[@]}" --weights $weights --json >"$tmp/w.json" 2>"$tmp/w.err"; then
+    [ -z "$py" ] || msg=$(check_json "$tmp/w.json" async) || fail "--weights $weights: $msg"
+    grep -q "\"weights\":\"$weights\"" "$tmp/w.json" || fail "--json lacks weights $weights"
+  else
+    fail "eplb run --weights $weights exited $?: $(tail -c 300 "$tmp/w.err")"
+  fi
+done
+"$eplb" run --weights mine >/dev/null 2>"$tmp/err"
+[ $? -eq 2 ] && grep -q "weights 'mine'" "$tmp/err" || fail "--weights mine: $(cat "$tmp/err")"
+
 # Two emulated nodes: the hybrid transport (shm within a node, UCX over TCP across), every
 # output still right.
 if "$eplb" run "${small[@]}" --nodes 2 --json >"$tmp/nodes.json" 2>"$tmp/nodes.err"; then

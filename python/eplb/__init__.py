@@ -77,7 +77,7 @@ control_backends = _eplb.control_backends
 transport_backends = _eplb.transport_backends
 
 __all__ = [
-    "Rebalancer", "NO_AGREEMENT", "control_backends", "transport_backends", "rebalance_experts", "balancedness", "lower_bound", "plan_migration", "Balancedness",
+    "Rebalancer", "empty", "NO_AGREEMENT", "control_backends", "transport_backends", "rebalance_experts", "balancedness", "lower_bound", "plan_migration", "Balancedness",
     "LowerBound", "ACTIONS", "Error", "InvalidArgument", "NotSupported", "IoError", "Timeout",
 ]
 
@@ -200,6 +200,33 @@ def rebalance_experts(weight, num_replicas, num_groups, num_nodes, num_gpus, *,
         import torch
         return torch.from_numpy(phy2log), torch.from_numpy(log2phy), torch.from_numpy(logcnt)
     return phy2log, log2phy, logcnt
+
+
+def empty(shape, dtype=np.float32):
+    """A zero-filled array in host memory the ranks of this machine can map: allocate an
+    engine's expert tensors from here and register them (``Rebalancer(weights={name: [...]})``)
+    to have peers on the shm transport copy them at memcpy speed (other host memory is read
+    with cross-memory attach: about half of that, and only with ptrace permission between the
+    ranks). A torch dtype gives a torch CPU tensor, anything else a numpy array; either keeps
+    the memory alive. Free it (drop the array) only after the Rebalancer that registered it
+    is shut down."""
+    shape = tuple(_as_int(s, "shape", 0) for s in ((shape,) if not isinstance(shape, (tuple, list))
+                                                   else shape))
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(dtype, torch.dtype):
+        size = torch.empty((), dtype=dtype).element_size()
+        raw = _eplb.shareable_array(max(1, _prod(shape) * size))
+        return torch.from_numpy(raw)[: _prod(shape) * size].view(dtype).view(shape)
+    dtype = np.dtype(dtype)
+    raw = _eplb.shareable_array(max(1, _prod(shape) * dtype.itemsize))
+    return raw[: _prod(shape) * dtype.itemsize].view(dtype).reshape(shape)
+
+
+def _prod(shape):
+    out = 1
+    for s in shape:
+        out *= s
+    return out
 
 
 def balancedness(weight, phy2log, num_gpus):

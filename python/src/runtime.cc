@@ -26,6 +26,7 @@
 #include "eplb/routing/dispatch.h"
 #include "eplb/stats/load_file.h"
 #include "eplb/transport/registry.h"
+#include "eplb/transport/shareable.h"
 
 namespace eplb::python {
 namespace {
@@ -366,6 +367,17 @@ py::array_t<int32_t> route(Runtime& r, int64_t layer, const IdArray& experts,
 
 void bind_runtime(py::module_& m) {
   m.attr("NO_AGREEMENT") = runtime::kNoAgreement;
+  // Shareable host memory (eplb.empty): a uint8 array whose base frees it when it goes.
+  m.def(
+      "shareable_array",
+      [](int64_t bytes) {
+        if (bytes < 1) fail("shareable memory of ", bytes, " bytes: the size must be positive");
+        void* data = transport::allocate_shareable(static_cast<size_t>(bytes));
+        py::capsule owner(data, [](void* p) { transport::free_shareable(p); });
+        return py::array(py::dtype::of<uint8_t>(), {static_cast<py::ssize_t>(bytes)},
+                         {py::ssize_t{1}}, static_cast<uint8_t*>(data), owner);
+      },
+      py::arg("bytes"), "bytes of zero-filled memory the ranks of this machine can map");
   m.attr("MAX_EXPERTS") = kMaxExperts;
   m.attr("MAX_PHYSICAL") = kMaxPhysical;
   m.attr("MAX_RANKS") = kMaxRanks;

@@ -28,6 +28,7 @@
 #include "cli/commands.h"
 #include "eplb/core/error.h"
 #include "eplb/transport/registry.h"
+#include "eplb/transport/shareable.h"
 
 namespace eplb::cli {
 namespace {
@@ -73,19 +74,31 @@ double median(std::vector<double> v) {
 }
 
 void run_rank(Board& board, const std::string& backend, int rank, int ranks, std::size_t bytes,
-              bool registered) {
+              const std::string& memory) {
   auto transport = transport::create(backend, transport::Options{.rank = rank});
   // --registered: the served bytes are the caller's (as an engine's weights are), not the
-  // transport's own allocation.
+  // transport's own allocation: plain heap memory, or allocate_shareable()'s (--shareable).
   std::vector<std::byte> own;
+  struct Shared {
+    void* data = nullptr;
+    ~Shared() {
+      if (data != nullptr) transport::free_shareable(data);
+    }
+  } shared;
   transport::Region region;
-  if (registered) {
+  if (memory != "allocated") {
     if (!transport->capabilities().register_memory) {
       fail<NotSupported>("bench transport --registered: the ", backend, " backend cannot serve "
                          "memory it did not allocate");
     }
-    own.resize(bytes);
-    region = transport->register_memory(own.data(), bytes);
+    void* data = nullptr;
+    if (memory == "shareable") {
+      data = shared.data = transport::allocate_shareable(bytes);
+    } else {
+      own.resize(bytes);
+      data = own.data();
+    }
+    region = transport->register_memory(data, bytes);
   } else {
     region = transport->allocate(bytes);
   }
@@ -144,7 +157,7 @@ void report_failure(Board& board, const std::exception& e) {
 }
 
 void run_processes(Board& board, const std::string& backend, int ranks, std::size_t bytes,
-                   bool registered) {
+                   const std::string& memory) {
   std::fflush(stdout);
   std::vector<pid_t> pids;
   for (int rank = 0; rank < ranks; ++rank) {
@@ -153,7 +166,7 @@ void run_processes(Board& board, const std::string& backend, int ranks, std::siz
     if (pid == 0) {
       int code = 0;
       try {
-        run_rank(board, backend, rank, ranks, bytes, registered);
+        run_rank(board, backend, rank, ranks, bytes, memory);
       } catch (const std::exception& e) {
         report_failure(board, e);
         code = 1;
@@ -176,12 +189,12 @@ void run_processes(Board& board, const std::string& backend, int ranks, std::siz
 }
 
 void run_threads(Board& board, const std::string& backend, int ranks, std::size_t bytes,
-                 bool registered) {
+                 const std::string& memory) {
   std::vector<std::thread> threads;
   for (int rank = 0; rank < ranks; ++rank) {
     threads.emplace_back([&, rank] {
       try {
-        run_rank(board, backend, rank, ranks, bytes, registered);
+        run_rank(board, backend, rank, ranks, bytes, memory);
       } catch (const std::exception& e) {
         report_failure(board, e);
       }
@@ -190,8 +203,8 @@ void run_threads(Board& board, const std::string& backend, int ranks, std::size_
   for (auto& t : threads) t.join();
 }
 
-void bench_transport(const std::string& backend, int ranks, std::size_t bytes, bool registered,
-                     bool json) {
+void bench_transport(const std::string& backend, int ranks, std::size_t bytes,
+                     const std::string& memory, bool json) {
   if (!transport::has_backend(backend)) transport::create(backend, {});  // throws the message
   if (ranks < 1 || ranks > kMaxRanks) {
     fail<InvalidArgument>("--ranks ", ranks, " is out of range (1..", kMaxRanks, ")");
@@ -207,9 +220,9 @@ void bench_transport(const std::string& backend, int ranks, std::size_t bytes, b
   std::unique_ptr<Board, void (*)(Board*)> board(new (mem) Board{},
                                                  [](Board* b) { ::munmap(b, sizeof(Board)); });
   if (backend == "inproc") {
-    run_threads(*board, backend, ranks, bytes, registered);
+    run_threads(*board, backend, ranks, bytes, memory);
   } else {
-    run_processes(*board, backend, ranks, bytes, registered);
+    run_processes(*board, backend, ranks, bytes, memory);
   }
   if (board->failed.load()) fail<IoError>("bench transport --backend ", backend, ": ", board->error);
 
@@ -221,14 +234,16 @@ void bench_transport(const std::string& backend, int ranks, std::size_t bytes, b
   const double ratio = gbps / memcpy_gbps;
   if (json) {
     nlohmann::json out{{"backend", backend},   {"ranks", ranks},
-                       {"bytes", bytes},       {"registered", registered},
+                       {"bytes", bytes},       {"registered", memory != "allocated"},
+                       {"memory", memory},
                        {"gbps", gbps},         {"memcpy_gbps", memcpy_gbps},
                        {"ratio", ratio}};
     fmt::print("{}\n", out.dump());
   } else {
     fmt::print("transport {}{}: {} ranks pulling {} bytes each: {:.2f} GB/s per rank "
                "(memcpy {:.2f} GB/s, {:.2f}x)\n",
-               backend, registered ? " (registered memory)" : "", ranks, bytes, gbps,
+               backend, memory == "allocated" ? "" : " (registered " + memory + " memory)", ranks,
+               bytes, gbps,
                memcpy_gbps, ratio);
   }
 }
@@ -241,6 +256,7 @@ void add_bench_transport(CLI::App& bench) {
     int ranks = 2;
     std::size_t bytes = 64 << 20;
     bool registered = false;
+    bool shareable = false;
     bool json = false;
   };
   auto args = std::make_shared<Args>();
@@ -254,9 +270,14 @@ void add_bench_transport(CLI::App& bench) {
   cmd->add_flag("--registered", args->registered,
                 "Serve memory the ranks allocated themselves (register_memory), as an engine's "
                 "weights, instead of the transport's own");
+  cmd->add_flag("--shareable", args->shareable,
+                "With --registered: the ranks' memory comes from allocate_shareable() (eplb.empty)");
   cmd->add_flag("--json", args->json, "Print one JSON object");
   cmd->callback([args] {
-    bench_transport(args->backend, args->ranks, args->bytes, args->registered, args->json);
+    if (args->shareable && !args->registered) fail("--shareable needs --registered");
+    const std::string memory =
+        !args->registered ? "allocated" : args->shareable ? "shareable" : "heap";
+    bench_transport(args->backend, args->ranks, args->bytes, memory, args->json);
   });
 }
 

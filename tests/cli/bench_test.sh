@@ -31,6 +31,8 @@ check transport backend ranks bytes gbps memcpy_gbps ratio -- transport --backen
   --bytes 1048576
 check transport-registered registered gbps ratio -- transport --backend shm --ranks 2 \
   --bytes 1048576 --registered
+check transport-shareable memory gbps ratio -- transport --backend shm --ranks 2 \
+  --bytes 1048576 --registered --shareable
 check control backend ranks p50_us p99_us -- control --backend shm --ranks 2 --iters 50
 check runtime async sync ratio_total ratio_max stall_max_ms stall_total_ms -- runtime --ranks 2 \
   --layers 4 --slots-per-rank 3 --expert-bytes 4096 --steps 60 --interval 10 --window 5 \

@@ -409,10 +409,14 @@ def test_threads_four_ranks():
 
 
 # ------------------------------------------------------------- several ranks: processes
-def engine_tensors(world, torch_tensors=False):
+def engine_tensors(world, torch_tensors=False, shareable=False):
     """The engine's own weights, as an engine allocates them at model load: per tensor name, one
-    tensor per layer of [slots_per_rank, ...]; w2's slots 16 bytes apart (a padded stride)."""
+    tensor per layer of [slots_per_rank, ...]; w2's slots 16 bytes apart (a padded stride).
+    shareable: from eplb.empty(), which shm serves by mapping instead of cross-memory attach."""
     slots = PHYSICAL // world
+    if shareable:
+        return {"w13": [eplb.empty((slots, 2, 3), np.float32) for _ in range(LAYERS)],
+                "w2": [eplb.empty((slots, 16), np.uint8)[:, :10] for _ in range(LAYERS)]}
     if torch_tensors:
         import torch
         return {"w13": [torch.zeros((slots, 2, 3), dtype=torch.float32) for _ in range(LAYERS)],
@@ -422,10 +426,10 @@ def engine_tensors(world, torch_tensors=False):
             "w2": [np.zeros((slots, 16), dtype=np.uint8)[:, :10] for _ in range(LAYERS)]}
 
 
-def process_rank(rank, world, rendezvous, queue, engine=False):
+def process_rank(rank, world, rendezvous, queue, engine=None):
     try:
         log = []
-        weights = engine_tensors(world) if engine else WEIGHTS
+        weights = engine_tensors(world, shareable=engine == "shareable") if engine else WEIGHTS
         history = run_rank(rank, world, rendezvous, config(), 12, 400, log, "shm", "shm",
                            weights=weights)
         queue.put((rank, None, log, [(h["end_step"], h["outcome"]) for h in history]))
@@ -434,7 +438,8 @@ def process_rank(rank, world, rendezvous, queue, engine=False):
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="shm backends and fork are Linux-only here")
-@pytest.mark.parametrize("engine", [False, True], ids=["arena", "engine-weights"])
+@pytest.mark.parametrize("engine", [None, "heap", "shareable"],
+                         ids=["arena", "engine-weights", "engine-weights-shareable"])
 def test_processes_shm(engine):
     # With the engine's own weights (numpy arrays), peers read them by cross-memory attach.
     context = multiprocessing.get_context("fork")
@@ -507,6 +512,19 @@ def test_engine_tensor_errors(change, message):
     with pytest.raises(ValueError, match=message):
         eplb.Rebalancer(one_config(), 0, 1, control="inproc", transport="inproc", weights=weights,
                         layers=LAYERS)
+
+
+def test_empty_is_zeroed_shareable_memory_of_any_dtype():
+    a = eplb.empty((3, 4), np.float32)
+    assert a.shape == (3, 4) and a.dtype == np.float32 and not a.any()
+    a[:] = 7
+    assert eplb.empty(5, "int64").shape == (5,)
+    torch = pytest.importorskip("torch")
+    t = eplb.empty((2, 8), torch.bfloat16)
+    assert t.shape == (2, 8) and t.dtype == torch.bfloat16 and not t.any()
+    t += 1
+    with pytest.raises(ValueError, match="shape -1 is outside"):
+        eplb.empty((2, -1))
 
 
 def test_engine_tensor_read_only_and_device_errors():

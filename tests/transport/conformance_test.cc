@@ -24,6 +24,7 @@
 
 #include "eplb/core/error.h"
 #include "eplb/transport/registry.h"
+#include "eplb/transport/shareable.h"
 #include "multi_rank.h"
 
 namespace eplb::transport {
@@ -360,7 +361,8 @@ TEST_P(TransportConformance, StoppedRankGivesBytesOrTimeoutNeverAHang) {
 }
 
 // Registered memory as engines have it: many small tensors at unaligned bases inside one
-// allocation of the caller's, read at odd offsets and lengths by every peer. Then (shm, whose
+// allocation of the caller's (the last ten inside shareable memory, allocate_shareable(), which
+// shm serves by mapping), read at odd offsets and lengths by every peer. Then (shm, whose
 // readers use cross-memory attach) a registered region its owner unmaps: reads of it fail with
 // IoError, nothing crashes, and the owner's other regions stay readable.
 TEST_P(TransportConformance, RegisteredMemoryOfEveryShape) {
@@ -375,14 +377,17 @@ TEST_P(TransportConformance, RegisteredMemoryOfEveryShape) {
     if (!transport->capabilities().register_memory) {
       throw SkipRanks{p.backend + " serves no caller memory (register_memory)"};
     }
-    std::vector<std::byte> memory(64 * 1024);
+    std::vector<std::byte> plain(64 * 1024);
+    auto* shareable = static_cast<std::byte*>(allocate_shareable(32 * 1024));
     std::size_t at = 1 + static_cast<std::size_t>(ctx.rank % 7);  // unaligned from the start
     for (int i = 0; i < kTensors; ++i) {
+      if (i == kTensors - 10) at = 3;  // the last ten in shareable memory
+      std::byte* memory = i < kTensors - 10 ? plain.data() : shareable;
       const std::size_t bytes = tensor_bytes(ctx.rank, i);
       for (std::size_t b = 0; b < bytes; ++b) memory[at + b] = pattern(ctx.rank, i, b);
-      const Region region = transport->register_memory(memory.data() + at, bytes);
+      const Region region = transport->register_memory(memory + at, bytes);
       EXPECT_EQ(region.id, i);
-      EXPECT_EQ(region.data, memory.data() + at);
+      EXPECT_EQ(region.data, memory + at);
       at += bytes + 1 + static_cast<std::size_t>(i % 5);  // odd gaps between them
     }
     // One more, in pages of its own, that its owner (rank 0) unmaps below.
@@ -437,6 +442,7 @@ TEST_P(TransportConformance, RegisteredMemoryOfEveryShape) {
     ctx.barrier("done");
     transport->close();  // before its memory goes (UCX unmaps what it mapped)
     if (!(p.backend == "shm" && ctx.world > 1 && ctx.rank == 0)) ::munmap(pages, 2 * page);
+    free_shareable(shareable);
   }, &skip);
   if (skipped) GTEST_SKIP() << skip;
 }

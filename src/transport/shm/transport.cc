@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "eplb/core/error.h"
+#include "eplb/transport/shareable.h"
 #include "transport/checks.h"
 #include "transport/descriptor.h"
 #include "transport/memfd.h"
@@ -25,15 +26,17 @@ constexpr std::string_view kBackend = "shm";
 constexpr std::uint16_t kVersion = 2;
 constexpr std::uint64_t kControlMagic = 0x4c54435f42504c45ull;  // "EPLB_CTL"
 
-// A region is a memfd this transport allocated (peers map it) or caller memory it registered
-// (peers read it with process_vm_readv, cross-memory attach).
-enum class Kind : std::uint8_t { kSegment = 0, kRegistered = 1 };
+// A region is a memfd this transport allocated (peers map it), caller memory inside a memfd
+// of allocate_shareable() (peers map that memfd and copy from the offset), or other caller
+// memory it registered (peers read it with process_vm_readv, cross-memory attach).
+enum class Kind : std::uint8_t { kSegment = 0, kRegistered = 1, kShareable = 2 };
 
 struct OwnRegion {
   Segment segment;  // kSegment only
   std::byte* data = nullptr;
   std::size_t bytes = 0;
   Kind kind = Kind::kSegment;
+  ShareableSlice slice;  // kShareable only (the memfd stays allocate_shareable()'s)
 };
 
 struct Peer {
@@ -41,7 +44,8 @@ struct Peer {
   bool self = false;
   std::int32_t pid = 0;
   Segment control;
-  std::vector<Segment> regions;          // [region id]: the mapping of a kSegment region
+  std::vector<Segment> regions;          // [region id]: the mapping of a memfd region
+  std::vector<std::uint64_t> offsets;    // [region id]: where a kShareable region starts in it
   std::vector<std::uint64_t> addresses;  // [region id]: the owner's address of a kRegistered one
   std::vector<Kind> kinds;               // [region id]
   std::vector<std::uint64_t> bytes;      // [region id]
@@ -135,14 +139,16 @@ class ShmTransport final : public Transport {
     EPLB_CHECK(data != nullptr, "register_memory() of a null pointer");
     EPLB_CHECK_GT(bytes, std::size_t{0}, "register_memory() needs a positive size");
     check_open();
-    if (!ptracer_set_) {
-      (void)::prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0);  // EINVAL without Yama
-      ptracer_set_ = true;
-    }
     OwnRegion r;
     r.data = static_cast<std::byte*>(data);
     r.bytes = bytes;
     r.kind = Kind::kRegistered;
+    if (find_shareable(data, bytes, r.slice)) {
+      r.kind = Kind::kShareable;
+    } else if (!ptracer_set_) {
+      (void)::prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0);  // EINVAL without Yama
+      ptracer_set_ = true;
+    }
     regions_.push_back(std::move(r));
     return {static_cast<int>(regions_.size()) - 1, regions_.back().data, regions_.back().bytes};
   }
@@ -159,6 +165,11 @@ class ShmTransport final : public Transport {
       if (r.kind == Kind::kSegment) {
         out.put(static_cast<std::int32_t>(r.segment.fd));
         out.put(r.segment.inode);
+      } else if (r.kind == Kind::kShareable) {
+        out.put(static_cast<std::int32_t>(r.slice.fd));
+        out.put(r.slice.inode);
+        out.put(static_cast<std::uint64_t>(r.slice.segment_bytes));
+        out.put(static_cast<std::uint64_t>(r.slice.offset));
       } else {
         out.put(static_cast<std::uint64_t>(reinterpret_cast<std::uintptr_t>(r.data)));
       }
@@ -182,23 +193,35 @@ class ShmTransport final : public Transport {
     struct Entry {
       Kind kind = Kind::kSegment;
       std::int32_t fd = -1;
-      std::uint64_t inode = 0, address = 0, bytes = 0;
+      std::uint64_t inode = 0, address = 0, bytes = 0, segment_bytes = 0, offset = 0;
     };
     std::vector<Entry> entries(count);
     for (auto& e : entries) {
       const auto kind = in.get<std::uint8_t>("region kind");
-      if (kind > static_cast<std::uint8_t>(Kind::kRegistered)) {
+      if (kind > static_cast<std::uint8_t>(Kind::kShareable)) {
         fail<InvalidArgument>("shm descriptor of rank ", peer, ": region kind ", int{kind},
-                              " is neither a segment (0) nor registered memory (1)");
+                              " is neither a segment (0), registered memory (1) nor shareable "
+                              "memory (2)");
       }
       e.kind = static_cast<Kind>(kind);
       if (e.kind == Kind::kSegment) {
         e.fd = in.get<std::int32_t>("region fd");
         e.inode = in.get<std::uint64_t>("region inode");
+      } else if (e.kind == Kind::kShareable) {
+        e.fd = in.get<std::int32_t>("region fd");
+        e.inode = in.get<std::uint64_t>("region inode");
+        e.segment_bytes = in.get<std::uint64_t>("segment size");
+        e.offset = in.get<std::uint64_t>("region offset");
       } else {
         e.address = in.get<std::uint64_t>("region address");
       }
       e.bytes = in.get<std::uint64_t>("region size");
+      if (e.kind == Kind::kShareable &&
+          (e.offset > e.segment_bytes || e.bytes > e.segment_bytes - e.offset)) {
+        fail<InvalidArgument>("shm descriptor of rank ", peer, ": shareable region of ", e.bytes,
+                              " bytes at offset ", e.offset, " does not fit its segment of ",
+                              e.segment_bytes, " bytes");
+      }
       if (e.kind == Kind::kRegistered && e.address + e.bytes < e.address) {
         fail<InvalidArgument>("shm descriptor of rank ", peer, ": registered region at ",
                               e.address, " of ", e.bytes, " bytes wraps the address space");
@@ -217,6 +240,7 @@ class ShmTransport final : public Transport {
       p.bytes.push_back(e.bytes);
       p.kinds.push_back(e.kind);
       p.addresses.push_back(e.address);
+      p.offsets.push_back(e.offset);
     }
     if (identity == identity_) {
       if (peer != rank_) {
@@ -237,6 +261,11 @@ class ShmTransport final : public Transport {
         if (e.kind == Kind::kSegment) {
           p.regions.push_back(
               map_peer_segment(kBackend, peer, identity.pid, e.fd, e.inode, e.bytes));
+          continue;
+        }
+        if (e.kind == Kind::kShareable) {
+          p.regions.push_back(map_peer_segment(kBackend, peer, identity.pid, e.fd, e.inode,
+                                               e.segment_bytes));
           continue;
         }
         p.regions.emplace_back();
@@ -282,8 +311,8 @@ class ShmTransport final : public Transport {
       if (touched_.empty() || touched_.back() != r.peer) touched_.push_back(r.peer);
       if (r.bytes == 0) continue;
       const auto region = static_cast<std::size_t>(r.region);
-      if (p.kinds[region] == Kind::kSegment) {
-        std::memcpy(r.dst, p.regions[region].data + r.offset, r.bytes);
+      if (p.kinds[region] != Kind::kRegistered) {
+        std::memcpy(r.dst, p.regions[region].data + p.offsets[region] + r.offset, r.bytes);
       } else if (const int err = read_process(p.pid, p.addresses[region] + r.offset, r.dst,
                                               r.bytes);
                  err != 0) {

@@ -3,9 +3,11 @@
 // a peer opens it through /proc/<owner>/fd/<n> (same user), maps it read-only, and a read is a
 // memcpy from that mapping: no syscall per transfer, no help from the owner.
 //
-// Registered memory (register_memory: a malloc'd buffer, a PyTorch CPU tensor, an engine's own
-// weights) is in no memfd: a peer reads it with process_vm_readv (cross-memory attach), one
-// syscall per read, still without the owner's threads. That needs ptrace permission between
+// Registered memory (register_memory: an engine's own weights) inside an allocation of
+// allocate_shareable() (shareable.h) is exported as that memfd and an offset, and read like an
+// allocated region. Other registered memory (a malloc'd buffer, a PyTorch CPU tensor) is in no
+// memfd: a peer reads it with process_vm_readv (cross-memory attach), one syscall per read,
+// still without the owner's threads, at about half memcpy's speed. That needs ptrace permission between
 // the processes; import_descriptor() tries one byte and says, when it is refused, which setting
 // refuses it (Yama's ptrace_scope, a container's capabilities) and the alternative (allocate()).
 // The owner allows its peers under Yama's ptrace_scope 1 itself (PR_SET_PTRACER_ANY). A

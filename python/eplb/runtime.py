@@ -110,6 +110,9 @@ def _engine_tensor(name, layer, t, slots):
     after checking it can be registered: on the CPU, [slots, ...], each slot contiguous."""
     where = f"weights: tensor '{name}' of layer {layer}"
     if _is_torch_tensor(t):
+        if t.layout != _torch().strided:
+            raise InvalidArgument(f"{where} has layout {t.layout}: only dense (strided) tensors "
+                                  "can be registered")
         if t.device.type != "cpu":
             raise InvalidArgument(
                 f"{where} is on {t.device}: only CPU tensors can be registered with this "
@@ -117,6 +120,9 @@ def _engine_tensor(name, layer, t, slots):
         shape, strides, size = tuple(t.shape), tuple(t.stride()), t.element_size()
         dtype, address = t.dtype, t.data_ptr()
     else:
+        if t.dtype.hasobject:
+            raise InvalidArgument(f"{where} holds Python objects (dtype {t.dtype}): weights must "
+                                  "be plain numbers")
         if not t.flags.writeable:
             raise InvalidArgument(f"{where} is a read-only array: installs write into it")
         shape, size, dtype = t.shape, t.itemsize, t.dtype
@@ -275,7 +281,8 @@ class Rebalancer:
                 tensors[index] = (name, nbytes, first[0], first[1])
             engine = [per_layer[(layer, index)] for layer in range(layers)
                       for index in range(len(owned))]
-            self._engine = [per for _, per in owned]  # [tensors][layers], kept alive here
+            # [tensors][layers]; the runtime keeps them too, until after its threads are gone.
+            self._engine = [per for _, per in owned]
         if rendezvous is None:
             if world_size != 1:
                 raise InvalidArgument(
@@ -291,7 +298,8 @@ class Rebalancer:
         self._layers = layers
         self._rt = _eplb._Runtime(dict(config), rank, world_size, str(control), rendezvous,
                                   str(group), str(transport), [(t[0], t[1]) for t in tensors],
-                                  layers, initial_array, initial_path, engine)
+                                  layers, initial_array, initial_path, engine,
+                                  self._engine)
         self._config = self._rt.config()
         self._slots_per_rank = self._config["physical"] // world_size
         self._connected = False

@@ -210,8 +210,9 @@ class Runtime {
   Runtime(runtime::Config config, int rank, const std::string& control,
           const control::Options& options, const std::string& transport,
           runtime::WeightSpec spec, std::optional<Placement> initial,
-          std::optional<std::string> initial_path)
-      : layout_(config.layout),
+          std::optional<std::string> initial_path, py::object keep)
+      : keep_(std::move(keep)),
+        layout_(config.layout),
         dispatch_policy_(config.dispatch),
         random_state_(0x9E3779B97F4A7C15ull ^ (static_cast<uint64_t>(rank) + 1)) {
     spec.validate();
@@ -263,6 +264,9 @@ class Runtime {
     comm_.reset();
   }
 
+  // The engine's own tensors (or None): declared first, so released last, after the
+  // Rebalancer and its threads are gone; views of them keep this object, so it, alive.
+  py::object keep_;
   const Layout layout_;
   const routing::DispatchPolicy dispatch_policy_;
   uint64_t random_state_;
@@ -277,7 +281,8 @@ std::unique_ptr<Runtime> make_runtime(const py::dict& config, int rank, int worl
                                       const std::vector<std::pair<std::string, int64_t>>& tensors,
                                       int64_t layers, const std::optional<IndexArray>& initial,
                                       const std::optional<std::string>& initial_path,
-                                      const std::vector<std::pair<uintptr_t, int64_t>>& engine) {
+                                      const std::vector<std::pair<uintptr_t, int64_t>>& engine,
+                                      py::object keep) {
   if (world_size < 1) fail("world_size ", world_size, " must be at least 1");
   if (rank < 0 || rank >= world_size) {
     fail("rank ", rank, " is outside [0, ", world_size, ") (world_size ", world_size, ")");
@@ -306,7 +311,8 @@ std::unique_ptr<Runtime> make_runtime(const py::dict& config, int rank, int worl
   options.group = group;
   options.timeout = c.timeout;
   return std::make_unique<Runtime>(std::move(c), rank, control, options, transport,
-                                   std::move(spec), std::move(start), initial_path);
+                                   std::move(spec), std::move(start), initial_path,
+                                   std::move(keep));
 }
 
 // This rank's bytes of one tensor of `layer`, [slots_per_rank][expert_bytes] uint8, a view
@@ -391,7 +397,7 @@ void bind_runtime(py::module_& m) {
       .def(py::init(&make_runtime), py::arg("config"), py::arg("rank"), py::arg("world_size"),
            py::arg("control"), py::arg("rendezvous"), py::arg("group"), py::arg("transport"),
            py::arg("tensors"), py::arg("layers"), py::arg("initial"), py::arg("initial_path"),
-           py::arg("engine"))
+           py::arg("engine"), py::arg("keep"))
       .def("connect",
            [](Runtime& r) {
              runtime::Rebalancer& rb = r.rb();

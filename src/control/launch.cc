@@ -4,6 +4,7 @@
 #include <sys/mman.h>
 #include <sys/prctl.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -14,6 +15,7 @@
 #include <cstring>
 #include <exception>
 #include <filesystem>
+#include <fstream>
 #include <thread>
 
 #include "eplb/config.h"
@@ -146,12 +148,28 @@ void check_all_ok(const std::vector<RankExit>& exits) {
   if (!failed.empty()) fail<IoError>("ranks failed: ", failed);
 }
 
+namespace {
+
+// Which machine and pid namespace a pid belongs to: a folder's pid is checked only where it
+// means the same process (a /tmp shared between containers or machines holds others' too).
+std::string pid_space() {
+  std::string boot;
+  std::ifstream("/proc/sys/kernel/random/boot_id") >> boot;
+  struct stat ns {};
+  const uint64_t inode = ::stat("/proc/self/ns/pid", &ns) == 0 ? ns.st_ino : 0;
+  return detail::concat(boot.substr(0, 8), ".", inode);
+}
+
+}  // namespace
+
 ScratchFolder::ScratchFolder(std::string_view prefix) {
   const char* tmp = env("TMPDIR");
   const std::filesystem::path root = tmp != nullptr ? tmp : "/tmp";
   // Step 1: the folders of launchers that died without removing theirs. A folder's name
-  // carries its launcher's pid; one whose pid is alive (its own, or a reused one) stays.
+  // carries its launcher's pid and pid space; one of another pid space, or whose pid is alive
+  // (its own, or a reused one), stays.
   const std::string stem = std::string(prefix) + "-";
+  const std::string space = pid_space();
   std::error_code ec;
   for (const auto& entry : std::filesystem::directory_iterator(root, ec)) {
     const std::string name = entry.path().filename().string();
@@ -159,13 +177,15 @@ ScratchFolder::ScratchFolder(std::string_view prefix) {
     char* end = nullptr;
     const long pid = std::strtol(name.c_str() + stem.size(), &end, 10);
     if (pid <= 0 || end == nullptr || *end != '-' || !entry.is_directory(ec)) continue;
+    const std::string rest = end + 1;
+    if (rest.compare(0, space.size() + 1, space + "-") != 0) continue;
     if (::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) {
       std::error_code ignored;
       std::filesystem::remove_all(entry.path(), ignored);
     }
   }
   // Step 2: this launcher's own.
-  path_ = (root / detail::concat(prefix, "-", getpid(), "-XXXXXX")).string();
+  path_ = (root / detail::concat(prefix, "-", getpid(), "-", space, "-XXXXXX")).string();
   if (::mkdtemp(path_.data()) == nullptr) {
     fail<IoError>("cannot create a folder from ", path_, ": ", std::strerror(errno),
                   " (set TMPDIR to a writable folder)");

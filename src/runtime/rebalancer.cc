@@ -18,6 +18,7 @@
 #include <mutex>
 #include <optional>
 #include <thread>
+#include <tuple>
 #include <utility>
 
 #include "eplb/control/communicator.h"
@@ -128,11 +129,7 @@ class Rebalancer::Impl {
     arena_ = ArenaLayout(spec_, layout.slots_per_rank());
     if (spec_.engine_weights()) {
       map_ = BufferMap(0);  // the arena is the staging layer alone: buffer 0
-      for (int64_t l = 0; l < layers_; ++l) {
-        for (int64_t t = 0; t < arena_.tensors(); ++t) {
-          checked_mul(spec_.stride(l, t), layout.slots_per_rank(), "the bytes of a tensor");
-        }
-      }
+      check_engine_slots_apart();
     }
     phy2log_ = initial.phy2log;
     tables_.reserve(static_cast<size_t>(layers_));
@@ -142,6 +139,40 @@ class Rebalancer::Impl {
   }
 
   ~Impl() { shutdown(); }
+
+  // No two slots of the engine's tensors may share a byte: an install into one would change
+  // the other (the same tensor given for two layers, say). Interleaved layouts are fine.
+  void check_engine_slots_apart() const {
+    const int64_t spr = config_.layout.slots_per_rank();
+    struct Slot {
+      uintptr_t begin, end;
+      int64_t layer, tensor;
+    };
+    std::vector<Slot> slots;
+    for (int64_t l = 0; l < layers_; ++l) {
+      for (int64_t t = 0; t < arena_.tensors(); ++t) {
+        const int64_t stride = spec_.stride(l, t);
+        checked_mul(stride, spr, "the bytes of a tensor");
+        const auto base = reinterpret_cast<uintptr_t>(spec_.memory(l, t).base);
+        for (int64_t j = 0; j < spr; ++j) {
+          const uintptr_t begin = base + static_cast<uintptr_t>(j * stride);
+          slots.push_back({begin, begin + static_cast<uintptr_t>(arena_.tensor_bytes(t)), l, t});
+        }
+      }
+    }
+    // Ties broken by layer and tensor, so the message is the same on every run.
+    std::sort(slots.begin(), slots.end(), [](const Slot& a, const Slot& b) {
+      return std::tie(a.begin, a.layer, a.tensor) < std::tie(b.begin, b.layer, b.tensor);
+    });
+    for (size_t i = 1; i < slots.size(); ++i) {
+      if (slots[i].begin < slots[i - 1].end) {
+        fail("weight spec: layer ", slots[i - 1].layer, " tensor '",
+             spec_.tensors[static_cast<size_t>(slots[i - 1].tensor)].name, "' and layer ",
+             slots[i].layer, " tensor '", spec_.tensors[static_cast<size_t>(slots[i].tensor)].name,
+             "' overlap in memory: every slot of every layer and tensor needs bytes of its own");
+      }
+    }
+  }
 
   // ---------------------------------------------------------------- start-up
   int64_t connect() {

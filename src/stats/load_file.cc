@@ -616,7 +616,14 @@ LoadHistory parse_load_history(std::string_view content, const LoadReadOptions& 
          " given");
   }
   if (options.experts > out.experts) {
-    std::vector<double> wide(static_cast<size_t>(out.steps * out.layers * options.experts), 0.0);
+    const int64_t values = checked_mul(checked_mul(out.steps, out.layers, "steps x layers"),
+                                       options.experts, "the widened load history");
+    check_fits_in_memory(
+        checked_mul(values, 8, "the widened load history"),
+        eplb::detail::concat(source, " widened to ", options.experts, " experts (", out.steps,
+                             " steps x ", out.layers, " layers)"),
+        "");
+    std::vector<double> wide(static_cast<size_t>(values), 0.0);
     for (int64_t r = 0; r < out.steps * out.layers; ++r) {
       std::copy_n(out.values.begin() + r * out.experts, out.experts,
                   wide.begin() + r * options.experts);
@@ -636,22 +643,27 @@ RoutingTrace parse_routing_trace(std::string_view content, int64_t given_experts
 }
 
 std::string read_file(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  // A device is refused before it is opened (opening some has effects of its own).
+  const auto refuse = [&](const struct stat& st) {
+    const char* refused = S_ISDIR(st.st_mode)   ? "a directory"
+                          : S_ISCHR(st.st_mode) ? "a character device"
+                          : S_ISBLK(st.st_mode) ? "a block device"
+                                                : nullptr;
+    if (refused != nullptr) {
+      fail(path, " is ", refused, ", not a file (give a regular file, or a pipe of at most ",
+           kMaxStreamBytes >> 30, " GiB)");
+    }
+  };
+  struct stat st {};
+  if (::stat(path.c_str(), &st) == 0) refuse(st);
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOCTTY);
   if (fd < 0) fail<IoError>("cannot open ", path, ": ", std::strerror(errno));
   struct Close {
     int fd;
     ~Close() { ::close(fd); }
   } closer{fd};
-  struct stat st {};
   if (::fstat(fd, &st) != 0) fail<IoError>("cannot stat ", path, ": ", std::strerror(errno));
-  const char* refused = S_ISDIR(st.st_mode)   ? "a directory"
-                        : S_ISCHR(st.st_mode) ? "a character device"
-                        : S_ISBLK(st.st_mode) ? "a block device"
-                                              : nullptr;
-  if (refused != nullptr) {
-    fail(path, " is ", refused, ", not a file (give a regular file, or a pipe of at most ",
-         kMaxStreamBytes >> 30, " GiB)");
-  }
+  refuse(st);
   // A pipe, FIFO or socket has no size to check first: read it up to a limit.
   const bool regular = S_ISREG(st.st_mode);
   std::string out;

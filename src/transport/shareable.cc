@@ -51,9 +51,10 @@ bool find_shareable(const void* data, std::size_t bytes, ShareableSlice& out) {
   if (it == r.by_address.begin()) return false;
   it = std::prev(it);
   const Segment& s = it->second;
-  if (at - it->first + bytes > s.bytes) return false;
+  const std::uintptr_t offset = at - it->first;
+  if (offset > s.bytes || bytes > s.bytes - offset) return false;
   out = {.fd = s.fd, .inode = s.inode, .segment_bytes = s.bytes,
-         .offset = static_cast<std::size_t>(at - it->first)};
+         .offset = static_cast<std::size_t>(offset)};
   return true;
 }
 

@@ -86,10 +86,24 @@ TEST(ControlScratchFolder, RemovesFoldersOfDeadLaunchersOnly) {
   if (child == 0) _exit(0);
   int status = 0;
   waitpid(child, &status, 0);
-  const std::string dead = root + "/eplb-test-" + std::to_string(child) + "-abcdef";
-  const std::string alive = root + "/eplb-test-" + std::to_string(getpid()) + "-ghijkl";
-  const std::string other = root + "/eplb-other-" + std::to_string(child) + "-mnopqr";
-  for (const std::string& dir : {dead, alive, other}) ASSERT_EQ(mkdir(dir.c_str(), 0700), 0);
+  // This machine's pid space, as the folders are named: <prefix>-<pid>-<space>-XXXXXX.
+  std::string space;
+  {
+    ScratchFolder probe("eplb-test");
+    const std::string head = root + "/eplb-test-" + std::to_string(getpid()) + "-";
+    ASSERT_EQ(probe.path().rfind(head, 0), 0u) << probe.path();
+    space = probe.path().substr(head.size(), probe.path().size() - head.size() - 7);
+  }
+  const std::string dead = root + "/eplb-test-" + std::to_string(child) + "-" + space + "-abcdef";
+  const std::string alive =
+      root + "/eplb-test-" + std::to_string(getpid()) + "-" + space + "-ghijkl";
+  const std::string other = root + "/eplb-other-" + std::to_string(child) + "-" + space + "-mnop";
+  // A folder of another machine or pid namespace (a /tmp shared with a container): its pid
+  // means nothing here, so it stays.
+  const std::string elsewhere = root + "/eplb-test-" + std::to_string(child) + "-0123abcd.1-qrst";
+  for (const std::string& dir : {dead, alive, other, elsewhere}) {
+    ASSERT_EQ(mkdir(dir.c_str(), 0700), 0);
+  }
   std::string mine;
   {
     ScratchFolder folder("eplb-test");
@@ -99,6 +113,7 @@ TEST(ControlScratchFolder, RemovesFoldersOfDeadLaunchersOnly) {
     EXPECT_NE(access(dead.c_str(), F_OK), 0) << "the folder of a dead launcher stayed";
     EXPECT_EQ(access(alive.c_str(), F_OK), 0) << "the folder of a live launcher was removed";
     EXPECT_EQ(access(other.c_str(), F_OK), 0) << "a folder of another prefix was removed";
+    EXPECT_EQ(access(elsewhere.c_str(), F_OK), 0) << "a folder of another pid space was removed";
   }
   EXPECT_NE(access(mine.c_str(), F_OK), 0) << "the folder outlived its object";
   if (old != nullptr) {

@@ -505,6 +505,10 @@ def test_engine_tensors_threads_keep_their_addresses():
     (lambda w: w["w13"].__setitem__(0, np.zeros((12, 2, 3), np.float64)),
      "tensor 'w13' of layer 1 is .* every layer must be alike"),
     (lambda w: w.__setitem__("w2", 10), "give every tensor as the engine's own"),
+    (lambda w: w["w2"].__setitem__(0, np.empty((12, 10), dtype=object)),
+     "tensor 'w2' of layer 0 holds Python objects"),
+    (lambda w: w["w13"].__setitem__(2, w["w13"][1]),
+     "layer 1 tensor 'w13' and layer 2 tensor 'w13' overlap in memory"),
 ])
 def test_engine_tensor_errors(change, message):
     weights = engine_tensors(1)

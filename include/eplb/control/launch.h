@@ -97,9 +97,10 @@ std::vector<RankExit> fork_ranks(int n, const std::function<int(int rank)>& body
 void check_all_ok(const std::vector<RankExit>& exits);
 
 // A launcher's scratch folder, where its forked ranks leave their reports: a new folder
-// $TMPDIR/<prefix>-<pid>-XXXXXX (TMPDIR defaulting to /tmp), removed with everything in it when
-// the object goes. A launcher that is killed cannot remove its folder, so the constructor
-// first removes the folders of this prefix whose launcher process is gone.
+// $TMPDIR/<prefix>-<pid>-<pid space>-XXXXXX (TMPDIR defaulting to /tmp; the pid space names the
+// machine's boot and the pid namespace), removed with everything in it when the object goes. A
+// launcher that is killed cannot remove its folder, so the constructor first removes the
+// folders of this prefix, of this pid space, whose launcher process is gone.
 class ScratchFolder {
  public:
   explicit ScratchFolder(std::string_view prefix);

@@ -2,12 +2,14 @@
 
 #include <sys/prctl.h>
 #include <sys/uio.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstring>
 #include <fstream>
+#include <map>
 #include <new>
 #include <string>
 #include <vector>
@@ -44,8 +46,9 @@ struct Peer {
   bool self = false;
   std::int32_t pid = 0;
   Segment control;
-  std::vector<Segment> regions;          // [region id]: the mapping of a memfd region
-  std::vector<std::uint64_t> offsets;    // [region id]: where a kShareable region starts in it
+  // The peer's memfds mapped here, each once (many shareable regions may share one memfd).
+  std::vector<Segment> mappings;
+  std::vector<const std::byte*> starts;  // [region id]: its first byte here; null: registered
   std::vector<std::uint64_t> addresses;  // [region id]: the owner's address of a kRegistered one
   std::vector<Kind> kinds;               // [region id]
   std::vector<std::uint64_t> bytes;      // [region id]
@@ -80,8 +83,9 @@ std::string yama_scope() {
                       : "kernel.yama.ptrace_scope " + scope + ": 0 or 1 allow it, 2 needs "
                         "CAP_SYS_PTRACE, 3 forbids it",
         "; in a container, CAP_SYS_PTRACE and a seccomp profile that allows process_vm_readv). "
-        "Or let eplb allocate the engine's host tensors from shareable memory "
-        "(Transport::allocate; eplb.empty() in Python), which needs no permission");
+        "Or allocate the engine's host tensors from shareable memory "
+        "(eplb::transport::allocate_shareable; eplb.empty() in Python), which needs no "
+        "permission and is read at memcpy speed");
   }
   fail<IoError>("shm: process_vm_readv from rank ", peer, " failed ", when, ": ",
                 std::strerror(err));
@@ -132,9 +136,10 @@ class ShmTransport final : public Transport {
     return {static_cast<int>(regions_.size()) - 1, regions_.back().data, regions_.back().bytes};
   }
 
-  // Caller memory: peers read it with process_vm_readv, one syscall per read and still no work
-  // of this process's threads. Under Yama's ptrace_scope 1 only a process's ancestors may read
-  // it, and ranks are siblings: this process names any process of its user as allowed.
+  // Caller memory: inside shareable memory, exported as its memfd and offset; otherwise peers
+  // read it with process_vm_readv, one syscall per read and still no work of this process's
+  // threads. Under Yama's ptrace_scope 1 only a process's ancestors may read it, and ranks are
+  // siblings: this process names its parent, the launcher, whose descendants may read it.
   Region register_memory(void* data, std::size_t bytes) override {
     EPLB_CHECK(data != nullptr, "register_memory() of a null pointer");
     EPLB_CHECK_GT(bytes, std::size_t{0}, "register_memory() needs a positive size");
@@ -146,7 +151,9 @@ class ShmTransport final : public Transport {
     if (find_shareable(data, bytes, r.slice)) {
       r.kind = Kind::kShareable;
     } else if (!ptracer_set_) {
-      (void)::prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0);  // EINVAL without Yama
+      // Yama ptrace_scope 1 lets only a declared tracer and its descendants read this process:
+      // declare the launcher, whose descendants the sibling ranks are (EINVAL without Yama).
+      (void)::prctl(PR_SET_PTRACER, static_cast<unsigned long>(::getppid()), 0, 0, 0);
       ptracer_set_ = true;
     }
     regions_.push_back(std::move(r));
@@ -240,7 +247,6 @@ class ShmTransport final : public Transport {
       p.bytes.push_back(e.bytes);
       p.kinds.push_back(e.kind);
       p.addresses.push_back(e.address);
-      p.offsets.push_back(e.offset);
     }
     if (identity == identity_) {
       if (peer != rank_) {
@@ -257,18 +263,31 @@ class ShmTransport final : public Transport {
                               "an eplb control page");
       }
       bool probed = false;
+      std::map<std::uint64_t, std::size_t> mapped;  // inode -> index in p.mappings
       for (const Entry& e : entries) {
         if (e.kind == Kind::kSegment) {
-          p.regions.push_back(
+          p.mappings.push_back(
               map_peer_segment(kBackend, peer, identity.pid, e.fd, e.inode, e.bytes));
+          p.starts.push_back(p.mappings.back().data);
           continue;
         }
         if (e.kind == Kind::kShareable) {
-          p.regions.push_back(map_peer_segment(kBackend, peer, identity.pid, e.fd, e.inode,
-                                               e.segment_bytes));
+          auto it = mapped.find(e.inode);
+          if (it == mapped.end()) {
+            p.mappings.push_back(map_peer_segment(kBackend, peer, identity.pid, e.fd, e.inode,
+                                                  e.segment_bytes));
+            it = mapped.emplace(e.inode, p.mappings.size() - 1).first;
+          }
+          const Segment& m = p.mappings[it->second];
+          if (e.offset > m.bytes || e.bytes > m.bytes - e.offset) {
+            fail<InvalidArgument>("shm descriptor of rank ", peer, ": shareable region of ",
+                                  e.bytes, " bytes at offset ", e.offset, " is outside its ",
+                                  m.bytes, "-byte segment");
+          }
+          p.starts.push_back(m.data + e.offset);
           continue;
         }
-        p.regions.emplace_back();
+        p.starts.push_back(nullptr);
         // Whether cross-memory attach is allowed is known only by trying: once per peer, now,
         // rather than at the first rebalance.
         if (!probed) {
@@ -312,7 +331,7 @@ class ShmTransport final : public Transport {
       if (r.bytes == 0) continue;
       const auto region = static_cast<std::size_t>(r.region);
       if (p.kinds[region] != Kind::kRegistered) {
-        std::memcpy(r.dst, p.regions[region].data + p.offsets[region] + r.offset, r.bytes);
+        std::memcpy(r.dst, p.starts[region] + r.offset, r.bytes);
       } else if (const int err = read_process(p.pid, p.addresses[region] + r.offset, r.dst,
                                               r.bytes);
                  err != 0) {

@@ -10,7 +10,8 @@
 // still without the owner's threads, at about half memcpy's speed. That needs ptrace permission between
 // the processes; import_descriptor() tries one byte and says, when it is refused, which setting
 // refuses it (Yama's ptrace_scope, a container's capabilities) and the alternative (allocate()).
-// The owner allows its peers under Yama's ptrace_scope 1 itself (PR_SET_PTRACER_ANY). A
+// Under Yama's ptrace_scope 1 the owner allows its sibling ranks itself (it declares its
+// parent, the launcher, as its tracer, with PR_SET_PTRACER). A
 // registered buffer must stay mapped while registered: one freed under a reader fails its
 // batch with IoError, never a crash.
 //

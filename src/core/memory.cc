@@ -27,26 +27,24 @@ int64_t proc_kib(const char* file, std::string_view key) {
   return -1;
 }
 
+// What a resource limit leaves of what /proc/self/status says is used under it; -1: no limit.
+int64_t left_under(int resource, std::string_view used_key) {
+  rlimit limit{};
+  if (::getrlimit(resource, &limit) != 0 || limit.rlim_cur == RLIM_INFINITY) return -1;
+  const int64_t used_kib = proc_kib("/proc/self/status", used_key);
+  const auto cap = static_cast<int64_t>(
+      std::min<rlim_t>(limit.rlim_cur, std::numeric_limits<int64_t>::max()));
+  return std::max<int64_t>(0, cap - std::max<int64_t>(used_kib, 0) * 1024);
+}
+
 }  // namespace
 
 int64_t memory_available() {
   int64_t out = -1;
   const int64_t available_kib = proc_kib("/proc/meminfo", "MemAvailable");
   if (available_kib >= 0) out = available_kib * 1024;
-  rlimit limit{};
-  if (::getrlimit(RLIMIT_AS, &limit) == 0 && limit.rlim_cur != RLIM_INFINITY) {
-    const int64_t used_kib = proc_kib("/proc/self/status", "VmSize");
-    const auto cap = static_cast<int64_t>(
-        std::min<rlim_t>(limit.rlim_cur, std::numeric_limits<int64_t>::max()));
-    const int64_t left = std::max<int64_t>(0, cap - std::max<int64_t>(used_kib, 0) * 1024);
-    out = out < 0 ? left : std::min(out, left);
-  }
-  if (::getrlimit(RLIMIT_DATA, &limit) == 0 && limit.rlim_cur != RLIM_INFINITY) {
-    const int64_t used_kib = proc_kib("/proc/self/status", "VmData");
-    const auto cap = static_cast<int64_t>(
-        std::min<rlim_t>(limit.rlim_cur, std::numeric_limits<int64_t>::max()));
-    const int64_t left = std::max<int64_t>(0, cap - std::max<int64_t>(used_kib, 0) * 1024);
-    out = out < 0 ? left : std::min(out, left);
+  for (const int64_t left : {left_under(RLIMIT_AS, "VmSize"), left_under(RLIMIT_DATA, "VmData")}) {
+    if (left >= 0) out = out < 0 ? left : std::min(out, left);
   }
   return out;
 }

@@ -78,9 +78,22 @@ class HybridTransport final : public Transport {
   }
 
   Region allocate(std::size_t bytes) override {
-    EPLB_CHECK(!closed_, "allocate() after close()");
+    return add_region([&] { return near_->allocate(bytes); });
+  }
+
+  // Both halves register the caller's memory: peers of the node read it through shm (mapped
+  // when it is shareable memory, by cross-memory attach otherwise), the others through UCX's
+  // mapping of it.
+  Region register_memory(void* data, std::size_t bytes) override {
+    return add_region([&] { return near_->register_memory(data, bytes); });
+  }
+
+  // A region made by the shm half (`make_near`), registered with the UCX half too.
+  template <typename F>
+  Region add_region(F&& make_near) {
+    EPLB_CHECK(!closed_, "a new region after close()");
     if (!broken_.empty()) fail<IoError>("hybrid: no more regions: ", broken_);
-    const Region region = near_->allocate(bytes);
+    const Region region = make_near();
     Region registered;
     try {
       registered = far_->register_memory(region.data, region.bytes);
@@ -93,25 +106,6 @@ class HybridTransport final : public Transport {
     }
     // Both backends number regions in order of creation; they stay in step because every
     // region goes through here.
-    EPLB_CHECK_EQ(registered.id, region.id, "hybrid: the UCX region id must match the shm one");
-    region_bytes_.push_back(region.bytes);
-    return region;
-  }
-
-  // Both halves register the caller's memory: peers of the node read it with cross-memory
-  // attach (shm), the others through UCX's mapping of it.
-  Region register_memory(void* data, std::size_t bytes) override {
-    EPLB_CHECK(!closed_, "register_memory() after close()");
-    if (!broken_.empty()) fail<IoError>("hybrid: no more regions: ", broken_);
-    const Region region = near_->register_memory(data, bytes);
-    Region registered;
-    try {
-      registered = far_->register_memory(region.data, region.bytes);
-    } catch (const std::exception& e) {
-      broken_ = detail::concat("registering region ", region.id, " (", region.bytes,
-                               " bytes) with UCX failed: ", e.what());
-      throw;
-    }
     EPLB_CHECK_EQ(registered.id, region.id, "hybrid: the UCX region id must match the shm one");
     region_bytes_.push_back(region.bytes);
     return region;

@@ -108,6 +108,13 @@ Layout make_layout(const SimulateArgs& args, int64_t experts) {
 void check_options(const SimulateArgs& args) {
   if (args.interval < 1) fail("--interval ", args.interval, " must be at least 1 step");
   if (args.window < 1) fail("--window ", args.window, " must be at least 1 step");
+  if (args.interval > kMaxSteps) {
+    fail("--interval ", args.interval, " is outside [1, ", kMaxSteps,
+         "] steps (an interval past the last step means one rebalance)");
+  }
+  if (args.window > kMaxSteps) {
+    fail("--window ", args.window, " is outside [1, ", kMaxSteps, "] steps");
+  }
   if (args.expert_bytes < 1) {
     fail("--expert-bytes ", args.expert_bytes,
          " must be at least 1 (the bytes of one expert's weights in one layer)");

@@ -100,8 +100,11 @@ void RunOptions::validate(const Workload& workload) const {
   if (tokens_per_rank < 1) fail("--tokens-per-rank ", tokens_per_rank, " must be at least 1");
   shape.validate();
   if (steps < 1) fail("--steps ", steps, " must be at least 1");
+  if (steps > kMaxSteps) fail("--steps ", steps, " is outside [1, ", kMaxSteps, "]");
   if (interval < 1) fail("--interval ", interval, " must be at least 1");
   if (window < 1) fail("--window ", window, " must be at least 1");
+  if (interval > kMaxSteps) fail("--interval ", interval, " is outside [1, ", kMaxSteps, "]");
+  if (window > kMaxSteps) fail("--window ", window, " is outside [1, ", kMaxSteps, "]");
   if (lag < 1 || lag > runtime::kMaxLag) {
     fail("--lag ", lag, " is outside [1, ", runtime::kMaxLag, "] steps");
   }

@@ -131,6 +131,8 @@ void Config::validate() const {
   layout.validate();
   if (interval < 1) fail("interval ", interval, " must be at least 1 step");
   if (window < 1) fail("window ", window, " must be at least 1 step");
+  if (interval > kMaxSteps) fail("interval ", interval, " is outside [1, ", kMaxSteps, "] steps");
+  if (window > kMaxSteps) fail("window ", window, " is outside [1, ", kMaxSteps, "] steps");
   if (lag < 1 || lag > kMaxLag) {
     fail("lag ", lag, " is outside [1, ", kMaxLag,
          "] steps (an agreement acts after it runs, and every rank keeps the agreements of the "

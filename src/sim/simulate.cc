@@ -50,6 +50,10 @@ void check_options(const stats::LoadHistory& history, const SimOptions& options)
   }
   if (options.interval < 1) fail("interval ", options.interval, " must be at least 1 step");
   if (options.window < 1) fail("window ", options.window, " must be at least 1 step");
+  if (options.interval > kMaxSteps || options.window > kMaxSteps) {
+    fail("interval ", options.interval, " and window ", options.window, " must be at most ",
+         kMaxSteps, " steps");
+  }
   if (options.window >= history.steps) {
     fail("window ", options.window, " leaves no step to score: the history has ", history.steps,
          " steps (the first placement is made from steps [0, window) and scored on the steps "
@@ -290,8 +294,8 @@ SimResult simulate(const stats::LoadHistory& history, const SimOptions& options)
   out.steps = steps;
   out.layers = history.layers;
   out.first_scored_step = options.window;
-  // t + interval may not fit an int64 (any interval is valid: one that passes the last step
-  // means one rebalance), so the step after t is computed from what is left.
+  // The step after t comes from what is left, so no t + interval is formed (an interval past
+  // the last step means one rebalance).
   for (int64_t t = options.window; t < steps;
        t = steps - t > options.interval ? t + options.interval : steps) {
     out.rebalance_steps.push_back(t);

@@ -40,13 +40,21 @@ printf '{"load": [[5,1,1,1,1,1,1,1],[1,1,1,1,1,1,1,9]]}' >good.json
 "$eplb" plan --ranks 2 --redundant 2 --load good.json --policy deepseek -o p2.json >/dev/null \
   || fail "plan p2"
 
-# An interval past the last step: one rebalance, no overflow of the next trigger step.
-for interval in 9223372036854775807 9223372036854775804; do
+# An interval past the last step: one rebalance, no overflow of the next trigger step; past
+# 2^40 steps, a clear error.
+for interval in 1099511627776 1099511627773; do
   "$eplb" simulate --ranks 2 --redundant 2 --interval $interval --window 4 \
     --load-history steps.json --json >sim.json 2>"$tmp/err" \
     || fail "simulate --interval $interval: exit $?: $(head -c 300 "$tmp/err")"
   grep -q '"rebalance_steps":\[4\]' sim.json || fail "simulate --interval $interval: $(head -c 300 sim.json)"
 done
+for interval in 9223372036854775807 9223372036854775804; do
+  expect_error interval-$interval "--interval $interval is outside \[1, 1099511627776\] steps" \
+    "$eplb" simulate --ranks 2 --redundant 2 --interval $interval --window 4 \
+    --load-history steps.json
+done
+expect_error run-interval "--interval 9223372036854775807 is outside" \
+  "$eplb" run --steps 20 --interval 9223372036854775807
 
 # Files that are no files, or too large for what they claim to be.
 expect_error dev-zero "/dev/zero is a character device" "$eplb" plan --ranks 2 --redundant 2 --load /dev/zero

@@ -17,6 +17,7 @@ inline constexpr int64_t kMaxExperts = int64_t{1} << 16;   // logical experts pe
 inline constexpr int64_t kMaxPhysical = int64_t{1} << 20;  // physical slots per layer
 inline constexpr int64_t kMaxRanks = int64_t{1} << 16;     // ranks (and so nodes)
 inline constexpr int64_t kMaxLayers = int64_t{1} << 16;    // MoE layers
+inline constexpr int64_t kMaxSteps = int64_t{1} << 40;     // an interval or a window, in steps
 
 // The shape of one expert-parallel deployment. Slot p lives on rank p / slots_per_rank();
 // rank g lives on node g / ranks_per_node(); experts [k*E/groups, (k+1)*E/groups) form group k.

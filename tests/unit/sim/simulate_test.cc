@@ -340,16 +340,19 @@ TEST(Simulate, RejectsBadOptions) {
 }
 
 // An interval past the last step means one rebalance: the next trigger step (t + interval) is
-// never formed, so no interval overflows.
+// never formed, so no interval overflows; past kMaxSteps an interval is refused.
 TEST(Simulate, IntervalPastTheEndRebalancesOnce) {
   std::vector<std::vector<double>> rows(12, {3, 1, 1, 1});
   const stats::LoadHistory history = one_layer(rows);
   const Layout layout{.experts = 4, .physical = 6, .ranks = 2, .nodes = 1, .groups = 1};
-  for (const int64_t interval : {std::numeric_limits<int64_t>::max(),
-                                 std::numeric_limits<int64_t>::max() - 3, int64_t{8}, int64_t{9}}) {
+  for (const int64_t interval : {kMaxSteps, kMaxSteps - 3, int64_t{8}, int64_t{9}}) {
     const SimResult r = simulate(history, options_for(layout, interval, 4, "balanced"));
     EXPECT_EQ(r.rebalance_steps, (std::vector<int64_t>{4})) << interval;
     EXPECT_EQ(result_of(r, "balanced").step_balancedness.size(), 8u) << interval;
+  }
+  for (const int64_t interval : {kMaxSteps + 1, std::numeric_limits<int64_t>::max()}) {
+    EXPECT_THROW(simulate(history, options_for(layout, interval, 4, "balanced")), InvalidArgument)
+        << interval;
   }
 }
 

@@ -50,7 +50,9 @@ struct BenchRuntimeArgs {
   std::string mode = "both";
   std::string transport = "shm";
   std::string policy = "balanced";
-  std::string weights = "engine";  // engine: each rank allocates them; arena: the runtime does
+  // arena: the runtime allocates them (what the protocol's own stall is measured on); engine:
+  // each rank allocates them and the runtime registers them (installs then copy).
+  std::string weights = "arena";
   int64_t timeout_ms = 60'000;
   bool json = false;
   bool verbose = false;

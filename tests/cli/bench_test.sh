@@ -37,9 +37,9 @@ check control backend ranks p50_us p99_us -- control --backend shm --ranks 2 --i
 check runtime async sync ratio_total ratio_max stall_max_ms stall_total_ms -- runtime --ranks 2 \
   --layers 4 --slots-per-rank 3 --expert-bytes 4096 --steps 60 --interval 10 --window 5 \
   --forward-ms 0.2
-check runtime-arena async sync ratio_total weights -- runtime --ranks 2 --layers 4 \
+check runtime-engine async sync ratio_total weights -- runtime --ranks 2 --layers 4 \
   --slots-per-rank 3 --expert-bytes 4096 --steps 60 --interval 10 --window 5 --forward-ms 0.2 \
-  --weights arena
+  --weights engine
 
 "$eplb" bench transport --backend nope --ranks 2 >/dev/null 2>"$tmp/err"
 [ $? -eq 2 ] && grep -q "nope" "$tmp/err" || fail "bench transport --backend nope: $(cat "$tmp/err")"

@@ -42,9 +42,9 @@ struct RunOptions {
   std::string policy = "balanced";
   std::string mode = "async";  // async | sync | off (no rebalancing)
   std::string dispatch = "static";
-  // engine: each rank allocates its expert weights and registers them (what engines do);
-  // arena: the runtime allocates them.
-  std::string weights = "engine";
+  // arena: the runtime allocates them (swap installs: no copy); engine: each rank allocates
+  // its expert weights and registers them, as engines do (installs copy changed slots in).
+  std::string weights = "arena";
   int64_t verify_every = 16;   // verify the tokens whose hash picks 1 in this many; 1: all
   uint64_t seed = 1;
   int64_t timeout_ms = 60'000;

@@ -359,7 +359,8 @@ def min_reduction(world):
     return agree
 
 
-def run_threads(world, cfg, steps_min=12, steps_max=400):
+def run_threads(world, cfg, steps_min=12, steps_max=400, weights=None):
+    """Every rank as a thread of this process; `weights`: each rank's (default WEIGHTS)."""
     rendezvous = unique("rt-threads")
     logs = [[] for _ in range(world)]
     results, errors = [None] * world, []
@@ -368,7 +369,8 @@ def run_threads(world, cfg, steps_min=12, steps_max=400):
     def body(rank):
         try:
             results[rank] = run_rank(rank, world, rendezvous, cfg, steps_min, steps_max,
-                                     logs[rank], "inproc", "inproc", agree)
+                                     logs[rank], "inproc", "inproc", agree,
+                                     weights=WEIGHTS if weights is None else weights[rank])
         except BaseException as e:  # reported below, on the main thread
             errors.append((rank, e))
 
@@ -463,28 +465,16 @@ def test_processes_shm(engine):
 def test_engine_tensors_threads_keep_their_addresses():
     torch = pytest.importorskip("torch")
     world = 2
-    rendezvous = unique("rt-engine")
     tensors = [engine_tensors(world, torch_tensors=True) for _ in range(world)]
     pointers = [{k: [t.data_ptr() for t in v] for k, v in ts.items()} for ts in tensors]
-    results, errors = [None] * world, []
-
-    def body(rank):
-        try:
-            log = []
-            results[rank] = run_rank(rank, world, rendezvous, config(), 12, 400, log, "inproc",
-                                     "inproc", weights=tensors[rank])
-        except BaseException as e:
-            errors.append(e)
-
-    threads = [threading.Thread(target=body, args=(g,)) for g in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
+    results, _ = run_threads(world, config(), weights=tensors)
     assert any(h["outcome"] == "completed" for h in results[0])
-    assert all(h["bytes_installed"] >= 0 for h in results[0])
+    # Installs write exactly the slots whose expert changes: over both ranks, slots moved x
+    # the bytes of one expert (w13 2 x 3 float32 + w2 10 bytes).
+    for i, h in enumerate(results[0]):
+        if h["outcome"] == "completed":
+            written = sum(r[i]["bytes_installed"] for r in results)
+            assert written == h["slots_moved"] * (2 * 3 * 4 + 10) > 0, (i, written, h)
     for rank in range(world):
         for name, per in tensors[rank].items():
             assert [t.data_ptr() for t in per] == pointers[rank][name]

@@ -1,0 +1,270 @@
+#pragma once
+// Rebalancer::Impl, the runtime behind the public Rebalancer, shared by the files that define
+// it: rebalancer.cc (construction, start-up, the forward thread, the public forwarding
+// methods), async.cc (the async protocol and the worker thread) and sync.cc (sync mode).
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <future>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <span>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "eplb/control/communicator.h"
+#include "eplb/routing/dispatch.h"
+#include "eplb/runtime/rebalancer.h"
+#include "eplb/stats/recorder.h"
+#include "eplb/transport/transport.h"
+#include "runtime/arena.h"
+#include "runtime/control_thread.h"
+#include "runtime/failure.h"
+#include "runtime/plan.h"
+
+namespace eplb::runtime {
+
+using Clock = std::chrono::steady_clock;
+
+// The state one rebalance shares between the forward thread and the worker (async mode).
+//   written by the worker, read by the forward thread after an acquire load of `progress`:
+//     plan (before progress >= 1), failure (before progress < 0);
+//   written by the forward thread under `mu`, waited on by the worker: installed, cancel.
+struct Active {
+  // Set by the forward thread before the worker sees it; then read-only.
+  std::vector<int32_t> current_phy2log;  // [layers][physical] at the trigger
+  BufferMap map;                         // at the trigger
+  std::future<CollectiveResult> window;  // the worker's alone
+
+  // Progress this rank contributes to the agreement: -1 - rank after a failure, 0 while
+  // the placement is computed, 1 + the number of moved layers staged.
+  std::atomic<int64_t> progress{0};
+  RebalancePlan plan;
+  Failure failure;
+
+  std::mutex mu;
+  std::condition_variable cv;
+  int64_t installed = 0;            // guarded by mu
+  std::atomic<bool> cancel{false};  // set under mu, read anywhere
+
+  // Forward thread only.
+  int64_t installed_fwd = 0;
+  bool figures_filled = false;
+};
+
+// One agreement contributed by the forward thread, to be acted on at step + lag.
+struct PendingAgreement {
+  int64_t step = 0;
+  int64_t mine = 0;  // this rank's contribution
+  std::future<CollectiveResult> result;  // internal agreement only
+};
+
+// Every catch on a runtime thread takes everything (a foreign exception type from a hook or a
+// backend is still an error to report, never a reason to end the process from a thread the
+// engine does not own, or to leave a rebalance half done) and keeps it as a Failure: plain
+// values, never the exception object, cross to another thread (failure.h).
+
+class Rebalancer::Impl {
+ public:
+  Impl(Config config, control::Communicator& communicator, transport::Transport& transport,
+       WeightSpec spec, const Placement& initial);
+
+  ~Impl();
+
+  // No two slots of the engine's tensors may share a byte: an install into one would change
+  // the other (the same tensor given for two layers, say). Interleaved layouts are fine.
+  void check_engine_slots_apart() const;
+
+  // ---------------------------------------------------------------- start-up
+  int64_t connect();
+
+  // The engine's tensors, one transport region each, right after the staging region.
+  void register_engine_tensors();
+
+  // ---------------------------------------------------------------- forward thread
+  void record(int64_t layer, std::span<const int32_t> ids);
+  void record_counts(int64_t layer, std::span<const int64_t> counts);
+
+  const routing::DispatchTables& dispatch(int64_t layer) const;
+
+  std::span<std::byte> weights(int64_t layer, int64_t tensor) const;
+
+  std::span<std::byte> slot_weights(int64_t layer, int64_t tensor, int64_t slot) const;
+
+  std::span<const int32_t> phy2log(int64_t layer) const;
+
+  Placement placement() const;
+
+  void step_end();
+
+  void save_stats(const std::string& path, stats::LoadFormat format) const;
+
+  void shutdown();
+
+  int64_t agreement_contribution() const;
+
+  void agreement_result(int64_t step, int64_t min_value);
+
+  int rank() const;
+  int64_t step() const;
+  bool rebalancing() const;
+  int64_t installed_layers() const;
+  bool control_broken() const;
+  int64_t bytes_held() const;
+  std::vector<RebalanceRecord> history() const;
+  const Config& config() const;
+  const WeightSpec& weight_spec() const;
+
+ private:
+  bool should_trigger() const;
+
+  // The longest the forward thread waits for a collective's result: each queued collective
+  // (at most lag + 1 agreements and a window) is bounded by the timeout itself.
+  std::chrono::milliseconds result_bound() const;
+
+  void open_record();
+
+  // Ends the open record at this step; `raise` is what step_end throws under on_error=raise.
+  void close_open(std::optional<Failure> raise);
+
+  void fill_plan_figures(const RebalancePlan& plan);
+
+  // Logs, calls back, appends to the history and, under on_error=raise, throws.
+  void publish_open();
+
+  // Installs moved layer k of `plan` on this rank: the staged buffer becomes live, the new
+  // tables and phy2log take effect. kSwap: O(1) in the weights' size; kCopy: one layer copied
+  // (or enqueued, by the installer).
+  void install(RebalancePlan& plan, int64_t k);
+
+  // Installs swap buffers only with the arena and Install::kSwap.
+  bool swaps() const;
+
+  // The engine's tensors of layer k of `plan` get, slot by slot, the staged bytes of every
+  // slot whose expert changes; the others are not written.
+  void install_into_engine(const RebalancePlan& plan, int64_t k);
+
+  // An installer that fails mid-install (a CUDA error on the engine's stream) leaves this
+  // rank's weights, tables and buffer map no longer in step with each other or with the other
+  // ranks', and there is no consistent way back: the process stops, loudly, so that its peers
+  // see a dead rank and abandon the rebalance cleanly instead of serving wrong experts.
+  // Defined in rebalancer.cc, beside the installs that call it.
+  template <typename F>
+  void installer_or_stop(F&& call, int64_t layer);
+
+  // `error`: what step_end raises under on_error=raise (by default an IoError with `message`).
+  void fail_open(std::string message, std::optional<Failure> error);
+
+  // -------------------------------------------------------------- async protocol
+  void step_end_async();
+
+  // Run on the control thread before this rank contributes its window: peers start reading
+  // this rank's live buffers once every window is in, so the last install's queued work (a copy
+  // into a live buffer, kCopy) must have run by then. Nothing to wait for on host memory.
+  std::function<void()> installs_done();
+
+  void trigger_async();
+
+  void submit_agreement();
+
+  // The agreed value of `pending`, waiting for it within its bound. When there is none (a
+  // failed or late collective, a missing or impossible external result) the rebalance is
+  // abandoned here and nothing is returned: the agreement can no longer be trusted to be the
+  // same on every rank, so no rebalance triggers again.
+  std::optional<int64_t> take_agreement(PendingAgreement pending);
+
+  void advance_async();
+
+  // Abandons the running rebalance at this step: layers installed so far stay (they are
+  // complete on every rank), the others keep their old buffers and tables.
+  //
+  // The record keeps the plan's figures only if an agreement proved every rank had the plan
+  // (figures_filled): filling them from this rank's own plan would make the records of ranks
+  // whose workers were at different points differ.
+  void end_active(std::string message, std::optional<Failure> error);
+
+  void finish_active();
+
+  static void cancel_worker(Active& a);
+
+  StageContext stage_context(const std::atomic<bool>* cancel);
+
+  // -------------------------------------------------------------- worker thread
+  void worker_loop();
+
+  void run_job(Active& a);
+
+  // -------------------------------------------------------------- sync mode
+  // The whole rebalance inside this step_end: the baseline. The collectives are the window,
+  // one agreement on the plan, and one per moved layer, the same on every rank.
+  void step_end_sync();
+
+  // One agreement of sync mode, on whether this rank failed (`local`); false (and the record
+  // failed) unless every rank succeeded.
+  bool agree_sync(const std::optional<Failure>& local);
+
+  std::vector<int64_t> await(std::future<CollectiveResult> future);
+
+  // Immutable after construction / connect().
+  const Config config_;
+  control::Communicator& comm_;
+  transport::Transport& transport_;
+  const WeightSpec spec_;
+  const int rank_;
+  const int64_t layers_;
+  ArenaLayout arena_;
+  transport::Region region_;
+  std::vector<int> peer_region_;  // [ranks] the arena's region id on each rank
+  bool connected_ = false;
+  std::atomic<int64_t> bytes_held_{0};
+
+  // Forward thread.
+  stats::LoadRecorder recorder_;
+  std::vector<int32_t> phy2log_;                 // [layers][physical]
+  std::vector<routing::DispatchTables> tables_;  // [layers]
+  BufferMap map_;
+  EngineTensors engine_;  // the engine's own tensors, from connect() on; empty with the arena
+  int64_t step_ = 0;
+  int64_t installed_total_ = 0;
+  int64_t next_index_ = 0;
+  bool shut_down_ = false;
+  std::shared_ptr<Active> active_;
+  std::deque<PendingAgreement> agreements_;  // by step
+  std::optional<RebalanceRecord> open_;  // the running rebalance's record
+  bool open_finished_ = false;           // it ended at this step: publish at the end of it
+  Clock::time_point open_started_;
+  std::optional<Failure> raise_;
+  std::atomic<bool> control_broken_{false};
+  std::atomic<int64_t> published_step_{0};          // step_, for agreement_result's check
+  std::atomic<int64_t> contribution_{kNoAgreement};  // agreement_contribution()
+
+  // External agreement: results handed in by agreement_result() (any thread), in a ring of
+  // lag + 2 slots by step, so the result of step s is still there when s + lag acts on it.
+  struct ExternalResult {
+    int64_t step = -1;
+    int64_t value = 0;
+  };
+  std::mutex external_mu_;
+  std::condition_variable external_cv_;
+  std::vector<ExternalResult> external_;  // guarded by external_mu_
+
+  // Threads.
+  std::unique_ptr<ControlThread> control_;
+  std::thread worker_;
+  std::mutex worker_mu_;
+  std::condition_variable worker_cv_;
+  std::deque<std::shared_ptr<Active>> worker_queue_;  // guarded by worker_mu_
+  bool worker_stop_ = false;                          // guarded by worker_mu_
+
+  mutable std::mutex history_mu_;
+  std::vector<RebalanceRecord> history_;  // guarded by history_mu_
+};
+
+}  // namespace eplb::runtime

@@ -1,0 +1,92 @@
+#include "runtime/impl.h"
+
+#include <future>
+#include <optional>
+#include <utility>
+#include <vector>
+
+#include "eplb/core/error.h"
+#include "runtime/control_thread.h"
+#include "runtime/failure.h"
+#include "runtime/plan.h"
+
+// Rebalancer::Impl's sync mode: the whole rebalance inside one step_end.
+
+namespace eplb::runtime {
+
+// -------------------------------------------------------------- sync mode
+void Rebalancer::Impl::step_end_sync() {
+  if (!should_trigger()) return;
+  open_record();
+  std::vector<int64_t> window(static_cast<size_t>(layers_ * config_.layout.experts));
+  recorder_.snapshot_window(window);
+  try {
+    window = await(control_->all_reduce(std::move(window), control::ReduceOp::kSum,
+                                        config_.timeout, installs_done()));
+  } catch (...) {
+    control_broken_.store(true, std::memory_order_release);
+    Failure failure = Failure::current();
+    fail_open(detail::concat("the window all-reduce failed: ", failure.message),
+              std::move(failure));
+    return;
+  }
+  RebalancePlan plan;
+  std::optional<Failure> local;
+  try {
+    if (config_.delay_hook) config_.delay_hook(DelayPoint::kPlacement);
+    plan = make_plan(window, phy2log_, config_, spec_.expert_bytes());
+  } catch (...) {
+    local = Failure::current();
+  }
+  if (!agree_sync(local)) return;
+  fill_plan_figures(plan);
+  if (plan.skipped) {
+    open_->outcome = Outcome::kSkipped;
+    open_->error = plan.skip_reason;
+    close_open(std::nullopt);
+    return;
+  }
+  const StageContext context = stage_context(nullptr);
+  for (size_t k = 0; k < plan.moved_layers.size(); ++k) {
+    try {
+      stage_layer(context, map_, plan.moved_layers[k], plan.migrations[k]);
+    } catch (...) {
+      local = Failure::current();
+    }
+    if (!agree_sync(local)) return;
+    install(plan, static_cast<int64_t>(k));
+  }
+  open_->outcome = Outcome::kCompleted;
+  close_open(std::nullopt);
+}
+
+bool Rebalancer::Impl::agree_sync(const std::optional<Failure>& local) {
+  const int64_t mine = local ? -1 - rank_ : 1;
+  int64_t agreed = 0;
+  try {
+    agreed = await(control_->all_reduce({mine}, control::ReduceOp::kMin, config_.timeout)).at(0);
+  } catch (...) {
+    control_broken_.store(true, std::memory_order_release);
+    Failure failure = Failure::current();
+    fail_open(detail::concat("an agreement failed: ", failure.message), std::move(failure));
+    return false;
+  }
+  if (agreed >= 0) return true;
+  if (local) {
+    fail_open(detail::concat("rank ", rank_, ": ", local->message), local);
+  } else {
+    fail_open(detail::concat("rank ", -1 - agreed, " failed (its log has the error)"),
+              std::nullopt);
+  }
+  return false;
+}
+
+std::vector<int64_t> Rebalancer::Impl::await(std::future<CollectiveResult> future) {
+  if (future.wait_for(result_bound()) != std::future_status::ready) {
+    fail<Timeout>("runtime: a collective gave no result within ", result_bound().count(),
+                  " ms");
+  }
+  return future.get().take();
+}
+
+}  // namespace eplb::runtime

@@ -239,7 +239,8 @@ def balancedness(weight, phy2log, num_gpus):
         num_gpus: number of ranks; num_physical must be a multiple of it
 
     Replicas share their expert's load equally. Returns a ``Balancedness`` named tuple
-    (per_layer float64 [layers], mean float, step float).
+    (per_layer float64 [layers], mean float, step float). A layer with no load is a dense
+    layer: 1 in per_layer, left out of mean and step (both 1 when every layer is dense).
     """
     w = _as_load(weight)
     p = _as_phy2log(phy2log, "phy2log")
@@ -257,7 +258,8 @@ def lower_bound(weight, num_replicas, num_gpus):
         num_gpus: number of ranks
 
     Returns a ``LowerBound`` named tuple (per_layer float64 [layers], balancedness float64
-    [layers], balancedness_mean float). An all-zero layer has bound 0 and balancedness 1.
+    [layers], balancedness_mean float). An all-zero layer is a dense layer: bound 0 and
+    balancedness 1, and left out of balancedness_mean (1 when every layer is dense).
     """
     w = _as_load(weight)
     ranks = _as_int(num_gpus, "num_gpus", 1, MAX_RANKS)
@@ -265,7 +267,8 @@ def lower_bound(weight, num_replicas, num_gpus):
     mean = w.sum(axis=1) / ranks
     with np.errstate(divide="ignore", invalid="ignore"):
         best = np.where(bound > 0, mean / np.where(bound > 0, bound, 1.0), 1.0)
-    return LowerBound(bound, best, float(best.mean()))
+    moe = bound > 0
+    return LowerBound(bound, best, float(best[moe].mean()) if moe.any() else 1.0)
 
 
 def plan_migration(old_phy2log, new_phy2log, num_gpus, num_nodes, expert_bytes,

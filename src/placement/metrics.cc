@@ -148,6 +148,7 @@ PlacementMetrics evaluate(const LoadMatrix& load, const Placement& placement, co
   m.lower_bound_balancedness.resize(layers);
   m.mean_rank_load.resize(layers);
   m.max_rank_load.resize(layers);
+  m.dense.assign(layers, 0);
   double sum_balancedness = 0, sum_bound = 0, sum_mean = 0, sum_max = 0;
   for (int64_t l = 0; l < load.layers; ++l) {
     const std::span<const double> w = load.row(l);
@@ -164,13 +165,20 @@ PlacementMetrics evaluate(const LoadMatrix& load, const Placement& placement, co
     m.max_rank_load[l] = most;
     m.balancedness[l] = ratio_or_one(mean, most);
     m.lower_bound_balancedness[l] = ratio_or_one(mean, layer_lower_bound(w, layout));
+    if (!(total > 0)) {
+      m.dense[l] = 1;
+      continue;
+    }
+    ++m.moe_layers;
     sum_balancedness += m.balancedness[l];
     sum_bound += m.lower_bound_balancedness[l];
     sum_mean += mean;
     sum_max += most;
   }
-  m.balancedness_mean = sum_balancedness / static_cast<double>(layers);
-  m.lower_bound_mean = sum_bound / static_cast<double>(layers);
+  if (m.moe_layers > 0) {
+    m.balancedness_mean = sum_balancedness / static_cast<double>(m.moe_layers);
+    m.lower_bound_mean = sum_bound / static_cast<double>(m.moe_layers);
+  }
   m.balancedness_step = ratio_or_one(sum_mean, sum_max);
 
   if (previous != nullptr) {

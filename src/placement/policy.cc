@@ -23,6 +23,31 @@ std::string_view policy_name(Policy policy) {
   return "?";
 }
 
+namespace {
+
+// A layer without load is a dense layer (metrics.h): any placement balances it, so it gets the
+// one that costs nothing, the previous placement where there is one (no slot moves), else the
+// trivial one. deepseek is left as the reference computes it (identical outputs).
+Placement place_dense_layers(const LoadMatrix& load, Placement placement,
+                             const Placement* previous) {
+  bool changed = false;
+  for (int64_t l = 0; l < load.layers; ++l) {
+    double total = 0;
+    for (const double w : load.row(l)) total += w;
+    if (total > 0) continue;
+    int32_t* slots = placement.phy2log.data() + l * placement.physical;
+    for (int64_t p = 0; p < placement.physical; ++p) {
+      slots[p] = previous != nullptr ? previous->layer_phy2log(l)[static_cast<size_t>(p)]
+                                     : static_cast<int32_t>(p % placement.experts);
+    }
+    changed = true;
+  }
+  if (changed) placement.derive_from_phy2log();
+  return placement;
+}
+
+}  // namespace
+
 Placement place(const LoadMatrix& load, const Layout& layout, const PolicyOptions& options) {
   layout.validate();
   load.validate();
@@ -44,12 +69,15 @@ Placement place(const LoadMatrix& load, const Layout& layout, const PolicyOption
   }
   switch (options.policy) {
     case Policy::kDeepseek: return deepseek(load, layout);
-    case Policy::kBalanced: return balanced(load, layout, options.hierarchical);
+    case Policy::kBalanced:
+      return place_dense_layers(load, balanced(load, layout, options.hierarchical), nullptr);
     case Policy::kSticky:
       if (options.previous == nullptr) {
         fail("policy sticky needs the previous placement (--previous FILE)");
       }
-      return sticky(load, layout, *options.previous, options.tolerance, options.hierarchical);
+      return place_dense_layers(
+          load, sticky(load, layout, *options.previous, options.tolerance, options.hierarchical),
+          options.previous);
   }
   fail("unknown policy");
 }

@@ -1,6 +1,10 @@
 #pragma once
 // Metrics of a placement under a load (DESIGN.md): rank loads, balancedness, the lower bound,
 // moved slots. Replicas share their expert's load equally.
+//
+// A layer with no load at all is a dense layer (DeepSeek-V3's first three, which SGLang's
+// statistics list as all-zero rows): it has nothing to balance, so it is left out of every mean
+// over layers rather than counted as perfectly balanced. Its own per-layer figures are 1.
 
 #include <cstdint>
 #include <span>
@@ -30,9 +34,11 @@ struct PlacementMetrics {
   std::vector<double> lower_bound_balancedness;  // [layers]: mean rank load / lower bound
   std::vector<double> mean_rank_load;      // [layers]
   std::vector<double> max_rank_load;       // [layers]
-  double balancedness_mean = 1;            // mean over layers
+  std::vector<char> dense;                 // [layers]: 1 where the layer has no load
+  int64_t moe_layers = 0;                  // layers with load (the means' denominator)
+  double balancedness_mean = 1;            // mean over layers with load (1 when none has)
   double balancedness_step = 1;            // sum_l mean_l / sum_l max_l
-  double lower_bound_mean = 1;             // mean over layers of lower_bound_balancedness
+  double lower_bound_mean = 1;             // mean of lower_bound_balancedness, layers with load
   int64_t moved = -1;                      // vs previous, -1 when none given
   std::vector<int64_t> moved_per_layer;    // [layers], empty when no previous
 };

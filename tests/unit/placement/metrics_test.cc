@@ -80,7 +80,7 @@ TEST(MetricsTest, MovedSlots) {
 }
 
 TEST(MetricsTest, EvaluateTwoLayers) {
-  // Layer 0: the worked case above. Layer 1: all zero.
+  // Layer 0: the worked case above. Layer 1: all zero, a dense layer: out of the means.
   const Layout layout = make_layout(4, 6, 3);
   LoadMatrix load(2, 4);
   load.values = {6, 3, 2, 1, 0, 0, 0, 0};
@@ -98,7 +98,9 @@ TEST(MetricsTest, EvaluateTwoLayers) {
   EXPECT_DOUBLE_EQ(m.max_rank_load[1], 0.0);
   EXPECT_DOUBLE_EQ(m.lower_bound_balancedness[0], 1.0);  // mean 4 / bound 4
   EXPECT_DOUBLE_EQ(m.lower_bound_balancedness[1], 1.0);
-  EXPECT_DOUBLE_EQ(m.balancedness_mean, (4.0 / 6.0 + 1.0) / 2);
+  EXPECT_EQ(m.dense, (std::vector<char>{0, 1}));
+  EXPECT_EQ(m.moe_layers, 1);
+  EXPECT_DOUBLE_EQ(m.balancedness_mean, 4.0 / 6.0);
   EXPECT_DOUBLE_EQ(m.balancedness_step, (4.0 + 0.0) / (6.0 + 0.0));
   EXPECT_DOUBLE_EQ(m.lower_bound_mean, 1.0);
   EXPECT_EQ(m.moved, -1);

@@ -249,5 +249,45 @@ TEST(Sticky, BadInputsAreInvalidArguments) {
   EXPECT_THROW(place(load, layout, options), InvalidArgument);
 }
 
+// A layer without load is dense: balanced gives it the trivial placement, sticky keeps the
+// previous one (no slot moves), and the means leave it out.
+TEST(DenseLayers, PlacedTriviallyAndLeftOutOfTheMeans) {
+  const Layout layout = make_layout(8, 12, 4, 1, 1);
+  LoadMatrix load(3, 8);
+  std::mt19937 rng(11);
+  std::lognormal_distribution<double> dist(0, 1);
+  for (int64_t e = 0; e < 8; ++e) load.values[static_cast<size_t>(8 + e)] = dist(rng);  // layer 1
+  PolicyOptions options;
+  options.policy = Policy::kBalanced;
+  const Placement fresh = place(load, layout, options);
+  const Placement trivial = trivial_placement(3, 8, 12);
+  for (const int64_t l : {0, 2}) {
+    EXPECT_TRUE(std::ranges::equal(fresh.layer_phy2log(l), trivial.layer_phy2log(l))) << l;
+  }
+  fresh.validate();
+
+  Placement previous = fresh;
+  std::swap(previous.phy2log[0], previous.phy2log[5]);  // any valid placement of layer 0
+  previous.derive_from_phy2log();
+  options.policy = Policy::kSticky;
+  options.previous = &previous;
+  const Placement kept = place(load, layout, options);
+  EXPECT_TRUE(std::ranges::equal(kept.layer_phy2log(0), previous.layer_phy2log(0)));
+  EXPECT_TRUE(std::ranges::equal(kept.layer_phy2log(2), previous.layer_phy2log(2)));
+  kept.validate();
+
+  const PlacementMetrics m = evaluate(load, fresh, layout);
+  EXPECT_EQ(m.moe_layers, 1);
+  EXPECT_EQ(m.dense, (std::vector<char>{1, 0, 1}));
+  EXPECT_DOUBLE_EQ(m.balancedness_mean, m.balancedness[1]);
+  EXPECT_DOUBLE_EQ(m.lower_bound_mean, m.lower_bound_balancedness[1]);
+
+  const PlacementMetrics none = evaluate(LoadMatrix(3, 8), fresh, layout);  // all dense
+  EXPECT_EQ(none.moe_layers, 0);
+  EXPECT_EQ(none.balancedness_mean, 1.0);
+  EXPECT_EQ(none.balancedness_step, 1.0);
+  EXPECT_EQ(none.lower_bound_mean, 1.0);
+}
+
 }  // namespace
 }  // namespace eplb::placement

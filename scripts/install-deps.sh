@@ -17,6 +17,8 @@ packages=(
   clang libclang-rt-14-dev
   # python module and its tests
   python3 python3-dev python3-numpy python3-pytest python3-torch pybind11-dev
+  # metrics: prometheus-cpp (core + pull) and the Python client the tests parse with
+  prometheus-cpp-dev python3-prometheus-client
 )
 
 missing=()

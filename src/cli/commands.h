@@ -12,6 +12,7 @@ void add_migrate_plan(CLI::App& app);  // migrate_plan.cc
 void add_simulate(CLI::App& app);  // simulate.cc
 void add_bench(CLI::App& app);         // bench.cc: the `bench` verb, calls the add_bench_* below
 void add_run(CLI::App& app);  // run.cc
+void add_convert(CLI::App& app);  // convert.cc
 
 void add_bench_placement(CLI::App& bench);  // bench.cc
 void add_bench_migration(CLI::App& bench);  // migrate_plan.cc

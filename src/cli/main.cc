@@ -20,6 +20,7 @@ int main(int argc, char** argv) {
   eplb::cli::add_migrate_plan(app);
   eplb::cli::add_run(app);
   eplb::cli::add_simulate(app);
+  eplb::cli::add_convert(app);
   eplb::cli::add_bench(app);
   try {
     app.parse(argc, argv);

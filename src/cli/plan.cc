@@ -36,6 +36,7 @@ struct PlanArgs {
   int64_t expert_bytes = 1 << 20;
   int64_t peers_per_round = 1;
   std::string output_path;
+  std::string write_format = "eplb";
   bool json = false;
 };
 
@@ -63,12 +64,20 @@ void print_table(const PlanArgs& args, const Layout& layout, const LoadMatrix& l
   for (int64_t l = 0; l < load.layers; ++l) {
     const std::string moved =
         m.moved_per_layer.empty() ? "-" : std::to_string(m.moved_per_layer[l]);
+    if (m.dense[l]) {
+      fmt::print("{:>6}  {:>12}  {:>11}  {:>6}\n", l, "dense", "-", moved);
+      continue;
+    }
     fmt::print("{:>6}  {:>12.4f}  {:>11.4f}  {:>6}\n", l, m.balancedness[l],
                m.lower_bound_balancedness[l], moved);
   }
-  fmt::print("total: balancedness {:.4f} (mean over layers), {:.4f} (step-weighted); "
-             "lower bound {:.4f}",
-             m.balancedness_mean, m.balancedness_step, m.lower_bound_mean);
+  const std::string over =
+      m.moe_layers == load.layers
+          ? std::string("mean over layers")
+          : fmt::format("mean over the {} layers with load; {} dense", m.moe_layers,
+                        load.layers - m.moe_layers);
+  fmt::print("total: balancedness {:.4f} ({}), {:.4f} (step-weighted); lower bound {:.4f}",
+             m.balancedness_mean, over, m.balancedness_step, m.lower_bound_mean);
   if (m.moved >= 0) {
     fmt::print("; moved {} of {} slots ({:.1f}%)", m.moved, load.layers * layout.physical,
                100.0 * static_cast<double>(m.moved) /
@@ -84,6 +93,10 @@ void run_plan(const PlanArgs& args) {
   if (args.experts < 0) fail("--experts ", args.experts, " must be positive");
   read_options.experts = args.experts;
   if (args.ranks <= 0) fail("--ranks ", args.ranks, " must be at least 1");
+  if (args.write_format != "eplb" && args.write_format != "sglang") {
+    fail("--write-format ", args.write_format, " is not a placement format (expected eplb or "
+         "sglang)");
+  }
 
   const LoadMatrix load = stats::read_load(args.load_path, read_options);
 
@@ -115,7 +128,10 @@ void run_plan(const PlanArgs& args) {
 
   const placement::PlacementMetrics m =
       placement::evaluate(load, result, layout, options.previous);
-  if (!args.output_path.empty()) stats::write_placement(args.output_path, result, layout);
+  if (!args.output_path.empty()) {
+    stats::write_placement(args.output_path, result, layout,
+                           stats::parse_placement_format(args.write_format));
+  }
 
   std::optional<migration::MigrationPlan> moves;
   if (previous) {
@@ -139,6 +155,8 @@ void run_plan(const PlanArgs& args) {
         {"balancedness", m.balancedness_mean},
         {"balancedness_step", m.balancedness_step},
         {"lower_bound_balancedness", m.lower_bound_mean},
+        {"moe_layers", m.moe_layers},
+        {"dense_layers", load.layers - m.moe_layers},
         {"moved_slots", m.moved >= 0 ? nlohmann::json(m.moved) : nlohmann::json(nullptr)},
         {"compute_ms", ms},
     };
@@ -187,6 +205,10 @@ void add_plan(CLI::App& app) {
                   "With --previous: peers a rank reads from (and serves) per round")
       ->capture_default_str();
   cmd->add_option("-o,--output", args->output_path, "Write the placement as JSON");
+  cmd->add_option("--write-format", args->write_format,
+                  "Placement file format: eplb, or sglang (physical_to_logical_map, what "
+                  "SGLang's --init-expert-location reads)")
+      ->capture_default_str();
   cmd->add_flag("--json", args->json, "Print one JSON object instead of the table");
   cmd->callback([args] { run_plan(*args); });
 }

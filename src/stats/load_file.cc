@@ -519,27 +519,69 @@ void append_number(std::string& out, double v) {
   out.append(buf, ptr);
 }
 
-std::string format_load_json(const LoadHistory& history, std::string_view key) {
+// One matrix [layers][experts] as JSON rows.
+void append_matrix(std::string& out, const LoadHistory& history, const double* matrix) {
+  out += '[';
+  for (int64_t l = 0; l < history.layers; ++l) {
+    out += l ? ",[" : "[";
+    const double* row = matrix + l * history.experts;
+    for (int64_t e = 0; e < history.experts; ++e) {
+      if (e) out += ',';
+      append_number(out, row[e]);
+    }
+    out += ']';
+  }
+  out += ']';
+}
+
+// {"key": [L][E]} when `flat` (one step), {"key": [steps][L][E]} otherwise.
+std::string format_load_json(const LoadHistory& history, std::string_view key, bool flat) {
   check_shape(history);
   std::string out;
   out.reserve(static_cast<size_t>(history.values.size() * 4 + 32));
   out += "{\"";
   out += key;
-  out += "\":[";
-  for (int64_t s = 0; s < history.steps; ++s) {
-    out += s ? ",[" : "[";
-    for (int64_t l = 0; l < history.layers; ++l) {
-      out += l ? ",[" : "[";
-      const double* row = history.step(s) + l * history.experts;
-      for (int64_t e = 0; e < history.experts; ++e) {
-        if (e) out += ',';
-        append_number(out, row[e]);
-      }
-      out += ']';
+  out += "\":";
+  if (flat && history.steps == 1) {
+    append_matrix(out, history, history.step(0));
+  } else {
+    out += '[';
+    for (int64_t s = 0; s < history.steps; ++s) {
+      if (s) out += ',';
+      append_matrix(out, history, history.step(s));
     }
     out += ']';
   }
+  out += "}\n";
+  return out;
+}
+
+std::string format_load_vllm(const LoadHistory& history) {
+  check_shape(history);
+  std::string out;
+  out.reserve(static_cast<size_t>(history.values.size() * 4 + 32 * history.steps + 32));
+  out += "{\"load_history\":[";
+  for (int64_t s = 0; s < history.steps; ++s) {
+    out += s ? ",\n{\"logical_expert_load\":" : "{\"logical_expert_load\":";
+    append_matrix(out, history, history.step(s));
+    out += '}';
+  }
   out += "]}\n";
+  return out;
+}
+
+std::string format_load_csv(const LoadHistory& history) {
+  check_shape(history);
+  const LoadMatrix sum = history.sum();
+  std::string out;
+  out.reserve(static_cast<size_t>(sum.values.size() * 4 + 64));
+  for (int64_t l = 0; l < sum.layers; ++l) {
+    for (int64_t e = 0; e < sum.experts; ++e) {
+      if (e) out += ',';
+      append_number(out, sum.values[static_cast<size_t>(l * sum.experts + e)]);
+    }
+    out += '\n';
+  }
   return out;
 }
 
@@ -718,12 +760,43 @@ RoutingTrace read_routing_trace(const std::string& path, int64_t given_experts) 
                              [&] { return parse_routing_trace(content, given_experts, path); });
 }
 
+void write_file(const std::string& path, std::string_view text) {
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) fail<IoError>("cannot write ", path, ": ", std::strerror(errno));
+  size_t done = 0;
+  while (done < text.size()) {
+    const ssize_t n = ::write(fd, text.data() + done, text.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      const int err = n < 0 ? errno : EIO;
+      ::close(fd);
+      fail<IoError>("cannot write ", path, ": ", std::strerror(err));
+    }
+    done += static_cast<size_t>(n);
+  }
+  if (::close(fd) != 0) fail<IoError>("cannot write ", path, ": ", std::strerror(errno));
+}
+
+std::string format_load(const LoadHistory& history, LoadFormat format) {
+  switch (format) {
+    case LoadFormat::kEplb: return format_load_json(history, "load", false);
+    case LoadFormat::kSglang: return format_load_json(history, "logical_count", true);
+    case LoadFormat::kVllm: return format_load_vllm(history);
+    case LoadFormat::kCsv: return format_load_csv(history);
+    case LoadFormat::kAuto:
+    case LoadFormat::kTrace: break;
+  }
+  fail("cannot write loads as ", load_format_name(format),
+       " (loads are written as eplb, sglang, vllm or csv; a routing trace keeps tokens, which "
+       "loads no longer have)");
+}
+
 std::string format_load_eplb(const LoadHistory& history) {
-  return format_load_json(history, "load");
+  return format_load(history, LoadFormat::kEplb);
 }
 
 std::string format_load_sglang(const LoadHistory& history) {
-  return format_load_json(history, "logical_count");
+  return format_load(history, LoadFormat::kSglang);
 }
 
 }  // namespace eplb::stats

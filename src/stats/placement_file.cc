@@ -304,22 +304,38 @@ std::string format_placement(const Placement& placement, const Layout& layout) {
   return out;
 }
 
-void write_placement(const std::string& path, const Placement& placement, const Layout& layout) {
-  const std::string text = format_placement(placement, layout) + "\n";
-  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) fail<IoError>("cannot write ", path, ": ", std::strerror(errno));
-  size_t done = 0;
-  while (done < text.size()) {
-    const ssize_t n = ::write(fd, text.data() + done, text.size() - done);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) {
-      const int err = n < 0 ? errno : EIO;
-      ::close(fd);
-      fail<IoError>("cannot write ", path, ": ", std::strerror(err));
+std::string format_placement_sglang(const Placement& placement) {
+  placement.validate();
+  std::string out = "{\"physical_to_logical_map\":[";
+  for (int64_t l = 0; l < placement.layers; ++l) {
+    out += l ? ",[" : "[";
+    const int32_t* row = placement.phy2log.data() + l * placement.physical;
+    for (int64_t p = 0; p < placement.physical; ++p) {
+      if (p) out += ',';
+      out += std::to_string(row[p]);
     }
-    done += static_cast<size_t>(n);
+    out += ']';
   }
-  if (::close(fd) != 0) fail<IoError>("cannot write ", path, ": ", std::strerror(errno));
+  out += "]}";
+  return out;
+}
+
+std::string_view placement_format_name(PlacementFormat format) {
+  return format == PlacementFormat::kSglang ? "sglang" : "eplb";
+}
+
+PlacementFormat parse_placement_format(std::string_view name) {
+  if (name == "eplb") return PlacementFormat::kEplb;
+  if (name == "sglang") return PlacementFormat::kSglang;
+  fail("placement format ", detail::shown(name), " is not one eplb writes (expected eplb or "
+       "sglang)");
+}
+
+void write_placement(const std::string& path, const Placement& placement, const Layout& layout,
+                     PlacementFormat format) {
+  write_file(path, (format == PlacementFormat::kSglang ? format_placement_sglang(placement)
+                                                       : format_placement(placement, layout)) +
+                       "\n");
 }
 
 }  // namespace eplb::stats

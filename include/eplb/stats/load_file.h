@@ -84,8 +84,18 @@ RoutingTrace read_routing_trace(const std::string& path, int64_t experts = 0);
 inline constexpr int64_t kMaxStreamBytes = int64_t{4} << 30;
 std::string read_file(const std::string& path);
 
-// Writers, so a run can seed the next one: eplb's {"load": [[[...]]]} and SGLang's
-// {"logical_count": [[[...]]]}, both with steps.
+// Writes `text` to `path` (created or truncated); IoError naming the path and the reason.
+void write_file(const std::string& path, std::string_view text);
+
+// Writers, so a run can seed the next one and a recorded distribution can move between engines
+// (`eplb convert`). Each reads back, with parse_load_history, to the same loads:
+//   eplb    {"load": [[[...E]...L]...steps]}
+//   sglang  {"logical_count": ...}: [L][E] for one step, as SGLang's statistics files are,
+//           [steps][L][E] for more
+//   vllm    {"load_history": [{"logical_expert_load": [[...E]...L]}, ...]}, one entry per step
+//   csv     one line per layer, the steps summed (a matrix holds no steps)
+// A trace cannot be written back from loads (InvalidArgument naming the formats that can).
+std::string format_load(const LoadHistory& history, LoadFormat format);
 std::string format_load_eplb(const LoadHistory& history);
 std::string format_load_sglang(const LoadHistory& history);
 

@@ -23,7 +23,16 @@ PlacementFile parse_placement(std::string_view content, int64_t min_experts = 0,
                               std::string_view source = "<input>");
 PlacementFile read_placement(const std::string& path, int64_t min_experts = 0);
 
+enum class PlacementFormat { kEplb, kSglang };
+// "eplb" | "sglang"; else InvalidArgument listing them.
+PlacementFormat parse_placement_format(std::string_view name);
+std::string_view placement_format_name(PlacementFormat format);
+
 std::string format_placement(const Placement& placement, const Layout& layout);
-void write_placement(const std::string& path, const Placement& placement, const Layout& layout);
+// SGLang's {"physical_to_logical_map": [[...P]...L]}: what its --init-expert-location reads
+// (it derives the replicas' lists and counts itself).
+std::string format_placement_sglang(const Placement& placement);
+void write_placement(const std::string& path, const Placement& placement, const Layout& layout,
+                     PlacementFormat format = PlacementFormat::kEplb);
 
 }  // namespace eplb::stats

@@ -511,6 +511,46 @@ TEST(WriteLoad, RoundTrips) {
   EXPECT_EQ(back.sum().values, trace.sum().values);
 }
 
+TEST(WriteLoad, EveryFormatReadsBackTheSameLoads) {
+  LoadHistory h;
+  h.steps = 2;
+  h.layers = 2;
+  h.experts = 3;
+  h.values = {0, 1, 2, 0.1, 1e-7, 123456789.125, 3, 4, 5, 1e20, 2.5, 1.0 / 3};
+  for (const LoadFormat format : {LoadFormat::kEplb, LoadFormat::kSglang, LoadFormat::kVllm}) {
+    const LoadHistory back = parse(format_load(h, format));
+    EXPECT_EQ(back.format, format);
+    EXPECT_EQ(back.steps, 2);
+    EXPECT_EQ(back.values, h.values) << load_format_name(format);
+  }
+  // A matrix has no steps: CSV holds their sum.
+  const LoadHistory csv = parse(format_load(h, LoadFormat::kCsv));
+  EXPECT_EQ(csv.format, LoadFormat::kCsv);
+  EXPECT_EQ(csv.steps, 1);
+  EXPECT_EQ(csv.values, h.sum().values);
+  // One step of SGLang's is [L][E], as its published statistics are.
+  h.steps = 1;
+  h.values.resize(6);
+  EXPECT_EQ(format_load(h, LoadFormat::kSglang).substr(0, 22), "{\"logical_count\":[[0,1");
+  EXPECT_EQ(parse(format_load(h, LoadFormat::kSglang)).values, h.values);
+  EXPECT_THROW(format_load(h, LoadFormat::kTrace), InvalidArgument);
+  EXPECT_THROW(format_load(h, LoadFormat::kAuto), InvalidArgument);
+}
+
+TEST(ParseLoad, SglangStatisticsWithDenseLayers) {
+  const LoadHistory h = read_load_history(EPLB_SOURCE_DIR
+                                          "/data/deepseek-v3-sglang/prefill_in1024.json");
+  EXPECT_EQ(h.format, LoadFormat::kSglang);
+  EXPECT_EQ(h.steps, 1);
+  EXPECT_EQ(h.layers, 61);
+  EXPECT_EQ(h.experts, 256);
+  for (int64_t l = 0; l < 61; ++l) {
+    const double total = std::accumulate(h.values.begin() + l * 256,
+                                         h.values.begin() + (l + 1) * 256, 0.0);
+    EXPECT_EQ(total == 0, l < 3) << "layer " << l;  // DeepSeek-V3's dense layers 0-2
+  }
+}
+
 TEST(WriteLoad, RejectsBrokenHistories) {
   LoadHistory h;
   h.steps = 1;

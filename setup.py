@@ -76,7 +76,7 @@ setup(
     name="eplb",
     version=project_version(),
     description="Expert-parallel load balancer for Mixture-of-Experts inference",
-    packages=["eplb"],
+    packages=["eplb", "eplb.integrations"],
     package_dir={"": "python"},
     ext_modules=[CMakeExtension("eplb._eplb", target="eplb_python")],
     cmdclass={"build_ext": CMakeBuild},

@@ -207,6 +207,7 @@ StageContext Rebalancer::Impl::stage_context(const std::atomic<bool>* cancel) {
   context.device_memory = transport_.capabilities().device_memory;
   context.own_region = region_.id;
   context.engine = spec_.engine_weights() ? &engine_ : nullptr;
+  context.progress = &progress_;
   return context;
 }
 
@@ -232,15 +233,19 @@ void Rebalancer::Impl::run_job(Active& a) {
       if (cancelled()) return;
     }
     const std::vector<int64_t> window = a.window.get().take();
+    progress_.note(Phase::kPlacement);
     if (config_.delay_hook) config_.delay_hook(DelayPoint::kPlacement);
     a.plan = make_plan(window, a.current_phy2log, config_, spec_.expert_bytes());
+    progress_.note(Phase::kAgreeing);
     a.progress.store(1, std::memory_order_release);
     if (a.plan.skipped) return;
     BufferMap map = a.map;
     const StageContext context = stage_context(&a.cancel);
     for (size_t k = 0; k < a.plan.moved_layers.size(); ++k) {
       const int64_t layer = a.plan.moved_layers[k];
+      progress_.note(Phase::kReading, layer);
       if (!stage_layer(context, map, layer, a.plan.migrations[k])) return;
+      progress_.note(Phase::kAgreeing, layer);
       a.progress.store(2 + static_cast<int64_t>(k), std::memory_order_release);
       // One layer of staging: the next layer waits until this one is installed everywhere.
       std::unique_lock<std::mutex> lock(a.mu);

@@ -1,7 +1,9 @@
 // The runtime's configuration: names of its options, the checks of Config and WeightSpec, and
 // the fingerprint every rank compares at connect().
 
+#include <algorithm>
 #include <bit>
+#include <cctype>
 
 #include "eplb/core/error.h"
 #include "eplb/core/memory.h"
@@ -155,6 +157,26 @@ void Config::validate() const {
            ") but only ", experts, hierarchical ? " experts live on each node" : " experts exist",
            ", so a rank would hold two replicas of one expert (need physical / ranks <= ",
            experts, " with the ", placement::policy_name(policy), " policy)");
+    }
+  }
+  if (stall_warn.count() < 0 || stall_warn > kMaxTimeout) {
+    fail("stall_warn ", stall_warn.count(), " ms is outside [0, ", kMaxTimeout.count(),
+         "] ms (0 turns the watchdog off)");
+  }
+  if (balancedness_period < -1 || balancedness_period > kMaxSteps) {
+    fail("balancedness_period ", balancedness_period, " is outside [-1, ", kMaxSteps,
+         "] steps (0: every interval, -1: never)");
+  }
+  for (const auto& [name, value] : metric_labels) {
+    const bool valid = !name.empty() && name.rfind("__", 0) != 0 &&
+                       std::all_of(name.begin(), name.end(), [](char c) {
+                         return std::isalnum(static_cast<unsigned char>(c)) || c == '_';
+                       }) &&
+                       std::isdigit(static_cast<unsigned char>(name[0])) == 0;
+    if (!valid || name == "rank") {
+      fail("metric label '", name, "' is not a label eplb can add (a Prometheus label name: ",
+           "letters, digits and _, not starting with a digit or __, and not 'rank', which eplb "
+           "sets)");
     }
   }
   if (peers_per_round < 1) fail("peers_per_round ", peers_per_round, " must be at least 1");

@@ -27,6 +27,8 @@
 #include "runtime/arena.h"
 #include "runtime/control_thread.h"
 #include "runtime/failure.h"
+#include "runtime/metrics.h"
+#include "runtime/monitor.h"
 #include "runtime/plan.h"
 
 namespace eplb::runtime {
@@ -119,6 +121,8 @@ class Rebalancer::Impl {
   bool control_broken() const;
   int64_t bytes_held() const;
   std::vector<RebalanceRecord> history() const;
+  std::shared_ptr<prometheus::Registry> registry() const;
+  std::vector<prometheus::MetricFamily> collect_metrics() const;
   const Config& config() const;
   const WeightSpec& weight_spec() const;
 
@@ -130,6 +134,10 @@ class Rebalancer::Impl {
   std::chrono::milliseconds result_bound() const;
 
   void open_record();
+
+  // At steps that are multiples of the balancedness period: the window's all-reduce, for the
+  // monitor thread to measure (after this step's protocol collectives, on every rank alike).
+  void submit_balancedness();
 
   // Ends the open record at this step; `raise` is what step_end throws under on_error=raise.
   void close_open(std::optional<Failure> raise);
@@ -224,6 +232,13 @@ class Rebalancer::Impl {
   std::vector<int> peer_region_;  // [ranks] the arena's region id on each rank
   bool connected_ = false;
   std::atomic<int64_t> bytes_held_{0};
+  int64_t balancedness_period_ = 0;  // resolved: 0 never
+
+  // Metrics (thread-safe: prometheus-cpp's metrics are atomic) and the progress of the
+  // rebalance in flight (any thread, see monitor.h); the monitor thread from connect() on.
+  std::unique_ptr<RuntimeMetrics> metrics_;
+  Progress progress_;
+  std::unique_ptr<Monitor> monitor_;
 
   // Forward thread.
   stats::LoadRecorder recorder_;

@@ -15,6 +15,7 @@
 #include "eplb/routing/dispatch.h"
 #include "eplb/runtime/rebalancer.h"
 #include "runtime/arena.h"
+#include "runtime/monitor.h"
 
 namespace eplb::transport {
 class Transport;
@@ -60,6 +61,7 @@ struct StageContext {
   // The engine's own tensors hold the live weights (null: the arena's layer buffers do); the
   // arena is then the staging layer alone.
   const EngineTensors* engine = nullptr;
+  Progress* progress = nullptr;  // told of each round of reads (null: nobody watches)
 };
 
 // Builds layer `layer`'s new content for this rank in the spare buffer of `map`: unchanged

@@ -20,6 +20,7 @@
 #include "eplb/control/communicator.h"
 #include "eplb/core/error.h"
 #include "eplb/core/memory.h"
+#include "eplb/runtime/metrics.h"
 #include "eplb/stats/recorder.h"
 #include "eplb/transport/transport.h"
 #include "runtime/arena.h"
@@ -27,6 +28,8 @@
 #include "runtime/control_thread.h"
 #include "runtime/failure.h"
 #include "runtime/impl.h"
+
+#include "eplb/runtime/metrics.h"
 #include "runtime/plan.h"
 
 // Rebalancer::Impl's construction, start-up and forward thread, and the public Rebalancer
@@ -64,6 +67,10 @@ Rebalancer::Impl::Impl(Config config, control::Communicator& communicator,
       map_(spec_.layers),
       external_(static_cast<size_t>(config_.lag + 2)) {
   const Layout& layout = config_.layout;
+  balancedness_period_ = config_.balancedness_period == 0 ? config_.interval
+                                                          : std::max<int64_t>(
+                                                                config_.balancedness_period, 0);
+  metrics_ = std::make_unique<RuntimeMetrics>(config_.registry, rank_, config_.metric_labels);
   EPLB_CHECK_EQ(static_cast<int64_t>(comm_.size()), layout.ranks,
                 "the communicator's size must equal the layout's ranks");
   EPLB_CHECK_EQ(transport_.rank(), comm_.rank(),
@@ -205,8 +212,11 @@ int64_t Rebalancer::Impl::connect() {
     make_background_thread();
     worker_loop();
   });
+  monitor_ = std::make_unique<Monitor>(rank_, config_.layout, config_.stall_warn, config_.timeout,
+                                       progress_, *metrics_);
   connected_ = true;
   bytes_held_.store(static_cast<int64_t>(region_.bytes), std::memory_order_release);
+  metrics_->set_bytes_held(static_cast<int64_t>(region_.bytes));
   if (engine) {
     spdlog::info("eplb runtime rank {}: connected to {} peers over {} ({}), holding {} bytes "
                  "of staging beside the engine's {} layers x {} tensors, mode {}",
@@ -310,12 +320,26 @@ void Rebalancer::Impl::step_end() {
   } else {
     step_end_sync();
   }
+  if (balancedness_period_ > 0 && step_ % balancedness_period_ == 0) submit_balancedness();
   published_step_.store(step_, std::memory_order_release);
   const double ms = ms_between(start, Clock::now());
+  metrics_->on_step();
   if (!open_) return;
   open_->stall_total_ms += ms;
   open_->stall_max_ms = std::max(open_->stall_max_ms, ms);
+  metrics_->on_stall(ms / 1000.0);
+  metrics_->set_age_steps(step_ - open_->trigger_step);
   if (open_finished_) publish_open();
+}
+
+void Rebalancer::Impl::submit_balancedness() {
+  // A broken control plane runs no collective any more: no figure rather than a hang.
+  if (control_broken()) return;
+  std::vector<int64_t> window(static_cast<size_t>(layers_ * config_.layout.experts));
+  recorder_.snapshot_window(window);
+  monitor_->measure(control_->all_reduce(std::move(window), control::ReduceOp::kSum,
+                                         config_.timeout),
+                    phy2log_, step_);
 }
 
 void Rebalancer::Impl::save_stats(const std::string& path, stats::LoadFormat format) const {
@@ -361,7 +385,9 @@ void Rebalancer::Impl::shutdown() {
   worker_cv_.notify_one();
   if (worker_.joinable()) worker_.join();
   if (control_) control_->stop();
+  if (monitor_) monitor_->stop();
   agreements_.clear();
+  metrics_->set_in_flight({});
 }
 
 int64_t Rebalancer::Impl::agreement_contribution() const {
@@ -405,6 +431,15 @@ std::vector<RebalanceRecord> Rebalancer::Impl::history() const {
   return history_;
 }
 
+std::shared_ptr<prometheus::Registry> Rebalancer::Impl::registry() const {
+  return metrics_->registry();
+}
+
+std::vector<prometheus::MetricFamily> Rebalancer::Impl::collect_metrics() const {
+  if (monitor_) monitor_->refresh();
+  return metrics_->registry()->Collect();
+}
+
 const Config& Rebalancer::Impl::config() const { return config_; }
 
 const WeightSpec& Rebalancer::Impl::weight_spec() const { return spec_; }
@@ -423,6 +458,8 @@ void Rebalancer::Impl::open_record() {
   open_->trigger_step = step_;
   open_finished_ = false;
   open_started_ = Clock::now();
+  progress_.start(open_->index, step_);
+  metrics_->set_age_steps(0);
 }
 
 void Rebalancer::Impl::close_open(std::optional<Failure> raise) {
@@ -431,6 +468,8 @@ void Rebalancer::Impl::close_open(std::optional<Failure> raise) {
   open_->seconds = ms_between(open_started_, Clock::now()) / 1000.0;
   open_finished_ = true;
   raise_ = std::move(raise);
+  progress_.finish();
+  metrics_->set_age_steps(0);
 }
 
 void Rebalancer::Impl::fill_plan_figures(const RebalancePlan& plan) {
@@ -464,6 +503,8 @@ void Rebalancer::Impl::publish_open() {
               record.bytes_intra_node, record.bytes_inter_node, record.rounds, record.steps,
               record.seconds, record.placement_ms, record.stall_total_ms,
               record.stall_max_ms, record.error.empty() ? "" : ": ", record.error);
+  metrics_->on_record(record);
+  if (monitor_) monitor_->refresh();
   {
     std::lock_guard<std::mutex> lock(history_mu_);
     history_.push_back(record);
@@ -497,6 +538,9 @@ void Rebalancer::Impl::install(RebalancePlan& plan, int64_t k) {
             phy2log_.begin() + layer * config_.layout.physical);
   ++installed_total_;
   ++open_->layers_installed;
+  metrics_->on_layer_installed(plan.migrations[k].plan, config_.layout, rank_,
+                               spec_.expert_bytes());
+  progress_.touch();
 }
 
 bool Rebalancer::Impl::swaps() const {
@@ -595,6 +639,13 @@ void Rebalancer::agreement_result(int64_t step, int64_t min_value) {
 }
 int64_t Rebalancer::bytes_held() const { return impl_->bytes_held(); }
 std::vector<RebalanceRecord> Rebalancer::history() const { return impl_->history(); }
+std::shared_ptr<prometheus::Registry> Rebalancer::registry() const { return impl_->registry(); }
+std::vector<prometheus::MetricFamily> Rebalancer::collect_metrics() const {
+  return impl_->collect_metrics();
+}
+std::string Rebalancer::metrics_text() const {
+  return runtime::metrics_text(impl_->collect_metrics());
+}
 const Config& Rebalancer::config() const { return impl_->config(); }
 const WeightSpec& Rebalancer::weight_spec() const { return impl_->weight_spec(); }
 

@@ -101,7 +101,8 @@ class DelayHook {
         fail_at_(s.fail_at),
         fail_not_std_(s.fail_not_std),
         fail_placement_(s.fail_placement),
-        slow_placement_(s.slow_placement_rank == rank) {}
+        slow_placement_(s.slow_placement_rank == rank),
+        slow_placement_us_(int64_t{s.slow_placement_ms} * 1000) {}
 
   void operator()(DelayPoint point) {
     int64_t sleep_us = 0;
@@ -114,7 +115,7 @@ class DelayHook {
       if (point == DelayPoint::kPlacement && fail_ && fail_placement_ && ++placements_ == 1) {
         fail_now = true;
       }
-      if (point == DelayPoint::kPlacement && slow_placement_) sleep_us += 100'000;
+      if (point == DelayPoint::kPlacement && slow_placement_) sleep_us += slow_placement_us_;
       if (delays_) {
         std::uniform_int_distribution<int> coin(0, 3);
         std::uniform_int_distribution<int64_t> us(0, max_us_);
@@ -136,6 +137,7 @@ class DelayHook {
   bool fail_not_std_;
   bool fail_placement_;
   bool slow_placement_;
+  int64_t slow_placement_us_;
   int reads_ = 0;
   int placements_ = 0;
 };
@@ -628,6 +630,7 @@ RankResult run_rank(const Scenario& s, int rank, const std::string& rendezvous,
   }
   rb.shutdown();
   result.history = rb.history();
+  result.metrics = rb.metrics_text();
   result.ran = true;
   return result;
 }

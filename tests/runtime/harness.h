@@ -57,7 +57,8 @@ struct Scenario {
   int fail_at = 3;
   bool fail_not_std = false;     // the injected failure is not a std::exception (an int)
   bool fail_placement = false;   // ... is thrown at the first placement instead of a read
-  int slow_placement_rank = -1;  // this rank's worker sleeps 100 ms before each placement
+  int slow_placement_rank = -1;  // this rank's worker sleeps before each placement
+  int slow_placement_ms = 100;   // ... this long
   int kill_rank = -1;            // this rank SIGKILLs itself mid-rebalance (processes only)
   int64_t kill_after = 0;        // ... in the first rebalance after this many completed
   int64_t steps_after_failure = 30;  // survivors serve this long after the failure
@@ -78,6 +79,7 @@ struct RankResult {
   std::vector<std::string> log;     // one line per step: step, tables hash, history summary
   std::vector<RebalanceRecord> history;
   int64_t raised = 0;               // step_end calls that threw (on_error = raise)
+  std::string metrics;              // metrics_text() after shutdown (threads only)
   int64_t steps = 0;
 };
 

@@ -37,6 +37,7 @@
 #include <cstdint>
 #include <functional>
 #include <limits>
+#include <map>
 #include <memory>
 #include <span>
 #include <string>
@@ -48,6 +49,10 @@
 #include "eplb/routing/dispatch.h"
 #include "eplb/stats/load_file.h"
 
+namespace prometheus {
+class Registry;
+struct MetricFamily;
+}  // namespace prometheus
 namespace eplb::control {
 class Communicator;
 }
@@ -211,6 +216,20 @@ struct Config {
   std::shared_ptr<Installer> installer;  // null: host memory, see Installer
   // Called on the forward thread, inside step_end(), when a rebalance fails (on every rank).
   std::function<void(const RebalanceRecord&)> on_failure;
+  // Metrics (docs/runtime.md, "Metrics"): registered in `registry` when the engine passes the
+  // one it serves, else in one of the Rebalancer's own; every metric carries the label
+  // rank="<rank>" and `metric_labels` (say, a model name). Two Rebalancers may share one
+  // registry only with labels that tell them apart.
+  std::shared_ptr<prometheus::Registry> registry;
+  std::map<std::string, std::string> metric_labels;
+  // Watchdog: a rebalance in flight that makes no progress (no phase change, no layer read or
+  // installed) for this long logs a warning naming the phase, the layer and the ranks it waits
+  // for where it knows them, and again at most this often; 0 turns it off.
+  std::chrono::milliseconds stall_warn{10'000};
+  // Every this many steps the recorded window's balancedness under the placement in force is
+  // measured off the forward thread (one all-reduce of the window on the control thread),
+  // logged and exported; 0: every `interval` steps; -1: never.
+  int64_t balancedness_period = 0;
   // Testing: called at each DelayPoint, from the thread named there (so it must be
   // thread-safe). It may sleep; at kPlacement and kRead it may also throw, which fails the
   // rebalance as a worker error would. It must not throw at kControl.
@@ -293,6 +312,12 @@ class Rebalancer {
   bool control_broken() const;         // a collective (or an external agreement) failed: no
                                        // rebalance will trigger again
   int64_t bytes_held() const;          // any thread, after connect()
+  // The metrics now (any thread): the registry they live in, its families, and their text
+  // exposition (what a /metrics endpoint serves). The in-flight figures (age, phase) are
+  // brought up to date first.
+  std::shared_ptr<prometheus::Registry> registry() const;
+  std::vector<prometheus::MetricFamily> collect_metrics() const;
+  std::string metrics_text() const;
   std::vector<RebalanceRecord> history() const;  // any thread
   const Config& config() const;
   const WeightSpec& weight_spec() const;

@@ -1,0 +1,107 @@
+#pragma once
+// What watches a running Rebalancer from the side: the progress of the rebalance in flight
+// (Progress, written by whichever thread moves it on), and the monitor thread, which keeps the
+// in-flight metrics fresh, warns about a rebalance that makes no progress (the watchdog), and
+// measures the recorded window's balancedness off the forward thread.
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <future>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "eplb/core/types.h"
+#include "runtime/control_thread.h"
+#include "runtime/metrics.h"
+
+namespace eplb::runtime {
+
+using MonitorClock = std::chrono::steady_clock;
+
+// The rebalance in flight, as far as this rank knows. Any thread (one mutex: a few calls per
+// layer, never per token).
+class Progress {
+ public:
+  struct Snapshot {
+    bool active = false;
+    int64_t index = 0;         // the rebalance's RebalanceRecord::index
+    int64_t trigger_step = 0;
+    Phase phase = Phase::kIdle;
+    int64_t layer = -1;        // the layer read or waited for; -1 when none
+    std::vector<int> peers;    // the ranks a read in flight waits for (kReading)
+    MonitorClock::time_point started;
+    MonitorClock::time_point last;  // the last progress
+    int64_t generation = 0;         // counts progress: the watchdog warns once per stall
+  };
+
+  void start(int64_t index, int64_t trigger_step);  // phase kWindow
+  void note(Phase phase, int64_t layer = -1, std::vector<int> peers = {});
+  void touch();   // progress within the phase (a layer installed, a batch of reads done)
+  void finish();  // none in flight
+  Snapshot snapshot() const;
+
+ private:
+  mutable std::mutex mu_;
+  Snapshot now_;  // guarded by mu_
+};
+
+// The watchdog's sentence for a stall: the phase, the layer, who it waits for.
+std::string describe_stall(const Progress::Snapshot& s, int rank, double seconds);
+
+class Monitor {
+ public:
+  // `stall_warn` 0: no watchdog. Starts its thread.
+  Monitor(int rank, Layout layout, std::chrono::milliseconds stall_warn,
+          std::chrono::milliseconds timeout, Progress& progress, RuntimeMetrics& metrics);
+  ~Monitor();  // stop()
+  Monitor(const Monitor&) = delete;
+  Monitor& operator=(const Monitor&) = delete;
+
+  // Forward thread: measure the balancedness of `window` (the all-reduce of every rank's
+  // recorded window, [layers][experts], in flight on the control thread) under `phy2log`
+  // ([layers][physical], in force at `step`) once it arrives.
+  void measure(std::future<CollectiveResult> window, std::vector<int32_t> phy2log, int64_t step);
+
+  // Any thread: the in-flight metrics brought up to date now.
+  void refresh();
+
+  // Joins the thread, then takes the measurements whose window has arrived (the others are
+  // dropped). Idempotent.
+  void stop();
+
+ private:
+  struct Job {
+    std::future<CollectiveResult> window;
+    std::vector<int32_t> phy2log;
+    int64_t step = 0;
+    MonitorClock::time_point deadline;
+  };
+  void loop();
+  void watch(MonitorClock::time_point now);
+  void run(Job& job);
+  void measure_now(Job& job);
+
+  const int rank_;
+  const Layout layout_;
+  const std::chrono::milliseconds stall_warn_;
+  const std::chrono::milliseconds timeout_;
+  Progress& progress_;
+  RuntimeMetrics& metrics_;
+
+  // Monitor thread only.
+  int64_t warned_generation_ = -1;
+  MonitorClock::time_point warned_at_;
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Job> jobs_;  // guarded by mu_
+  bool stop_ = false;     // guarded by mu_
+  std::thread thread_;
+};
+
+}  // namespace eplb::runtime

@@ -21,6 +21,8 @@
 #include "eplb/core/error.h"
 #include "eplb/emu/emulator.h"
 #include "eplb/emu/workload.h"
+#include "eplb/runtime/metrics.h"
+#include "eplb/stats/load_file.h"
 
 namespace eplb::cli {
 namespace {
@@ -35,8 +37,16 @@ struct RunArgs {
   bool compare = false;
   bool json = false;
   std::string plot;
+  std::string metrics;
   bool verbose = false;
 };
+
+// --metrics FILE: every rank's metrics (of every mode with --compare) as one exposition.
+void write_metrics(const std::string& path, const std::vector<emu::RunResult>& results) {
+  std::vector<std::vector<prometheus::MetricFamily>> sets;
+  for (const emu::RunResult& r : results) sets.push_back(runtime::families_from_json(r.metrics));
+  stats::write_file(path, runtime::metrics_text(runtime::merge_families(sets)));
+}
 
 std::string human_bytes(double bytes) {
   const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
@@ -265,6 +275,7 @@ void run(RunArgs a) {
         print_result(r);
       }
       if (!a.plot.empty()) plot(a.plot, {r});
+      if (!a.metrics.empty()) write_metrics(a.metrics, {r});
     }
     if (r.mismatches > 0) fail<IoError>(r.mismatches, " expert outputs differ from the reference");
     return;
@@ -298,6 +309,10 @@ void run(RunArgs a) {
   if (!a.plot.empty()) {
     plot(a.plot, results);
     if (!a.json) fmt::print("  plot written to {}\n", a.plot);
+  }
+  if (!a.metrics.empty()) {
+    write_metrics(a.metrics, results);
+    if (!a.json) fmt::print("  metrics written to {}\n", a.metrics);
   }
   int64_t mismatches = 0;
   bool interrupted = false;
@@ -361,6 +376,11 @@ void add_run(CLI::App& app) {
   cmd->add_flag("--json", a->json, "Print one JSON object");
   cmd->add_option("--plot", a->plot, "Write balancedness and stall per step to a PNG (gnuplot)");
   cmd->add_flag("--verbose", a->verbose, "Log every rebalance");
+  cmd->add_option("--metrics", a->metrics,
+                  "Write every rank's metrics at the end (Prometheus text format, rank label)");
+  cmd->add_option("--metrics-port", o.metrics_port,
+                  "Serve the ranks' metrics on http://127.0.0.1:PORT/metrics while running "
+                  "(under a launcher: each rank on PORT + its local rank)");
   cmd->callback([a] { run(*a); });
 }
 

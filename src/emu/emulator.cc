@@ -19,6 +19,8 @@
 
 #include <fmt/core.h>
 #include <nlohmann/json.hpp>
+#include <prometheus/metric_family.h>
+#include <prometheus/registry.h>
 
 #include "eplb/core/hash.h"
 #include "eplb/control/communicator.h"
@@ -28,11 +30,13 @@
 #include "eplb/core/types.h"
 #include "eplb/placement/policy.h"
 #include "eplb/routing/dispatch.h"
+#include "eplb/runtime/metrics.h"
 #include "eplb/runtime/rebalancer.h"
 #include "eplb/stats/load_file.h"
 #include "eplb/stats/recorder.h"
 #include "eplb/transport/registry.h"
 #include "eplb/transport/transport.h"
+#include "emu/live_metrics.h"
 
 namespace eplb::emu {
 namespace {
@@ -73,6 +77,10 @@ runtime::Config make_config(const RunOptions& options, const Workload& workload)
   config.lag = options.lag;
   config.dispatch = routing::parse_dispatch_policy(options.dispatch);
   config.timeout = std::chrono::milliseconds(options.timeout_ms);
+  // The recorded window's balancedness every interval, with EPLB off too; the mode tells the
+  // runs of --compare apart in one exposition.
+  config.balancedness_period = std::max<int64_t>(options.interval, 1);
+  config.metric_labels = {{"mode", options.mode}};
   return config;
 }
 
@@ -183,6 +191,17 @@ std::string run_rank(const RunOptions& options, const Workload& workload,
   runtime::Rebalancer rb(config, communicator, transport, spec,
                          trivial_placement(L, workload.experts, config.layout.physical));
   const int64_t bytes_held = rb.connect();
+  // --metrics-port: a forked rank's families go to the launcher through a file; a launched
+  // rank serves its own.
+  std::optional<SnapshotWriter> snapshots;
+  if (!options.live_metrics_dir.empty()) {
+    snapshots.emplace(snapshot_path(options.live_metrics_dir, me), std::chrono::milliseconds(500));
+  }
+  std::unique_ptr<MetricsServer> server;
+  if (options.metrics_port > 0 && options.live_metrics_dir.empty()) {
+    server = std::make_unique<MetricsServer>(options.metrics_port + options.local_rank,
+                                             rb.registry());
+  }
   runtime::fill_weights(rb, [&](int64_t layer, int64_t tensor, int32_t expert,
                                 std::span<std::byte> bytes) {
     generate_weights_bytes(shape, layer, expert, static_cast<Tensor>(tensor), bytes);
@@ -302,6 +321,7 @@ std::string run_rank(const RunOptions& options, const Workload& workload,
     rb.step_end();
     stall_ms.push_back(ms_since(start));
     installs.push_back(rb.installed_layers() - installed);
+    if (snapshots) snapshots->maybe_write(rb);
     if (progress) {
       fmt::print("\r  step {}/{}  rebalances {}  balancedness {:.3f}", step + 1, options.steps,
                  rb.history().size(), balancedness.back());
@@ -347,7 +367,9 @@ std::string run_rank(const RunOptions& options, const Workload& workload,
                        {"stall_ms", stall_ms},
                        {"balancedness", balancedness},
                        {"installs", installs},
-                       {"history", history}};
+                       {"history", history},
+                       {"metrics", json::parse(runtime::families_to_json(rb.collect_metrics()))}};
+  if (snapshots) write_snapshot(rb, snapshot_path(options.live_metrics_dir, me));
   return report.dump();
 }
 
@@ -375,6 +397,9 @@ RunResult merge_reports(const RunOptions& options, const Workload& workload,
   result.steps = r[0]["steps"].get<int64_t>();
   result.interrupted = r[0]["interrupted"].get<bool>();
   result.bytes_held = r[0]["bytes_held"].get<int64_t>();
+  std::vector<std::vector<prometheus::MetricFamily>> metrics;
+  for (const json& rank : r) metrics.push_back(runtime::families_from_json(rank["metrics"].dump()));
+  result.metrics = runtime::families_to_json(runtime::merge_families(metrics));
   result.per_step.resize(static_cast<size_t>(result.steps));
   for (int64_t s = 0; s < result.steps; ++s) {
     StepFigures& f = result.per_step[s];
@@ -545,6 +570,16 @@ RunResult run_local(const RunOptions& options, const Workload& workload) {
   ::sigaction(SIGINT, &action, &old_int);
   ::sigaction(SIGTERM, &action, &old_term);
 
+  // --metrics-port: the ranks write their families into the scratch folder, this process
+  // serves them merged. Listening before the ranks fork: a port in use fails the run at once.
+  RunOptions rank_options = options;
+  std::unique_ptr<MetricsServer> server;
+  if (options.metrics_port > 0) {
+    rank_options.live_metrics_dir = dir;
+    server = std::make_unique<MetricsServer>(
+        options.metrics_port, std::make_shared<SnapshotCollectable>(dir, options.ranks));
+  }
+
   const std::string rendezvous =
       fmt::format("eplb-run-{}-{}-{}", ::getpid(), options.mode,
                   Clock::now().time_since_epoch().count() % 1000000);
@@ -568,7 +603,7 @@ RunResult run_local(const RunOptions& options, const Workload& workload) {
           auto lockstep = control::connect("shm", o);
           auto transport = make_transport(options, rank);
           const std::string report =
-              run_rank(options, workload, *communicator, *lockstep, *transport, stop);
+              run_rank(rank_options, workload, *communicator, *lockstep, *transport, stop);
           std::ofstream(fmt::format("{}/rank{}.json", dir, rank)) << report;
           return 0;
         },
@@ -610,6 +645,7 @@ RunResult run_from_env(RunOptions options, const Workload& workload) {
     options.nodes = info->size / info->local_size;
   }
   options.progress = options.progress && info->rank == 0;
+  options.local_rank = info->local_rank;
   options.validate(workload);
   control::Options o;
   o.rank = info->rank;

@@ -57,6 +57,13 @@ struct RunOptions {
     return launched || nodes > 1 ? "hybrid" : "shm";
   }
   bool progress = false;           // rank 0 draws a progress line on stdout
+  // Serve the ranks' metrics on 127.0.0.1 while running: forked ranks (run_local) merged on
+  // this port, a launched rank (run_from_env) its own on port + its local rank. 0: off.
+  int metrics_port = 0;
+  // Where each forked rank writes its metric families every half second (set by run_local
+  // when serving; empty: nowhere).
+  std::string live_metrics_dir;
+  int local_rank = 0;  // under a launcher: this rank's index on its machine
 
   void validate(const Workload& workload) const;  // InvalidArgument naming the option
   // InvalidArgument when `local_ranks` ranks' load windows would not fit in memory here.
@@ -110,6 +117,9 @@ struct RunResult {
   int64_t outputs = 0;           // expert outputs computed
   int64_t bytes_held = 0;        // per rank
   double wall_s = 0;
+  // Every rank's metric families at the end, merged (runtime::families_to_json; every sample
+  // has a rank and a mode label).
+  std::string metrics;
   std::vector<StepFigures> per_step;
   std::vector<RebalanceFigures> per_rebalance;
 };

@@ -1,0 +1,396 @@
+"""eplb as a vLLM EPLB policy, and the maps and load files around it.
+
+vLLM's EPLB (vllm/distributed/eplb/) picks a policy class from ``EPLB_POLICIES`` (in
+``vllm.distributed.eplb.policy``) and calls its classmethod
+
+    rebalance_experts(weight, num_replicas, num_groups, num_nodes, num_ranks,
+                      old_global_expert_indices=None) -> phy2log [layers, num_replicas]
+
+with the logical load of the window (``weight`` [layers, logical experts]) and the placement in
+force (``old_global_expert_indices``, the phy2log [layers, num_replicas]). ``EplbPolicy`` fills
+that contract with eplb's policies: ``balanced`` for a first placement, ``sticky`` against the
+placement in force (within ``tolerance`` of balanced's balancedness, moving few slots), then
+vLLM's own ``preserve_intragpu_slots`` so an expert that stays on its GPU keeps its slot. Older
+vLLM expected (phy2log, log2phy, logcnt) from the same call: ``rebalance_experts_with_maps`` and
+``make_policy(legacy=True)`` give that.
+
+Invalid inputs raise ``PolicyError``: both an ``eplb.InvalidArgument`` (a ValueError) with
+eplb's message and an ``AssertionError``, which is what vLLM's own policy raises (bare asserts).
+
+torch is needed only for torch tensors; vLLM is imported only by ``register``.
+"""
+
+import json
+
+import numpy as np
+
+import eplb
+from eplb.integrations import _integers, _is_torch, _like, _loads, _logical_maps, _numpy
+
+__all__ = [
+    "EplbPolicy", "PolicyError", "make_policy", "register", "plugin", "compute_logical_maps",
+    "preserve_intragpu_slots", "logical_load", "save_load_window",
+]
+
+_POLICIES = (None, "balanced", "sticky", "deepseek")
+
+
+class PolicyError(eplb.InvalidArgument, AssertionError):
+    """Bad input to EplbPolicy: an eplb.InvalidArgument (so a ValueError) and an AssertionError,
+    the exception vLLM's own policy raises for the same inputs."""
+
+
+def _positive(value, name):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an integer, got {value!r}")
+    if value < 1:
+        raise PolicyError(f"{name} {value} must be at least 1")
+    return int(value)
+
+
+def _previous_placement(old, experts):
+    """`old` (int64 [L, P]) as a placement eplb's sticky policy takes: every slot holds an expert
+    in [0, E) and every expert a slot. vLLM marks slots it does not use with -1; those slots take
+    the experts no slot holds, then slot p takes p % E. A layer that still misses an expert is
+    not a placement at all: it gets the trivial one (slot p holds p % E), so sticky balances it
+    afresh and preserve_intragpu_slots (against the real `old`) keeps what it can."""
+    bad = (old < 0) | (old >= experts)
+    if not bad.any():
+        held = np.zeros(old.shape[:1] + (experts,), dtype=bool)
+        np.put_along_axis(held, old, True, axis=1)
+        if held.all():
+            return old
+    out = old.copy()
+    physical = old.shape[1]
+    for l in range(old.shape[0]):
+        row_bad = bad[l]
+        missing = np.setdiff1d(np.arange(experts), old[l, ~row_bad])
+        free = np.nonzero(row_bad)[0]
+        if missing.size > free.size:
+            out[l] = np.arange(physical) % experts
+            continue
+        fill = np.concatenate((missing, free[missing.size:] % experts))
+        out[l, free] = fill
+    return out
+
+
+class EplbPolicy:
+    """A vLLM EPLB policy (``AbstractEplbPolicy``'s contract) placing with eplb.
+
+    Class attributes (``make_policy`` makes a subclass with others):
+        policy: None (auto: "sticky" with old_global_expert_indices, "balanced" without),
+            "balanced", "sticky" (as auto when there is no placement in force) or "deepseek"
+            (the reference algorithm: with old indices, exactly vLLM's DefaultEplbPolicy)
+        tolerance: "sticky": the balancedness it may give up against "balanced", in [0, 1)
+        hierarchical: "balanced" / "sticky": pack expert groups to nodes first, like deepseek
+
+    Stateless: any thread may call it. The placement is computed on the CPU.
+    """
+
+    policy = None
+    tolerance = 0.01
+    hierarchical = False
+
+    @classmethod
+    def rebalance_experts(cls, weight, num_replicas, num_groups, num_nodes, num_ranks,
+                          old_global_expert_indices=None):
+        """The placement for the load `weight`.
+
+        Parameters (vLLM's):
+            weight: [layers, num_logical_experts], the logical load of the window; a torch
+                tensor of any real dtype on any device (or numpy / nested lists)
+            num_replicas: physical slots per layer, a multiple of num_ranks
+            num_groups: expert groups (DeepSeek's group-limited routing)
+            num_nodes: nodes; num_groups % num_nodes != 0 falls back to one group on one node,
+                as vLLM's default policy does
+            num_ranks: GPUs (EP ranks), a multiple of num_nodes
+            old_global_expert_indices: [layers, num_replicas], the phy2log in force, or None
+
+        Returns phy2log int64 [layers, num_replicas]: a torch tensor on `weight`'s device for
+        a tensor (vLLM's own default returns a CPU tensor; vLLM passes a CPU load, so both are
+        on the CPU there), a numpy array otherwise. Raises PolicyError for invalid input.
+        """
+        phy2log, _ = cls._place(weight, num_replicas, num_groups, num_nodes, num_ranks,
+                                old_global_expert_indices)
+        return _like(phy2log, weight)
+
+    @classmethod
+    def rebalance_experts_with_maps(cls, weight, num_replicas, num_groups, num_nodes,
+                                    num_ranks, old_global_expert_indices=None):
+        """As rebalance_experts, returning older vLLM's triple (phy2log [layers, num_replicas],
+        log2phy [layers, num_logical_experts, X], logcnt [layers, num_logical_experts]): log2phy
+        lists each expert's slots in ascending physical index, padded with -1 to X, the largest
+        replica count, as vLLM's compute_logical_maps does (vLLM pads it to its own width)."""
+        phy2log, experts = cls._place(weight, num_replicas, num_groups, num_nodes, num_ranks,
+                                      old_global_expert_indices)
+        log2phy, logcnt = _logical_maps(phy2log, experts)
+        return tuple(_like(a, weight) for a in (phy2log, log2phy, logcnt))
+
+    @classmethod
+    def _place(cls, weight, num_replicas, num_groups, num_nodes, num_ranks, old):
+        """(phy2log int64 numpy [L, P], experts E); eplb.InvalidArgument becomes PolicyError."""
+        try:
+            return cls._place_checked(weight, num_replicas, num_groups, num_nodes, num_ranks,
+                                      old)
+        except PolicyError:
+            raise
+        except eplb.InvalidArgument as e:
+            raise PolicyError(str(e)) from e
+
+    @classmethod
+    def _place_checked(cls, weight, num_replicas, num_groups, num_nodes, num_ranks, old):
+        w = _loads(weight, "weight")
+        if w.ndim != 2:
+            raise PolicyError(f"weight must be a 2-D [layers, num_logical_experts] load, got "
+                              f"shape {tuple(w.shape)}")
+        layers, experts = w.shape
+        physical = _positive(num_replicas, "num_replicas")
+        groups = _positive(num_groups, "num_groups")
+        nodes = _positive(num_nodes, "num_nodes")
+        ranks = _positive(num_ranks, "num_ranks")
+        if groups % nodes != 0:
+            # vLLM's default policy: global balancing, one group on one node, no error.
+            groups, nodes = 1, 1
+        if cls.policy not in _POLICIES:
+            raise PolicyError(f"{cls.__name__}.policy is {cls.policy!r}, expected one of "
+                              f"{_POLICIES}")
+
+        previous = None
+        if old is not None:
+            previous = _integers(old, "old_global_expert_indices")
+            if previous.shape != (layers, physical):
+                raise PolicyError(
+                    f"old_global_expert_indices has shape {tuple(previous.shape)}, expected "
+                    f"[layers, num_replicas] = [{layers}, {physical}] (the phy2log in force, "
+                    f"with as many layers as weight and num_replicas slots)")
+
+        policy = cls.policy
+        if policy is None or policy == "sticky":
+            policy = "sticky" if previous is not None else "balanced"
+        prev = None
+        if policy == "sticky":
+            prev = _previous_placement(previous, experts)
+        phy2log, _, _ = eplb.rebalance_experts(w, physical, groups, nodes, ranks, policy=policy,
+                                               previous=prev, tolerance=float(cls.tolerance),
+                                               hierarchical=bool(cls.hierarchical))
+        if previous is not None:
+            # Same experts on every GPU, each kept where it was: free, and never worse.
+            phy2log = _preserve(phy2log, ranks, previous)
+        return phy2log, experts
+
+
+def make_policy(policy=None, tolerance=0.01, hierarchical=False, name=None, legacy=False):
+    """A subclass of EplbPolicy with these class attributes (see EplbPolicy), named `name`
+    (default: from the policy). legacy=True: its rebalance_experts returns older vLLM's triple
+    (rebalance_experts_with_maps)."""
+    if policy not in _POLICIES:
+        raise eplb.InvalidArgument(f"policy {policy!r} is not one of {_POLICIES} (None: sticky "
+                                   f"against the placement in force, balanced without)")
+    tolerance = float(tolerance)
+    if not 0 <= tolerance < 1:
+        raise eplb.InvalidArgument(f"tolerance {tolerance} must be in [0, 1) (a loss of "
+                                   f"balancedness)")
+    if name is None:
+        name = "EplbPolicy" + (policy or "auto").capitalize() + ("Legacy" if legacy else "")
+    attrs = {"policy": policy, "tolerance": tolerance, "hierarchical": bool(hierarchical),
+             "__module__": __name__, "__doc__": EplbPolicy.__doc__}
+    if legacy:
+        attrs["rebalance_experts"] = classmethod(EplbPolicy.rebalance_experts_with_maps.__func__)
+    return type(name, (EplbPolicy,), attrs)
+
+
+def register(name="eplb", policy=None):
+    """Puts `policy` (default EplbPolicy) into vLLM's policy registry under `name` and returns
+    the registered class (a subclass of vLLM's AbstractEplbPolicy as well).
+
+    vLLM's config admits only the policy names of its EPLBPolicyOption literal ("default"), and
+    async EPLB (the default) only the "default" policy: register(name="default") replaces vLLM's
+    policy for every engine of this process; another name needs vLLM's literal extended (see
+    docs/integrations.md). vLLM picks the policy in each worker process, so register there (a
+    vllm.general_plugins entry point calling ``plugin`` does). Raises ImportError without vLLM.
+    """
+    try:
+        from vllm.distributed.eplb import policy as registry
+    except ImportError as e:
+        raise ImportError(
+            "eplb.integrations.vllm.register() needs vLLM with the EPLB policy registry "
+            "(vllm.distributed.eplb.policy.EPLB_POLICIES); vLLM is not importable here: "
+            f"{e}") from e
+    policies = getattr(registry, "EPLB_POLICIES", None)
+    if not isinstance(policies, dict):
+        raise ImportError("this vLLM has no EPLB policy registry (vllm.distributed.eplb.policy."
+                          "EPLB_POLICIES is missing): it predates pluggable EPLB policies")
+    cls = EplbPolicy if policy is None else policy
+    abstract = getattr(registry, "AbstractEplbPolicy", None)
+    if abstract is not None and not issubclass(cls, abstract):
+        cls = type(cls.__name__, (cls, abstract),
+                   {"__module__": cls.__module__, "__doc__": cls.__doc__})
+    policies[name] = cls
+    return cls
+
+
+def plugin():
+    """A vllm.general_plugins entry point: registers EplbPolicy as vLLM's "default" policy in
+    every process vLLM starts."""
+    register("default")
+
+
+def compute_logical_maps(physical_to_logical_map, num_logical_experts):
+    """vLLM's compute_logical_maps: the logical maps of a phy2log.
+
+    physical_to_logical_map: [layers, P] or [P] (one layer) expert ids; -1 marks a slot not in
+    use and is left out. Returns (logical_to_physical_map [layers, E, X], logical_replica_count
+    [layers, E]), [E, X] and [E] for a 1-D input: each expert's slots in ascending physical
+    index, padded with -1 to X, the largest replica count over all layers and experts. Both in
+    the input's dtype; torch tensors on the input's device for a tensor (vLLM's requires a CPU
+    tensor), numpy arrays otherwise.
+    """
+    a = _integers(physical_to_logical_map, "physical_to_logical_map")
+    if a.ndim not in (1, 2):
+        raise eplb.InvalidArgument(f"physical_to_logical_map must be [layers, physical] or "
+                                   f"[physical], got shape {tuple(a.shape)}")
+    experts = eplb._as_int(num_logical_experts, "num_logical_experts", 1, eplb.MAX_EXPERTS)
+    log2phy, count = _logical_maps(a.reshape(-1, a.shape[-1]), experts)
+    if a.ndim == 1:
+        log2phy, count = log2phy[0], count[0]
+    source = physical_to_logical_map
+    if _is_torch(source):
+        return _like(log2phy, source).to(source.dtype), _like(count, source).to(source.dtype)
+    dtype = np.asarray(source).dtype
+    return log2phy.astype(dtype), count.astype(dtype)
+
+
+def _preserve(new, ranks, old):
+    """preserve_intragpu_slots on int numpy arrays [L, P] (same shape)."""
+    layers, physical = new.shape
+    out = new.copy()
+    if ranks <= 0 or physical % ranks != 0:
+        return out
+    per = physical // ranks
+    position = np.arange(per)[None, :]
+    for g in range(ranks):
+        segment = slice(g * per, (g + 1) * per)
+        fresh, before, post = new[:, segment], old[:, segment], out[:, segment]
+        used = np.zeros((layers, per), dtype=bool)  # new entries placed in a kept slot
+        kept = np.zeros((layers, per), dtype=bool)  # slots keeping their old expert
+        # Step 1: each old slot in order keeps its expert if the GPU's new experts still hold an
+        # unclaimed copy of it (the first one), so duplicates match one to one.
+        for s in range(per):
+            match = (fresh == before[:, s:s + 1]) & ~used
+            rows = np.nonzero(match.any(axis=1))[0]
+            used[rows, match[rows].argmax(axis=1)] = True
+            kept[rows, s] = True
+            post[rows, s] = before[rows, s]
+        # Step 2: the unclaimed new entries, in their order, fill the other slots in order.
+        rest = np.argsort(used, axis=1, kind="stable")   # unclaimed entries first
+        free = np.argsort(kept, axis=1, kind="stable")   # slots not kept first
+        open_slots = per - kept.sum(axis=1, keepdims=True)
+        values = np.where(position < open_slots, np.take_along_axis(fresh, rest, axis=1),
+                          np.take_along_axis(post, free, axis=1))
+        np.put_along_axis(post, free, values, axis=1)
+    return out
+
+
+def preserve_intragpu_slots(new_phy2log, num_ranks, old_phy2log):
+    """vLLM's DefaultEplbPolicy.preserve_intragpu_slots: `new_phy2log` with each GPU's slots
+    reordered so an expert it held before keeps its old slot.
+
+    GPU g owns slots [g*P/G, (g+1)*P/G). On each GPU, every old slot (in order) whose expert is
+    among the GPU's new experts keeps it (copies matched one to one); the other new experts fill
+    the remaining slots in their order. No expert changes GPU, so the balancedness is
+    unchanged. Both maps [layers, P]; num_ranks not dividing P returns new_phy2log unchanged.
+    Returns the input's type: a numpy array or a torch tensor (dtype and device of
+    new_phy2log).
+    """
+    new = _integers(new_phy2log, "new_phy2log")
+    old = _integers(old_phy2log, "old_phy2log")
+    if new.ndim != 2 or new.shape != old.shape:
+        raise eplb.InvalidArgument(
+            f"new_phy2log {tuple(new.shape)} and old_phy2log {tuple(old.shape)} must both be "
+            f"[layers, physical] of one shape (the same GPUs and slots per GPU)")
+    out = _preserve(new, int(num_ranks), old)
+    if _is_torch(new_phy2log):
+        return _like(out, new_phy2log).to(new_phy2log.dtype)
+    return out.astype(np.asarray(new_phy2log).dtype, copy=False)
+
+
+def _logical_steps(expert_load_window, physical_to_logical_map, num_logical_experts):
+    """The window as logical loads, numpy [steps, L, E] (int64 for integer counts, float64
+    otherwise)."""
+    window = _numpy(expert_load_window)
+    if window.dtype.kind not in "biuf":
+        raise eplb.InvalidArgument(f"expert_load_window must hold token counts, got dtype "
+                                   f"{window.dtype}")
+    if window.ndim == 2:
+        window = window[None]
+    if window.ndim != 3:
+        raise eplb.InvalidArgument(f"expert_load_window must be [window, layers, physical] or "
+                                   f"[layers, physical], got shape {tuple(window.shape)}")
+    phy2log = _integers(physical_to_logical_map, "physical_to_logical_map")
+    if phy2log.ndim != 2:
+        raise eplb.InvalidArgument(f"physical_to_logical_map must be [layers, physical], got "
+                                   f"shape {tuple(phy2log.shape)}")
+    layers, physical = phy2log.shape
+    if window.shape[1] != layers or window.shape[2] < physical:
+        raise eplb.InvalidArgument(
+            f"expert_load_window {tuple(window.shape)} does not match physical_to_logical_map "
+            f"{tuple(phy2log.shape)}: expected [window, {layers}, at least {physical}]")
+    experts = eplb._as_int(num_logical_experts, "num_logical_experts", 1, eplb.MAX_EXPERTS)
+    if np.any(phy2log >= experts):
+        raise eplb.InvalidArgument(f"physical_to_logical_map holds expert {phy2log.max()}, "
+                                   f"outside [0, {experts})")
+    # vLLM counts only the slots in use: the first `physical` columns, entries >= 0.
+    window = window[:, :, :physical]
+    dtype = np.float64 if window.dtype.kind == "f" else np.int64
+    valid = phy2log >= 0
+    row, slot = np.nonzero(valid)
+    column = row * experts + phy2log[row, slot]
+    out = np.zeros((window.shape[0], layers * experts), dtype=dtype)
+    if column.size:
+        # Scatter-add as a segmented sum over the slots sorted by (layer, expert): exact for
+        # integer counts, and fast on a whole window.
+        order = np.argsort(column, kind="stable")
+        sorted_column = column[order]
+        starts = np.flatnonzero(np.r_[True, sorted_column[1:] != sorted_column[:-1]])
+        values = window[:, row[order], slot[order]].astype(dtype)
+        out[:, sorted_column[starts]] = np.add.reduceat(values, starts, axis=1)
+    return out.reshape(-1, layers, experts)
+
+
+def logical_load(expert_load_window, physical_to_logical_map, num_logical_experts):
+    """The logical load vLLM's rearrangement hands its policy, from its physical load window.
+
+    expert_load_window: [window, layers, physical] (vLLM's EplbModelState.expert_load_window)
+        or [layers, physical] (one pass, expert_load_pass), token counts per physical slot
+    physical_to_logical_map: [layers, physical], the placement the window was recorded under;
+        -1 entries (slots not in use) are left out, as are window columns past its width
+    Returns [layers, num_logical_experts], the window summed: int64 for integer counts (float64
+    for floats); a torch tensor on the window's device for a tensor, numpy otherwise. vLLM
+    all-reduces this over the EP group before the policy sees it: pass a window that already
+    holds every rank's counts (or sum the results).
+    """
+    steps = _logical_steps(expert_load_window, physical_to_logical_map, num_logical_experts)
+    return _like(steps.sum(axis=0), expert_load_window)
+
+
+def save_load_window(path, expert_load_window, physical_to_logical_map, num_logical_experts,
+                     window_step=None):
+    """Writes vLLM's load window as eplb's load history, one entry per window step:
+
+        {"load_history": [{"logical_expert_load": [[...]]}, ...]}
+
+    the file ``eplb plan --load`` (which sums the steps) and ``eplb simulate --load-history``
+    read. Arguments as logical_load's. window_step: vLLM's expert_load_window_step (the ring
+    buffer's next slot to write), to write the steps oldest first; None keeps the buffer's
+    order. Returns the number of steps written.
+    """
+    steps = _logical_steps(expert_load_window, physical_to_logical_map, num_logical_experts)
+    if window_step is not None:
+        steps = np.roll(steps, -(int(window_step) % steps.shape[0]), axis=0)
+    with open(path, "w") as f:
+        f.write('{"load_history": [')
+        for s in range(steps.shape[0]):
+            f.write(",\n" if s else "\n")
+            json.dump({"logical_expert_load": steps[s].tolist()}, f, separators=(",", ":"))
+        f.write("\n]}\n")
+    return steps.shape[0]

@@ -470,9 +470,53 @@ class Rebalancer:
         return state
 
     def save_stats(self, path, format="eplb"):
-        """Writes the recorded window ([steps][layers][experts]) as eplb's load JSON ("eplb")
-        or SGLang's logical_count ("sglang"); it can seed a later run's placement."""
+        """Writes the recorded window ([steps][layers][experts]) as eplb's load JSON ("eplb"),
+        SGLang's logical_count ("sglang"), vLLM's load_history ("vllm") or a CSV matrix of the
+        window's sum ("csv"); it can seed a later run's placement (``eplb plan --load``)."""
         self._rt.save_stats(os.fspath(path), str(format))
+
+    def metrics(self):
+        """The metrics now, as a dict by metric name (docs/runtime.md, "Metrics"), without the
+        labels every sample of this Rebalancer has (rank and config["metric_labels"]):
+
+        - a metric with one series: its value, e.g. ``m["eplb_steps_total"]``;
+        - one with one more label: a dict by that label's value, e.g.
+          ``m["eplb_rebalances_total"]["completed"]``, ``m["eplb_balancedness"]["recorded"]``;
+        - a histogram: ``{"count", "sum", "buckets": {upper bound: cumulative count}}``.
+
+        ``metrics_text()`` is the same as a Prometheus text exposition, and
+        ``eplb.integrations.prometheus`` serves it through prometheus_client."""
+        own = {"rank"} | set(self._config.get("metric_labels", {}))
+        out = {}
+        for family in self._rt.metric_families():
+            name, kind = family["name"], family["type"]
+            if kind == "histogram":
+                hist = {"count": 0.0, "sum": 0.0, "buckets": {}}
+                for sample, labels, value in family["samples"]:
+                    if sample.endswith("_bucket"):
+                        le = labels["le"]
+                        hist["buckets"][float("inf") if le == "+Inf" else float(le)] = value
+                    elif sample.endswith("_count"):
+                        hist["count"] = value
+                    elif sample.endswith("_sum"):
+                        hist["sum"] = value
+                out[name] = hist
+                continue
+            series = {}
+            for sample, labels, value in family["samples"]:
+                rest = tuple(v for k, v in sorted(labels.items()) if k not in own)
+                series[rest[0] if len(rest) == 1 else rest] = value
+            out[name] = series[()] if list(series) == [()] else series
+        return out
+
+    def metrics_text(self):
+        """The metrics now in the Prometheus text exposition format (what /metrics serves)."""
+        return self._rt.metrics_text()
+
+    def metric_families(self):
+        """The metrics now as families: [{"name", "help", "type", "samples": [(sample name,
+        labels dict, value)]}], the samples as the text exposition names them."""
+        return self._rt.metric_families()
 
     def shutdown(self):
         """Stops the runtime's threads (a running rebalance is cancelled); idempotent. Call it

@@ -14,11 +14,15 @@
 #include "eplb/runtime/rebalancer.h"
 
 #include <chrono>
+#include <cmath>
 #include <memory>
 #include <optional>
 #include <string>
 #include <utility>
 #include <vector>
+
+#include <fmt/core.h>
+#include <prometheus/metric_family.h>
 
 #include "bindings.h"
 #include "eplb/control/communicator.h"
@@ -81,7 +85,7 @@ bool bool_of(const py::handle& value, const std::string& key) {
 constexpr const char* kConfigKeys =
     "experts, physical, ranks, nodes, groups, interval, window, policy, hierarchical, "
     "tolerance, min_gain, lag, timeout_ms, mode, agreement, install, peers_per_round, dispatch, "
-    "on_error";
+    "on_error, stall_warn_ms, balancedness_period, metric_labels";
 
 // A runtime::Config from a dict whose keys are the C++ field names (the layout's flattened in,
 // timeout as timeout_ms). `ranks` defaults to the world size.
@@ -134,6 +138,23 @@ runtime::Config to_config(const py::dict& d, int world_size) {
       c.install = runtime::parse_install(string_of(v, key));
     } else if (key == "on_error") {
       c.on_error = runtime::parse_on_error(string_of(v, key));
+    } else if (key == "stall_warn_ms") {
+      c.stall_warn = std::chrono::milliseconds(int_of(v, key));
+    } else if (key == "balancedness_period") {
+      c.balancedness_period = int_of(v, key);
+    } else if (key == "metric_labels") {
+      if (!py::isinstance<py::dict>(v)) {
+        fail("config['metric_labels'] must be a dict of label name -> value, got ",
+             py::str(py::repr(v)).cast<std::string>());
+      }
+      for (const auto& [name, value] : v.cast<py::dict>()) {
+        if (!py::isinstance<py::str>(name) || !py::isinstance<py::str>(value)) {
+          fail("config['metric_labels'] must map strings to strings, got ",
+               py::str(py::repr(name)).cast<std::string>(), ": ",
+               py::str(py::repr(value)).cast<std::string>());
+        }
+        c.metric_labels[name.cast<std::string>()] = value.cast<std::string>();
+      }
     } else {
       fail("unknown config key '", key, "' (known: ", kConfigKeys, ")");
     }
@@ -169,6 +190,11 @@ py::dict config_dict(const runtime::Config& c) {
   d["dispatch"] = std::string(routing::dispatch_policy_name(c.dispatch));
   d["install"] = std::string(runtime::install_name(c.install));
   d["on_error"] = c.on_error == runtime::OnError::kRaise ? "raise" : "log";
+  d["stall_warn_ms"] = static_cast<int64_t>(c.stall_warn.count());
+  d["balancedness_period"] = c.balancedness_period;
+  py::dict labels;
+  for (const auto& [name, value] : c.metric_labels) labels[py::str(name)] = value;
+  d["metric_labels"] = labels;
   return d;
 }
 
@@ -195,6 +221,63 @@ py::dict record_dict(const runtime::RebalanceRecord& r) {
   d["stall_total_ms"] = r.stall_total_ms;
   d["stall_max_ms"] = r.stall_max_ms;
   return d;
+}
+
+// Metric families as plain Python values: [{"name", "help", "type", "samples": [(name,
+// labels, value)]}], the samples named as the text exposition names them (a histogram's
+// _bucket with its "le", _count, _sum).
+py::list metric_families_list(const std::vector<prometheus::MetricFamily>& families) {
+  const auto labels_of = [](const prometheus::ClientMetric& m) {
+    py::dict d;
+    for (const auto& l : m.label) d[py::str(l.name)] = l.value;
+    return d;
+  };
+  py::list out;
+  for (const prometheus::MetricFamily& f : families) {
+    py::list samples;
+    for (const prometheus::ClientMetric& m : f.metric) {
+      switch (f.type) {
+        case prometheus::MetricType::Counter:
+          samples.append(py::make_tuple(f.name, labels_of(m), m.counter.value));
+          break;
+        case prometheus::MetricType::Gauge:
+          samples.append(py::make_tuple(f.name, labels_of(m), m.gauge.value));
+          break;
+        case prometheus::MetricType::Untyped:
+          samples.append(py::make_tuple(f.name, labels_of(m), m.untyped.value));
+          break;
+        case prometheus::MetricType::Histogram:
+          for (const auto& b : m.histogram.bucket) {
+            py::dict l = labels_of(m);
+            l["le"] = std::isinf(b.upper_bound) ? std::string("+Inf")
+                                                : fmt::format("{}", b.upper_bound);
+            samples.append(
+                py::make_tuple(f.name + "_bucket", l, static_cast<double>(b.cumulative_count)));
+          }
+          samples.append(py::make_tuple(f.name + "_count", labels_of(m),
+                                        static_cast<double>(m.histogram.sample_count)));
+          samples.append(py::make_tuple(f.name + "_sum", labels_of(m), m.histogram.sample_sum));
+          break;
+        case prometheus::MetricType::Summary:
+          samples.append(py::make_tuple(f.name + "_count", labels_of(m),
+                                        static_cast<double>(m.summary.sample_count)));
+          samples.append(py::make_tuple(f.name + "_sum", labels_of(m), m.summary.sample_sum));
+          break;
+      }
+    }
+    const char* type = f.type == prometheus::MetricType::Counter     ? "counter"
+                       : f.type == prometheus::MetricType::Gauge     ? "gauge"
+                       : f.type == prometheus::MetricType::Histogram ? "histogram"
+                       : f.type == prometheus::MetricType::Summary   ? "summary"
+                                                                      : "untyped";
+    py::dict d;
+    d["name"] = f.name;
+    d["help"] = f.help;
+    d["type"] = type;
+    d["samples"] = samples;
+    out.append(d);
+  }
+  return out;
 }
 
 py::array_t<int32_t> int32s(const std::vector<int32_t>& v, std::vector<py::ssize_t> shape) {
@@ -470,6 +553,12 @@ void bind_runtime(py::module_& m) {
              d["control_broken"] = rb.control_broken();
              d["bytes_held"] = rb.bytes_held();
              return d;
+           })
+      .def("metrics_text", [](Runtime& r) { return r.rb().metrics_text(); })
+      .def("metric_families",
+           [](Runtime& r) {
+             const std::vector<prometheus::MetricFamily> families = r.rb().collect_metrics();
+             return metric_families_list(families);
            })
       .def("config", [](Runtime& r) { return config_dict(r.rb().config()); })
       .def("rank", [](Runtime& r) { return r.rb().rank(); })

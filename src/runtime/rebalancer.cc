@@ -350,15 +350,11 @@ void Rebalancer::Impl::save_stats(const std::string& path, stats::LoadFormat for
   if (history.steps == 0) fail("save_stats: no step recorded yet (call step_end() first)");
   const std::vector<int64_t> steps = recorder_.window_steps();
   history.values.assign(steps.begin(), steps.end());
-  std::string text;
-  if (format == stats::LoadFormat::kEplb) {
-    text = stats::format_load_eplb(history);
-  } else if (format == stats::LoadFormat::kSglang) {
-    text = stats::format_load_sglang(history);
-  } else {
+  if (format == stats::LoadFormat::kAuto || format == stats::LoadFormat::kTrace) {
     fail("save_stats: format '", stats::load_format_name(format),
-         "' cannot be written (choose eplb or sglang)");
+         "' cannot be written (choose eplb, sglang, vllm or csv)");
   }
+  const std::string text = stats::format_load(history, format);
   std::ofstream out(path, std::ios::binary | std::ios::trunc);
   out << text;
   out.close();

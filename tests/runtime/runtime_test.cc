@@ -542,7 +542,7 @@ Config one_rank_config() {
   return c;
 }
 
-TEST_F(RuntimeFiles, SaveStatsWritesTheWindowInBothFormats) {
+TEST_F(RuntimeFiles, SaveStatsWritesTheWindowInEveryFormat) {
   control::Options options;
   options.rendezvous = "eplb-rt-files-" + std::to_string(::getpid());
   auto comm = control::connect("inproc", options);
@@ -574,7 +574,13 @@ TEST_F(RuntimeFiles, SaveStatsWritesTheWindowInBothFormats) {
       EXPECT_EQ(h.step(s)[7], 1);
     }
   }
-  EXPECT_THROW(rb.save_stats(path("x.csv"), stats::LoadFormat::kCsv), InvalidArgument);
+  // vLLM's format and CSV too (CSV holds the window's sum); a trace cannot be written.
+  rb.save_stats(path("vllm.json"), stats::LoadFormat::kVllm);
+  EXPECT_EQ(stats::read_load_history(path("vllm.json")).steps, 3);
+  rb.save_stats(path("x.csv"), stats::LoadFormat::kCsv);
+  EXPECT_EQ(stats::read_load(path("x.csv")).values,
+            stats::read_load(path("load.json")).values);
+  EXPECT_THROW(rb.save_stats(path("x.trace"), stats::LoadFormat::kTrace), InvalidArgument);
   // The saved window seeds the next run: a placement from the load.
   Config two_ranks = config;
   two_ranks.layout = Layout{.experts = 4, .physical = 6, .ranks = 2, .nodes = 1, .groups = 1};

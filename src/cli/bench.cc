@@ -15,6 +15,7 @@
 #include "eplb/core/error.h"
 #include "eplb/placement/metrics.h"
 #include "eplb/placement/policy.h"
+#include "eplb/stats/load_file.h"
 
 namespace eplb::cli {
 namespace {
@@ -30,6 +31,7 @@ struct BenchPlacementArgs {
   bool hierarchical = false;
   uint64_t seed = 0;
   int repeat = 20;
+  std::string load_path;
   bool json = false;
 };
 
@@ -43,11 +45,14 @@ LoadMatrix lognormal_load(int64_t layers, int64_t experts, double sigma, std::mt
 void run_bench_placement(const BenchPlacementArgs& args) {
   if (args.repeat < 1) fail("--repeat ", args.repeat, " must be at least 1");
   if (args.layers < 1) fail("--layers ", args.layers, " must be at least 1");
-  const Layout layout{.experts = args.experts, .physical = args.physical, .ranks = args.ranks,
+  std::mt19937_64 rng(args.seed);
+  // Real loads (say SGLang's statistics of DeepSeek-V3, dense layers included) or lognormal ones.
+  const LoadMatrix load = args.load_path.empty()
+                              ? lognormal_load(args.layers, args.experts, 1.0, rng)
+                              : stats::read_load(args.load_path);
+  const Layout layout{.experts = load.experts, .physical = args.physical, .ranks = args.ranks,
                       .nodes = args.nodes, .groups = args.groups};
   layout.validate();
-  std::mt19937_64 rng(args.seed);
-  const LoadMatrix load = lognormal_load(args.layers, args.experts, 1.0, rng);
 
   placement::PolicyOptions options;
   options.policy = placement::parse_policy(args.policy);
@@ -79,8 +84,8 @@ void run_bench_placement(const BenchPlacementArgs& args) {
   const placement::PlacementMetrics m = placement::evaluate(load, result, layout, options.previous);
   if (args.json) {
     nlohmann::json out = {{"policy", args.policy},
-                          {"layers", args.layers},
-                          {"experts", args.experts},
+                          {"layers", load.layers},
+                          {"experts", load.experts},
                           {"physical", args.physical},
                           {"ranks", args.ranks},
                           {"ms_per_call", median},
@@ -92,7 +97,7 @@ void run_bench_placement(const BenchPlacementArgs& args) {
   } else {
     fmt::print("placement {} {}x{}->{} on {} ranks: {:.3f} ms per call (median of {}, min {:.3f}), "
                "balancedness {:.4f}, lower bound {:.4f}\n",
-               args.policy, args.layers, args.experts, args.physical, args.ranks, median,
+               args.policy, load.layers, load.experts, args.physical, args.ranks, median,
                args.repeat, ms.front(), m.balancedness_mean, m.lower_bound_mean);
   }
 }
@@ -113,6 +118,9 @@ void add_bench_placement(CLI::App& bench) {
       ->capture_default_str();
   cmd->add_flag("--hierarchical", args->hierarchical);
   cmd->add_option("--seed", args->seed)->capture_default_str();
+  cmd->add_option("--load", args->load_path,
+                  "Place these loads (any `eplb plan --load` format; sets layers and experts) "
+                  "instead of lognormal(0, 1) ones");
   cmd->add_option("--repeat", args->repeat, "Calls timed; the median is reported")
       ->capture_default_str();
   cmd->add_flag("--json", args->json, "Print one JSON object");

@@ -48,6 +48,12 @@ PY
   --previous "$tmp/balanced.loc.json" --json >"$tmp/sticky.out" || fail "sticky from SGLang's file"
 grep -q '"moved_slots":0' "$tmp/sticky.out" || fail "sticky moved slots: $(cat "$tmp/sticky.out")"
 
+# The benchmark on the real loads: their layers and experts, the MoE layers' mean.
+"$eplb" bench placement --load "$stats" --policy deepseek --repeat 1 --json >"$tmp/bench.out" \
+  || fail "bench placement --load"
+$py -c "import json,sys; d=json.load(open(sys.argv[1])); sys.exit(not (d['layers'] == 61 and d['experts'] == 256 and abs(d['balancedness'] - 0.869) < 0.0015))" \
+  "$tmp/bench.out" || fail "bench placement --load: $(cat "$tmp/bench.out")"
+
 # An all-dense file: nothing to balance, no division by zero.
 printf '{"logical_count": [[0.0,0.0,0.0,0.0],[0,0,0,0]]}' >"$tmp/dense.json"
 "$eplb" plan --load "$tmp/dense.json" --ranks 2 --physical 6 --policy balanced --json \

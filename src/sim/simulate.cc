@@ -188,7 +188,8 @@ double lower_bound(std::span<const double> w, double mean, const Layout& layout)
 
 // Running sums of one policy's scores.
 struct Score {
-  double sum_balancedness = 0;  // over (step, layer)
+  double sum_balancedness = 0;  // over the (step, layer) with load
+  int64_t scored = 0;           // how many: a layer without load at a step is dense, not scored
   double sum_mean = 0;          // of mean rank loads
   double sum_max = 0;           // of max rank loads
 };
@@ -208,10 +209,10 @@ void score_steps(const stats::LoadHistory& history, const Layout& layout,
   const int64_t physical = layout.physical;
   const int64_t per_rank = layout.slots_per_rank();
   const auto ranks = static_cast<double>(layout.ranks);
-  const auto layers = static_cast<double>(history.layers);
   for (int64_t s = begin; s < end; ++s) {
     const double* step = history.step(s);
     double step_sum = 0;
+    int64_t step_layers = 0;
     for (int64_t l = 0; l < history.layers; ++l) {
       const double* w = step + l * experts;
       const int32_t* slots = placement.phy2log.data() + l * physical;
@@ -234,13 +235,17 @@ void score_steps(const stats::LoadHistory& history, const Layout& layout,
       }
       // Step 2.
       const double mean = total / ranks;
-      const double balancedness = ratio_or_one(mean, most);
+      if (!(total > 0)) continue;  // dense (no load): left out of the means
+      const double balancedness = mean / most;
       step_sum += balancedness;
+      ++step_layers;
       score.sum_balancedness += balancedness;
+      ++score.scored;
       score.sum_mean += mean;
       score.sum_max += most;
     }
-    step_balancedness.push_back(step_sum / layers);
+    step_balancedness.push_back(step_layers > 0 ? step_sum / static_cast<double>(step_layers)
+                                                : 1.0);
   }
 }
 
@@ -317,6 +322,7 @@ SimResult simulate(const stats::LoadHistory& history, const SimOptions& options)
   LoadMatrix served(history.layers, history.experts);  // the steps one placement serves
   int64_t served_begin = -1, served_end = -1;
   double sum_bound_ratio = 0, sum_bound_mean = 0, sum_bound = 0;
+  int64_t bound_layers = 0;  // (window, layer) with load
   for (int64_t k = 0; k < rebalances; ++k) {
     const int64_t t = out.rebalance_steps[k];
 
@@ -360,28 +366,34 @@ SimResult simulate(const stats::LoadHistory& history, const SimOptions& options)
 
     // Step 3: the best any placement could do on those steps.
     double window_ratio = 0;
+    int64_t window_layers = 0;
     for (int64_t l = 0; l < served.layers; ++l) {
       const std::span<const double> w = served.row(l);
       double total = 0;
       for (const double v : w) total += v;
+      if (!(total > 0)) continue;  // dense over these steps
       const double mean = total / static_cast<double>(layout.ranks);
       const double bound = lower_bound(w, mean, layout);
       window_ratio += ratio_or_one(mean, bound);
+      ++window_layers;
       sum_bound_mean += mean;
       sum_bound += bound;
     }
     sum_bound_ratio += window_ratio;
-    out.window_lower_bound_balancedness.push_back(window_ratio /
-                                                  static_cast<double>(served.layers));
+    bound_layers += window_layers;
+    out.window_lower_bound_balancedness.push_back(
+        window_layers > 0 ? window_ratio / static_cast<double>(window_layers) : 1.0);
   }
-  out.lower_bound_balancedness = sum_bound_ratio / static_cast<double>(rebalances * history.layers);
+  out.lower_bound_balancedness =
+      bound_layers > 0 ? sum_bound_ratio / static_cast<double>(bound_layers) : 1.0;
   out.lower_bound_balancedness_step = ratio_or_one(sum_bound_mean, sum_bound);
 
   // Step 4: the figures of each policy.
-  const auto scored = static_cast<double>((steps - options.window) * history.layers);
   for (Run& run : runs) {
     PolicyResult& r = run.result;
-    r.balancedness = run.score.sum_balancedness / scored;
+    r.balancedness = run.score.scored > 0
+                         ? run.score.sum_balancedness / static_cast<double>(run.score.scored)
+                         : 1.0;
     r.balancedness_step = ratio_or_one(run.score.sum_mean, run.score.sum_max);
     r.max_rank_load_per_step = run.score.sum_max / static_cast<double>(steps - options.window);
     if (!r.rebalances.empty()) {

@@ -62,6 +62,8 @@ struct Rebalance {
 
 struct PolicyResult {
   std::string policy;
+  // Scored (step, layer): the steps after the first window, each layer with load at that step
+  // (a layer without load is dense and left out; every figure is 1 when nothing has load).
   double balancedness = 1;                // mean over scored (step, layer) of mean / max rank load
   double balancedness_step = 1;           // sum over scored (step, layer) of mean / sum of max
   // The predicted MoE time of a step, in units of one token's pass through one expert: the

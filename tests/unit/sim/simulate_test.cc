@@ -143,6 +143,35 @@ TEST(Simulate, NoRedundancyHandComputed) {
   EXPECT_NEAR(r.lower_bound_balancedness_step, 5.0 / 6.0, 1e-12);
 }
 
+// The same history with an all-zero (dense) layer beside it scores exactly as without: the
+// dense layer is left out of every mean instead of counting as perfectly balanced.
+TEST(Simulate, DenseLayersAreLeftOutOfTheMeans) {
+  const std::vector<double> a = {6, 2, 1, 1};
+  const stats::LoadHistory moe = one_layer({a, a, a});
+  stats::LoadHistory both = moe;
+  both.layers = 2;
+  both.values.clear();
+  for (int s = 0; s < 3; ++s) {
+    both.values.insert(both.values.end(), {0, 0, 0, 0});
+    both.values.insert(both.values.end(), a.begin(), a.end());
+  }
+  const Layout layout{.experts = 4, .physical = 4, .ranks = 2, .nodes = 1, .groups = 1};
+  const SimResult r1 = simulate(moe, options_for(layout, 1, 1, "balanced,none"));
+  const SimResult r2 = simulate(both, options_for(layout, 1, 1, "balanced,none"));
+  for (const char* p : {"balanced", "none"}) {
+    EXPECT_DOUBLE_EQ(result_of(r2, p).balancedness, result_of(r1, p).balancedness) << p;
+    EXPECT_DOUBLE_EQ(result_of(r2, p).balancedness_step, result_of(r1, p).balancedness_step);
+    EXPECT_EQ(result_of(r2, p).step_balancedness, result_of(r1, p).step_balancedness) << p;
+  }
+  EXPECT_DOUBLE_EQ(r2.lower_bound_balancedness, r1.lower_bound_balancedness);
+  // All dense: nothing to balance, no division by zero.
+  stats::LoadHistory none = moe;
+  std::fill(none.values.begin(), none.values.end(), 0.0);
+  const SimResult r3 = simulate(none, options_for(layout, 1, 1, "balanced"));
+  EXPECT_EQ(result_of(r3, "balanced").balancedness, 1.0);
+  EXPECT_EQ(r3.lower_bound_balancedness, 1.0);
+}
+
 // A random history, multi-layer, with an interval below the window (the window sums slide) and
 // a last window cut short: every figure equals a plain re-computation with place() and the
 // placement metrics, step by step.

@@ -81,6 +81,7 @@ runtime::Config make_config(const RunOptions& options, const Workload& workload)
   // runs of --compare apart in one exposition.
   config.balancedness_period = std::max<int64_t>(options.interval, 1);
   config.metric_labels = {{"mode", options.mode}};
+  config.registry = options.registry;
   return config;
 }
 
@@ -106,6 +107,9 @@ void RunOptions::validate(const Workload& workload) const {
     fail("--nodes ", nodes, " must divide --ranks ", ranks, " (every node has as many ranks)");
   }
   if (tokens_per_rank < 1) fail("--tokens-per-rank ", tokens_per_rank, " must be at least 1");
+  if (metrics_port < 0 || metrics_port > 65535) {
+    fail("--metrics-port ", metrics_port, " is not a port (1 to 65535, or 0: none)");
+  }
   shape.validate();
   if (steps < 1) fail("--steps ", steps, " must be at least 1");
   if (steps > kMaxSteps) fail("--steps ", steps, " is outside [1, ", kMaxSteps, "]");
@@ -197,11 +201,7 @@ std::string run_rank(const RunOptions& options, const Workload& workload,
   if (!options.live_metrics_dir.empty()) {
     snapshots.emplace(snapshot_path(options.live_metrics_dir, me), std::chrono::milliseconds(500));
   }
-  std::unique_ptr<MetricsServer> server;
-  if (options.metrics_port > 0 && options.live_metrics_dir.empty()) {
-    server = std::make_unique<MetricsServer>(options.metrics_port + options.local_rank,
-                                             rb.registry());
-  }
+
   runtime::fill_weights(rb, [&](int64_t layer, int64_t tensor, int32_t expert,
                                 std::span<std::byte> bytes) {
     generate_weights_bytes(shape, layer, expert, static_cast<Tensor>(tensor), bytes);
@@ -557,6 +557,16 @@ RunResult run_local(const RunOptions& options, const Workload& workload) {
   const control::ScratchFolder scratch("eplb-run");
   const std::string& dir = scratch.path();
 
+  // --metrics-port: the ranks write their families into the scratch folder, a server process
+  // of its own serves them merged (live_metrics.h). Listening before the ranks fork (and
+  // before the signal handlers): a port in use fails the run at once.
+  RunOptions rank_options = options;
+  std::unique_ptr<MetricsServerProcess> server;
+  if (options.metrics_port > 0) {
+    rank_options.live_metrics_dir = dir;
+    server = std::make_unique<MetricsServerProcess>(options.metrics_port, dir, options.ranks);
+  }
+
   // The stop flag lives in shared memory: a signal to the launcher or to any rank reaches all.
   void* shared = ::mmap(nullptr, sizeof(std::atomic<int>), PROT_READ | PROT_WRITE,
                         MAP_SHARED | MAP_ANONYMOUS, -1, 0);
@@ -569,16 +579,6 @@ RunResult run_local(const RunOptions& options, const Workload& workload) {
   struct sigaction old_int {}, old_term {};
   ::sigaction(SIGINT, &action, &old_int);
   ::sigaction(SIGTERM, &action, &old_term);
-
-  // --metrics-port: the ranks write their families into the scratch folder, this process
-  // serves them merged. Listening before the ranks fork: a port in use fails the run at once.
-  RunOptions rank_options = options;
-  std::unique_ptr<MetricsServer> server;
-  if (options.metrics_port > 0) {
-    rank_options.live_metrics_dir = dir;
-    server = std::make_unique<MetricsServer>(
-        options.metrics_port, std::make_shared<SnapshotCollectable>(dir, options.ranks));
-  }
 
   const std::string rendezvous =
       fmt::format("eplb-run-{}-{}-{}", ::getpid(), options.mode,
@@ -645,8 +645,19 @@ RunResult run_from_env(RunOptions options, const Workload& workload) {
     options.nodes = info->size / info->local_size;
   }
   options.progress = options.progress && info->rank == 0;
-  options.local_rank = info->local_rank;
   options.validate(workload);
+  // --metrics-port: this rank serves its own registry, listening before the group forms, so
+  // a port in use fails this rank before its peers wait for it.
+  std::unique_ptr<MetricsServer> server;
+  if (options.metrics_port > 0) {
+    const int port = options.metrics_port + info->local_rank;
+    if (port > 65535) {
+      fail("--metrics-port ", options.metrics_port, " + local rank ", info->local_rank, " is ",
+           port, ", past the last port 65535 (each rank serves on PORT + its local rank)");
+    }
+    options.registry = std::make_shared<prometheus::Registry>();
+    server = std::make_unique<MetricsServer>(port, options.registry);
+  }
   control::Options o;
   o.rank = info->rank;
   o.size = info->size;

@@ -1,7 +1,16 @@
 #include "emu/live_metrics.h"
 
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
+#include <string_view>
 #include <system_error>
 
 #include <fmt/core.h>
@@ -58,5 +67,80 @@ MetricsServer::MetricsServer(int port, std::shared_ptr<prometheus::Collectable> 
 }
 
 MetricsServer::~MetricsServer() = default;
+
+namespace {
+
+void write_all(int fd, std::string_view text) {
+  while (!text.empty()) {
+    const ssize_t n = ::write(fd, text.data(), text.size());
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return;
+    text.remove_prefix(static_cast<size_t>(n));
+  }
+}
+
+std::string read_all(int fd) {
+  std::string out;
+  char buf[512];
+  for (;;) {
+    const ssize_t n = ::read(fd, buf, sizeof(buf));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return out;
+    out.append(buf, static_cast<size_t>(n));
+  }
+}
+
+}  // namespace
+
+MetricsServerProcess::MetricsServerProcess(int port, const std::string& dir, int ranks) {
+  int status[2], keepalive[2];
+  if (::pipe2(status, O_CLOEXEC) != 0 || ::pipe2(keepalive, O_CLOEXEC) != 0) {
+    fail<IoError>("cannot start the metrics server: pipe: ", std::strerror(errno));
+  }
+  const pid_t parent = ::getpid();
+  const pid_t pid = ::fork();
+  if (pid < 0) fail<IoError>("cannot start the metrics server: fork: ", std::strerror(errno));
+  if (pid == 0) {
+    // The server: serves until the launcher closes its end of `keepalive` (or dies).
+    ::close(status[0]);
+    ::close(keepalive[1]);
+    ::prctl(PR_SET_PDEATHSIG, SIGTERM);
+    if (::getppid() != parent) ::_exit(0);
+    int code = 0;
+    try {
+      const MetricsServer server(port, std::make_shared<SnapshotCollectable>(dir, ranks));
+      write_all(status[1], "ok");
+      ::close(status[1]);
+      char byte = 0;
+      while (::read(keepalive[0], &byte, 1) < 0 && errno == EINTR) {
+      }
+    } catch (const std::exception& e) {
+      write_all(status[1], e.what());
+      code = 1;
+    }
+    ::_exit(code);
+  }
+  ::close(status[1]);
+  ::close(keepalive[0]);
+  pid_ = pid;
+  keepalive_ = keepalive[1];
+  const std::string answer = read_all(status[0]);
+  ::close(status[0]);
+  if (answer != "ok") {
+    ::close(keepalive_);
+    ::waitpid(pid_, nullptr, 0);
+    pid_ = -1;
+    if (answer.empty()) fail<IoError>("the metrics server on port ", port, " ended at start");
+    // The server's own message: an IoError naming the port.
+    fail<IoError>(answer);
+  }
+}
+
+MetricsServerProcess::~MetricsServerProcess() {
+  if (pid_ < 0) return;
+  ::close(keepalive_);
+  while (::waitpid(pid_, nullptr, 0) < 0 && errno == EINTR) {
+  }
+}
 
 }  // namespace eplb::emu

@@ -68,4 +68,20 @@ class MetricsServer {
   std::unique_ptr<prometheus::Exposer> exposer_;
 };
 
+// The launcher's endpoint for forked ranks: a MetricsServer over the ranks' snapshot files in
+// a process of its own, forked before the ranks are. The launcher stays single-threaded, so its
+// ranks fork from a process without the server's threads or its listening socket. Throws
+// (IoError naming the port) when the port cannot be served; the destructor ends the process.
+class MetricsServerProcess {
+ public:
+  MetricsServerProcess(int port, const std::string& dir, int ranks);
+  ~MetricsServerProcess();
+  MetricsServerProcess(const MetricsServerProcess&) = delete;
+  MetricsServerProcess& operator=(const MetricsServerProcess&) = delete;
+
+ private:
+  int pid_ = -1;
+  int keepalive_ = -1;  // write end of the pipe whose EOF tells the server to end
+};
+
 }  // namespace eplb::emu

@@ -26,8 +26,9 @@ std::string_view policy_name(Policy policy) {
 namespace {
 
 // A layer without load is a dense layer (metrics.h): any placement balances it, so it gets the
-// one that costs nothing, the previous placement where there is one (no slot moves), else the
-// trivial one. deepseek is left as the reference computes it (identical outputs).
+// one that costs nothing, the previous placement where one is given (no slot moves; balanced
+// takes one too, if only for this), else the trivial one. deepseek is left as the reference
+// computes it (identical outputs).
 Placement place_dense_layers(const LoadMatrix& load, Placement placement,
                              const Placement* previous) {
   bool changed = false;
@@ -70,7 +71,8 @@ Placement place(const LoadMatrix& load, const Layout& layout, const PolicyOption
   switch (options.policy) {
     case Policy::kDeepseek: return deepseek(load, layout);
     case Policy::kBalanced:
-      return place_dense_layers(load, balanced(load, layout, options.hierarchical), nullptr);
+      return place_dense_layers(load, balanced(load, layout, options.hierarchical),
+                                options.previous);
     case Policy::kSticky:
       if (options.previous == nullptr) {
         fail("policy sticky needs the previous placement (--previous FILE)");

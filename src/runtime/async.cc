@@ -52,6 +52,7 @@ std::function<void()> Rebalancer::Impl::installs_done() {
 void Rebalancer::Impl::trigger_async() {
   open_record();
   auto a = std::make_shared<Active>();
+  a->index = open_->index;
   std::vector<int64_t> window(static_cast<size_t>(layers_ * config_.layout.experts));
   recorder_.snapshot_window(window);
   a->window = control_->all_reduce(std::move(window), control::ReduceOp::kSum,
@@ -192,7 +193,7 @@ void Rebalancer::Impl::cancel_worker(Active& a) {
   a.cv.notify_one();
 }
 
-StageContext Rebalancer::Impl::stage_context(const std::atomic<bool>* cancel) {
+StageContext Rebalancer::Impl::stage_context(const std::atomic<bool>* cancel, int64_t index) {
   StageContext context;
   context.transport = &transport_;
   context.arena = &arena_;
@@ -208,6 +209,7 @@ StageContext Rebalancer::Impl::stage_context(const std::atomic<bool>* cancel) {
   context.own_region = region_.id;
   context.engine = spec_.engine_weights() ? &engine_ : nullptr;
   context.progress = &progress_;
+  context.rebalance = index;
   return context;
 }
 
@@ -233,19 +235,19 @@ void Rebalancer::Impl::run_job(Active& a) {
       if (cancelled()) return;
     }
     const std::vector<int64_t> window = a.window.get().take();
-    progress_.note(Phase::kPlacement);
+    progress_.note(a.index, Phase::kPlacement);
     if (config_.delay_hook) config_.delay_hook(DelayPoint::kPlacement);
     a.plan = make_plan(window, a.current_phy2log, config_, spec_.expert_bytes());
-    progress_.note(Phase::kAgreeing);
+    progress_.note(a.index, Phase::kAgreeing);
     a.progress.store(1, std::memory_order_release);
     if (a.plan.skipped) return;
     BufferMap map = a.map;
-    const StageContext context = stage_context(&a.cancel);
+    const StageContext context = stage_context(&a.cancel, a.index);
     for (size_t k = 0; k < a.plan.moved_layers.size(); ++k) {
       const int64_t layer = a.plan.moved_layers[k];
-      progress_.note(Phase::kReading, layer);
+      progress_.note(a.index, Phase::kReading, layer);
       if (!stage_layer(context, map, layer, a.plan.migrations[k])) return;
-      progress_.note(Phase::kAgreeing, layer);
+      progress_.note(a.index, Phase::kAgreeing, layer);
       a.progress.store(2 + static_cast<int64_t>(k), std::memory_order_release);
       // One layer of staging: the next layer waits until this one is installed everywhere.
       std::unique_lock<std::mutex> lock(a.mu);

@@ -2,8 +2,10 @@
 // the fingerprint every rank compares at connect().
 
 #include <algorithm>
+#include <array>
 #include <bit>
 #include <cctype>
+#include <string_view>
 
 #include "eplb/core/error.h"
 #include "eplb/core/memory.h"
@@ -24,6 +26,7 @@ uint64_t config_fingerprint(const Config& c, const WeightSpec& w) {
   mix(c.layout.groups), mix(c.interval), mix(c.window), mix(static_cast<int64_t>(c.policy));
   mix(c.hierarchical), mix(c.lag), mix(static_cast<int64_t>(c.mode)), mix(c.peers_per_round);
   mix(static_cast<int64_t>(c.agreement));
+  mix(c.balancedness_period);  // it adds collectives: every rank must add the same
   // With kSwap the buffer map changes at installs and peers compute offsets from it; with
   // kCopy it never does: every rank must do the same.
   mix(static_cast<int64_t>(c.install));
@@ -173,10 +176,14 @@ void Config::validate() const {
                          return std::isalnum(static_cast<unsigned char>(c)) || c == '_';
                        }) &&
                        std::isdigit(static_cast<unsigned char>(name[0])) == 0;
-    if (!valid || name == "rank") {
+    // The labels eplb's own metrics carry, and those Prometheus gives a meaning.
+    static constexpr std::array<std::string_view, 7> kReserved = {
+        "rank", "outcome", "path", "phase", "source", "le", "quantile"};
+    const bool reserved = std::find(kReserved.begin(), kReserved.end(), name) != kReserved.end();
+    if (!valid || reserved) {
       fail("metric label '", name, "' is not a label eplb can add (a Prometheus label name: ",
-           "letters, digits and _, not starting with a digit or __, and not 'rank', which eplb "
-           "sets)");
+           "letters, digits and _, not starting with a digit or __, and none of rank, outcome, ",
+           "path, phase, source, le, quantile, which eplb's metrics or Prometheus use)");
     }
   }
   if (peers_per_round < 1) fail("peers_per_round ", peers_per_round, " must be at least 1");

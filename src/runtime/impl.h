@@ -41,6 +41,7 @@ using Clock = std::chrono::steady_clock;
 //   written by the forward thread under `mu`, waited on by the worker: installed, cancel.
 struct Active {
   // Set by the forward thread before the worker sees it; then read-only.
+  int64_t index = 0;                     // the rebalance's record index (for Progress)
   std::vector<int32_t> current_phy2log;  // [layers][physical] at the trigger
   BufferMap map;                         // at the trigger
   std::future<CollectiveResult> window;  // the worker's alone
@@ -130,14 +131,16 @@ class Rebalancer::Impl {
   bool should_trigger() const;
 
   // The longest the forward thread waits for a collective's result: each queued collective
-  // (at most lag + 1 agreements and a window) is bounded by the timeout itself.
+  // (at most lag + 1 agreements, a window, and as many balancedness windows) is bounded by
+  // the timeout itself.
   std::chrono::milliseconds result_bound() const;
 
   void open_record();
 
   // At steps that are multiples of the balancedness period: the window's all-reduce, for the
-  // monitor thread to measure (after this step's protocol collectives, on every rank alike).
-  void submit_balancedness();
+  // monitor thread to measure under `phy2log` (after this step's protocol collectives, on
+  // every rank alike).
+  void submit_balancedness(std::vector<int32_t> phy2log);
 
   // Ends the open record at this step; `raise` is what step_end throws under on_error=raise.
   void close_open(std::optional<Failure> raise);
@@ -202,7 +205,7 @@ class Rebalancer::Impl {
 
   static void cancel_worker(Active& a);
 
-  StageContext stage_context(const std::atomic<bool>* cancel);
+  StageContext stage_context(const std::atomic<bool>* cancel, int64_t index);
 
   // -------------------------------------------------------------- worker thread
   void worker_loop();

@@ -62,25 +62,32 @@ std::string_view phase_name(Phase phase) {
 
 RuntimeMetrics::RuntimeMetrics(std::shared_ptr<prometheus::Registry> registry, int rank,
                                const std::map<std::string, std::string>& labels)
-    : registry_(registry ? std::move(registry) : std::make_shared<prometheus::Registry>()) {
-  // The rank is a label of each metric, not of the family: the ranks of one process (threads,
-  // or an engine serving several) share the families of one registry, and a registry takes a
-  // family of one name with one set of constant labels only.
-  const Labels constant(labels.begin(), labels.end());
-  rank_ = std::to_string(rank);
+    : registry_(registry ? std::move(registry) : std::make_shared<prometheus::Registry>()),
+      own_(labels.begin(), labels.end()) {
+  // Every label is a label of each metric, none of the family: the Rebalancers of one process
+  // (rank threads, or an engine's several models) then share the families of one registry,
+  // which takes a family of one name with one set of constant labels only.
+  own_["rank"] = std::to_string(rank);
   prometheus::Registry& r = *registry_;
+  auto& steps = prometheus::BuildCounter().Name("eplb_steps_total").Help("step_end() calls")
+                    .Register(r);
+  if (steps.Has(own_)) {
+    std::string described;
+    for (const auto& [k, v] : own_) described += (described.empty() ? "" : ", ") + k + "=" + v;
+    fail("the metrics registry already holds the metrics of a Rebalancer labelled ", described,
+         ": give each Rebalancer sharing a registry its own metric_labels (a model name, say)");
+  }
+  steps_ = &add(steps);
   const auto counter = [&](const char* name, const char* help) {
-    return &prometheus::BuildCounter().Name(name).Help(help).Labels(constant).Register(r).Add(
-        {{"rank", rank_}});
+    return &add(prometheus::BuildCounter().Name(name).Help(help).Register(r));
   };
   const auto gauge = [&](const char* name, const char* help) {
-    return &prometheus::BuildGauge().Name(name).Help(help).Labels(constant).Register(r).Add(
-        {{"rank", rank_}});
+    return &add(prometheus::BuildGauge().Name(name).Help(help).Register(r));
   };
   const auto histogram = [&](const char* name, const char* help,
                              prometheus::Histogram::BucketBoundaries buckets) {
-    return &prometheus::BuildHistogram().Name(name).Help(help).Labels(constant).Register(r).Add(
-        {{"rank", rank_}}, std::move(buckets));
+    return &add(prometheus::BuildHistogram().Name(name).Help(help).Register(r), {},
+                std::move(buckets));
   };
 
   balancedness_family_ =
@@ -90,17 +97,14 @@ RuntimeMetrics::RuntimeMetrics(std::shared_ptr<prometheus::Registry> registry, i
                  "the recorded window under the placement in force (measured every "
                  "balancedness_period steps); predicted_before / predicted_after are the last "
                  "rebalance's prediction on its window for the old and the new placement")
-           .Labels(constant)
            .Register(r);
   auto& rebalances = prometheus::BuildCounter()
                          .Name("eplb_rebalances_total")
                          .Help("Rebalances ended, by outcome (the same on every rank)")
-                         .Labels(constant)
                          .Register(r);
   for (const Outcome o : kOutcomes) {
-    rebalances_[o] = &rebalances.Add({{"rank", rank_}, {"outcome", std::string(outcome_name(o))}});
+    rebalances_[o] = &add(rebalances, {{"outcome", std::string(outcome_name(o))}});
   }
-  steps_ = counter("eplb_steps_total", "step_end() calls");
   layers_installed_ =
       counter("eplb_layers_installed_total", "Layers installed on this rank by rebalances");
   slots_moved_ = counter("eplb_slots_moved_total",
@@ -110,11 +114,10 @@ RuntimeMetrics::RuntimeMetrics(std::shared_ptr<prometheus::Registry> registry, i
                     .Help("Expert bytes this rank received in installed layers, by path: reads "
                           "from a rank of the same node, of another node, and copies within "
                           "this rank")
-                    .Labels(constant)
                     .Register(r);
-  bytes_intra_ = &bytes.Add({{"rank", rank_}, {"path", "intra_node"}});
-  bytes_inter_ = &bytes.Add({{"rank", rank_}, {"path", "inter_node"}});
-  bytes_local_ = &bytes.Add({{"rank", rank_}, {"path", "local_copy"}});
+  bytes_intra_ = &add(bytes, {{"path", "intra_node"}});
+  bytes_inter_ = &add(bytes, {{"path", "inter_node"}});
+  bytes_local_ = &add(bytes, {{"path", "local_copy"}});
   bytes_installed_ = counter("eplb_bytes_installed_total",
                              "Bytes installs wrote into this rank's live weights");
   duration_steps_ = histogram("eplb_rebalance_duration_steps",
@@ -140,11 +143,9 @@ RuntimeMetrics::RuntimeMetrics(std::shared_ptr<prometheus::Registry> registry, i
   auto& phase = prometheus::BuildGauge()
                     .Name("eplb_rebalance_phase")
                     .Help("1 for the phase the rebalance in flight is in (idle when none)")
-                    .Labels(constant)
                     .Register(r);
   for (int p = 0; p < kNumPhases; ++p) {
-    phase_.push_back(
-        &phase.Add({{"rank", rank_}, {"phase", std::string(phase_name(static_cast<Phase>(p)))}}));
+    phase_.push_back(&add(phase, {{"phase", std::string(phase_name(static_cast<Phase>(p)))}}));
   }
   phase_[0]->Set(1);
   layer_->Set(-1);
@@ -153,9 +154,29 @@ RuntimeMetrics::RuntimeMetrics(std::shared_ptr<prometheus::Registry> registry, i
   bytes_held_ = gauge("eplb_bytes_held", "Bytes eplb holds (arena or staging)");
 }
 
+RuntimeMetrics::~RuntimeMetrics() {
+  // Out of the registry with the Rebalancer: an engine's registry outlives it, and a new
+  // Rebalancer of the same labels (after a restart) must find the place free.
+  for (auto it = removers_.rbegin(); it != removers_.rend(); ++it) (*it)();
+}
+
+template <typename T, typename... Args>
+T& RuntimeMetrics::add(prometheus::Family<T>& family, const prometheus::Labels& extra,
+                       Args&&... args) {
+  prometheus::Labels labels = own_;
+  labels.insert(extra.begin(), extra.end());
+  T& metric = family.Add(labels, std::forward<Args>(args)...);
+  removers_.push_back([&family, &metric] { family.Remove(&metric); });
+  return metric;
+}
+
 prometheus::Gauge& RuntimeMetrics::balancedness(const std::string& source) {
   std::lock_guard<std::mutex> lock(balancedness_mu_);
-  return balancedness_family_->Add({{"rank", rank_}, {"source", source}});
+  const auto it = balancedness_.find(source);
+  if (it != balancedness_.end()) return *it->second;
+  prometheus::Gauge& gauge = add(*balancedness_family_, {{"source", source}});
+  balancedness_[source] = &gauge;
+  return gauge;
 }
 
 void RuntimeMetrics::set_recorded_balancedness(double value) {

@@ -5,6 +5,7 @@
 // ones on the forward thread, the in-flight ones on the monitor thread and in collect().
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -36,10 +37,15 @@ std::string_view phase_name(Phase phase);
 
 class RuntimeMetrics {
  public:
-  // Registers the families in `registry` (a new one when null) with `labels` as constant
-  // labels, each metric labelled rank="<rank>".
+  // Registers the families in `registry` (a new one when null), every metric labelled
+  // rank="<rank>" and with `labels`.
+  // InvalidArgument when `registry` already holds the metrics of a Rebalancer with the same
+  // rank and labels. The destructor takes them out again.
   RuntimeMetrics(std::shared_ptr<prometheus::Registry> registry, int rank,
                  const std::map<std::string, std::string>& labels);
+  ~RuntimeMetrics();
+  RuntimeMetrics(const RuntimeMetrics&) = delete;
+  RuntimeMetrics& operator=(const RuntimeMetrics&) = delete;
 
   const std::shared_ptr<prometheus::Registry>& registry() const { return registry_; }
 
@@ -73,10 +79,16 @@ class RuntimeMetrics {
   // Balancedness gauges appear once they have a value: a 0 would read as "as bad as it gets".
   prometheus::Gauge& balancedness(const std::string& source);
 
+  // Adds this Rebalancer's metric (its labels and `extra`) to `family`, to be removed again.
+  template <typename T, typename... Args>
+  T& add(prometheus::Family<T>& family, const prometheus::Labels& extra = {}, Args&&... args);
+
   std::shared_ptr<prometheus::Registry> registry_;
-  std::string rank_;
+  prometheus::Labels own_;  // rank and the config's metric_labels
+  std::vector<std::function<void()>> removers_;
   prometheus::Family<prometheus::Gauge>* balancedness_family_ = nullptr;
-  std::mutex balancedness_mu_;  // guards the lazy Add() of balancedness gauges
+  std::mutex balancedness_mu_;  // guards the lazy adds of balancedness gauges
+  std::map<std::string, prometheus::Gauge*> balancedness_;  // by source; guarded by it
   std::map<Outcome, prometheus::Counter*> rebalances_;
   prometheus::Counter* steps_ = nullptr;
   prometheus::Counter* layers_installed_ = nullptr;

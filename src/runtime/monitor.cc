@@ -32,9 +32,9 @@ void Progress::start(int64_t index, int64_t trigger_step) {
   ++now_.generation;
 }
 
-void Progress::note(Phase phase, int64_t layer, std::vector<int> peers) {
+void Progress::note(int64_t index, Phase phase, int64_t layer, std::vector<int> peers) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (!now_.active) return;
+  if (!now_.active || now_.index != index) return;
   now_.phase = phase;
   now_.layer = layer;
   now_.peers = std::move(peers);
@@ -42,9 +42,9 @@ void Progress::note(Phase phase, int64_t layer, std::vector<int> peers) {
   ++now_.generation;
 }
 
-void Progress::touch() {
+void Progress::touch(int64_t index) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (!now_.active) return;
+  if (!now_.active || now_.index != index) return;
   now_.last = MonitorClock::now();
   ++now_.generation;
 }
@@ -93,13 +93,15 @@ std::string describe_stall(const Progress::Snapshot& s, int rank, double seconds
 }
 
 Monitor::Monitor(int rank, Layout layout, std::chrono::milliseconds stall_warn,
-                 std::chrono::milliseconds timeout, Progress& progress, RuntimeMetrics& metrics)
+                 std::chrono::milliseconds timeout, Progress& progress, RuntimeMetrics& metrics,
+                 std::function<void(const Failure&)> on_failed_window)
     : rank_(rank),
       layout_(layout),
       stall_warn_(stall_warn),
       timeout_(timeout),
       progress_(progress),
       metrics_(metrics),
+      on_failed_window_(std::move(on_failed_window)),
       thread_([this] { loop(); }) {}
 
 Monitor::~Monitor() { stop(); }
@@ -139,6 +141,7 @@ void Monitor::measure(std::future<CollectiveResult> window, std::vector<int32_t>
 }
 
 void Monitor::refresh() {
+  std::lock_guard<std::mutex> lock(refresh_mu_);
   const Progress::Snapshot s = progress_.snapshot();
   const auto now = MonitorClock::now();
   RuntimeMetrics::InFlight f;
@@ -179,8 +182,11 @@ void Monitor::run(Job& job) {
 void Monitor::measure_now(Job& job) {
   CollectiveResult result = job.window.get();
   if (result.failure) {
-    spdlog::debug("eplb runtime rank {}: the balancedness window of step {} failed: {}", rank_,
-                  job.step, result.failure->message);
+    // A failed collective means a broken control plane: no rebalance may trigger any more.
+    spdlog::warn("eplb runtime rank {}: the balancedness window of step {} failed ({}): no "
+                 "rebalance will trigger again",
+                 rank_, job.step, result.failure->message);
+    if (on_failed_window_) on_failed_window_(*result.failure);
     return;
   }
   const std::vector<int64_t> window = std::move(result.values);

@@ -9,6 +9,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <future>
 #include <mutex>
 #include <string>
@@ -39,10 +40,12 @@ class Progress {
     int64_t generation = 0;         // counts progress: the watchdog warns once per stall
   };
 
+  // note() and touch() name the rebalance they come from: a cancelled worker still finishing
+  // an old one must not move the next one on (nor reset the watchdog's clock).
   void start(int64_t index, int64_t trigger_step);  // phase kWindow
-  void note(Phase phase, int64_t layer = -1, std::vector<int> peers = {});
-  void touch();   // progress within the phase (a layer installed, a batch of reads done)
-  void finish();  // none in flight
+  void note(int64_t index, Phase phase, int64_t layer = -1, std::vector<int> peers = {});
+  void touch(int64_t index);  // progress within the phase (a layer installed, reads done)
+  void finish();              // none in flight
   Snapshot snapshot() const;
 
  private:
@@ -55,9 +58,11 @@ std::string describe_stall(const Progress::Snapshot& s, int rank, double seconds
 
 class Monitor {
  public:
-  // `stall_warn` 0: no watchdog. Starts its thread.
+  // `stall_warn` 0: no watchdog. `on_failed_window` (monitor thread) is told of a window
+  // all-reduce that failed: the control plane is broken. Starts its thread.
   Monitor(int rank, Layout layout, std::chrono::milliseconds stall_warn,
-          std::chrono::milliseconds timeout, Progress& progress, RuntimeMetrics& metrics);
+          std::chrono::milliseconds timeout, Progress& progress, RuntimeMetrics& metrics,
+          std::function<void(const Failure&)> on_failed_window);
   ~Monitor();  // stop()
   Monitor(const Monitor&) = delete;
   Monitor& operator=(const Monitor&) = delete;
@@ -67,7 +72,8 @@ class Monitor {
   // ([layers][physical], in force at `step`) once it arrives.
   void measure(std::future<CollectiveResult> window, std::vector<int32_t> phy2log, int64_t step);
 
-  // Any thread: the in-flight metrics brought up to date now.
+  // Any thread: the in-flight metrics brought up to date now (one caller at a time, so an
+  // older snapshot never overwrites a newer one).
   void refresh();
 
   // Joins the thread, then takes the measurements whose window has arrived (the others are
@@ -92,11 +98,13 @@ class Monitor {
   const std::chrono::milliseconds timeout_;
   Progress& progress_;
   RuntimeMetrics& metrics_;
+  const std::function<void(const Failure&)> on_failed_window_;
 
   // Monitor thread only.
   int64_t warned_generation_ = -1;
   MonitorClock::time_point warned_at_;
 
+  std::mutex refresh_mu_;
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<Job> jobs_;  // guarded by mu_

@@ -224,12 +224,12 @@ bool stage_layer(const StageContext& context, const BufferMap& map, int64_t laye
       for (const transport::Read& r : batch_reads) peers.push_back(r.peer);
       std::sort(peers.begin(), peers.end());
       peers.erase(std::unique(peers.begin(), peers.end()), peers.end());
-      context.progress->note(Phase::kReading, layer, std::move(peers));
+      context.progress->note(context.rebalance, Phase::kReading, layer, std::move(peers));
     }
     if (context.delay_hook && *context.delay_hook) (*context.delay_hook)(DelayPoint::kRead);
     std::unique_ptr<transport::Batch> batch = context.transport->post(batch_reads);
     if (!wait_batch(*batch, context, deadline)) return false;
-    if (context.progress != nullptr) context.progress->touch();
+    if (context.progress != nullptr) context.progress->touch(context.rebalance);
   }
 
   // Step 3: free rides, in slot order, from slots read above.

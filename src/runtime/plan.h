@@ -62,6 +62,7 @@ struct StageContext {
   // arena is then the staging layer alone.
   const EngineTensors* engine = nullptr;
   Progress* progress = nullptr;  // told of each round of reads (null: nobody watches)
+  int64_t rebalance = 0;         // the index the progress is told of
 };
 
 // Builds layer `layer`'s new content for this rank in the spare buffer of `map`: unchanged

@@ -70,7 +70,6 @@ Rebalancer::Impl::Impl(Config config, control::Communicator& communicator,
   balancedness_period_ = config_.balancedness_period == 0 ? config_.interval
                                                           : std::max<int64_t>(
                                                                 config_.balancedness_period, 0);
-  metrics_ = std::make_unique<RuntimeMetrics>(config_.registry, rank_, config_.metric_labels);
   EPLB_CHECK_EQ(static_cast<int64_t>(comm_.size()), layout.ranks,
                 "the communicator's size must equal the layout's ranks");
   EPLB_CHECK_EQ(transport_.rank(), comm_.rank(),
@@ -96,6 +95,12 @@ Rebalancer::Impl::Impl(Config config, control::Communicator& communicator,
   for (int64_t l = 0; l < layers_; ++l) {
     tables_.push_back(routing::build_dispatch_tables(initial, l, layout));
   }
+  // Last, once everything is valid: nothing in the engine's registry from a refused config.
+  // The monitor exists from here on, so collect_metrics() (any thread) never races its start.
+  metrics_ = std::make_unique<RuntimeMetrics>(config_.registry, rank_, config_.metric_labels);
+  monitor_ = std::make_unique<Monitor>(
+      rank_, layout, config_.stall_warn, config_.timeout, progress_, *metrics_,
+      [this](const Failure&) { control_broken_.store(true, std::memory_order_release); });
 }
 
 Rebalancer::Impl::~Impl() { shutdown(); }
@@ -212,8 +217,6 @@ int64_t Rebalancer::Impl::connect() {
     make_background_thread();
     worker_loop();
   });
-  monitor_ = std::make_unique<Monitor>(rank_, config_.layout, config_.stall_warn, config_.timeout,
-                                       progress_, *metrics_);
   connected_ = true;
   bytes_held_.store(static_cast<int64_t>(region_.bytes), std::memory_order_release);
   metrics_->set_bytes_held(static_cast<int64_t>(region_.bytes));
@@ -315,12 +318,17 @@ void Rebalancer::Impl::step_end() {
   const auto start = Clock::now();
   recorder_.step_end();
   ++step_;
+  // The window is measured under the placement it was served with: the one in force before
+  // this step's protocol installs anything (sync mode installs a whole rebalance here).
+  const bool measure = balancedness_period_ > 0 && step_ % balancedness_period_ == 0;
+  std::vector<int32_t> served_with;
+  if (measure) served_with = phy2log_;
   if (config_.mode == Mode::kAsync) {
     step_end_async();
   } else {
     step_end_sync();
   }
-  if (balancedness_period_ > 0 && step_ % balancedness_period_ == 0) submit_balancedness();
+  if (measure) submit_balancedness(std::move(served_with));
   published_step_.store(step_, std::memory_order_release);
   const double ms = ms_between(start, Clock::now());
   metrics_->on_step();
@@ -332,14 +340,14 @@ void Rebalancer::Impl::step_end() {
   if (open_finished_) publish_open();
 }
 
-void Rebalancer::Impl::submit_balancedness() {
+void Rebalancer::Impl::submit_balancedness(std::vector<int32_t> phy2log) {
   // A broken control plane runs no collective any more: no figure rather than a hang.
   if (control_broken()) return;
   std::vector<int64_t> window(static_cast<size_t>(layers_ * config_.layout.experts));
   recorder_.snapshot_window(window);
   monitor_->measure(control_->all_reduce(std::move(window), control::ReduceOp::kSum,
                                          config_.timeout),
-                    phy2log_, step_);
+                    std::move(phy2log), step_);
 }
 
 void Rebalancer::Impl::save_stats(const std::string& path, stats::LoadFormat format) const {
@@ -445,7 +453,7 @@ bool Rebalancer::Impl::should_trigger() const {
 }
 
 std::chrono::milliseconds Rebalancer::Impl::result_bound() const {
-  return config_.timeout * (config_.lag + 3);
+  return config_.timeout * (config_.lag + 3) * (balancedness_period_ > 0 ? 2 : 1);
 }
 
 void Rebalancer::Impl::open_record() {
@@ -536,7 +544,7 @@ void Rebalancer::Impl::install(RebalancePlan& plan, int64_t k) {
   ++open_->layers_installed;
   metrics_->on_layer_installed(plan.migrations[k].plan, config_.layout, rank_,
                                spec_.expert_bytes());
-  progress_.touch();
+  progress_.touch(open_->index);
 }
 
 bool Rebalancer::Impl::swaps() const {

@@ -32,14 +32,14 @@ void Rebalancer::Impl::step_end_sync() {
   }
   RebalancePlan plan;
   std::optional<Failure> local;
-  progress_.note(Phase::kPlacement);
+  progress_.note(open_->index, Phase::kPlacement);
   try {
     if (config_.delay_hook) config_.delay_hook(DelayPoint::kPlacement);
     plan = make_plan(window, phy2log_, config_, spec_.expert_bytes());
   } catch (...) {
     local = Failure::current();
   }
-  progress_.note(Phase::kAgreeing);
+  progress_.note(open_->index, Phase::kAgreeing);
   if (!agree_sync(local)) return;
   fill_plan_figures(plan);
   if (plan.skipped) {
@@ -48,15 +48,15 @@ void Rebalancer::Impl::step_end_sync() {
     close_open(std::nullopt);
     return;
   }
-  const StageContext context = stage_context(nullptr);
+  const StageContext context = stage_context(nullptr, open_->index);
   for (size_t k = 0; k < plan.moved_layers.size(); ++k) {
-    progress_.note(Phase::kReading, plan.moved_layers[k]);
+    progress_.note(open_->index, Phase::kReading, plan.moved_layers[k]);
     try {
       stage_layer(context, map_, plan.moved_layers[k], plan.migrations[k]);
     } catch (...) {
       local = Failure::current();
     }
-    progress_.note(Phase::kAgreeing, plan.moved_layers[k]);
+    progress_.note(open_->index, Phase::kAgreeing, plan.moved_layers[k]);
     if (!agree_sync(local)) return;
     install(plan, static_cast<int64_t>(k));
   }

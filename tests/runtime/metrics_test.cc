@@ -8,14 +8,19 @@
 #include <spdlog/sinks/ringbuffer_sink.h>
 #include <spdlog/spdlog.h>
 
+#include <unistd.h>
+
 #include <map>
 #include <memory>
 #include <sstream>
 #include <string>
 #include <vector>
 
+#include "eplb/control/communicator.h"
 #include "eplb/core/error.h"
 #include "eplb/runtime/metrics.h"
+#include "eplb/transport/registry.h"
+#include "eplb/transport/transport.h"
 #include "runtime/harness.h"
 #include "runtime/monitor.h"
 
@@ -140,8 +145,13 @@ TEST(RuntimeMetrics, TheExpositionSaysWhatTheHistorySays) {
         EXPECT_GT(b, 0) << source;
         EXPECT_LE(b, 1) << source;
       }
-      // The recorded window's figure is the all-reduced window's: the same on every rank.
+      // The recorded window's figure is the all-reduced window's: the same on every rank. In
+      // sync mode the last rebalance ran at the last measured step, on the same window and
+      // under the same placement, the one in force before it.
       const double here = sum_of(m, "eplb_balancedness", {{"source", "recorded"}});
+      if (mode == Mode::kSync) {
+        EXPECT_DOUBLE_EQ(here, r.history.back().balancedness_before);
+      }
       if (recorded >= 0) {
         EXPECT_EQ(here, recorded);
       }
@@ -158,6 +168,45 @@ TEST(RuntimeMetrics, TheExpositionSaysWhatTheHistorySays) {
   }
 }
 
+// Rebalancers sharing a registry need labels that tell them apart; the same labels twice are
+// refused with the reason, and a Rebalancer's metrics leave the registry with it.
+TEST(RuntimeMetrics, ARegistrySharedByTwoRebalancers) {
+  auto registry = std::make_shared<prometheus::Registry>();
+  const auto make = [&](const std::string& rendezvous) {
+    control::Options options;
+    options.rendezvous = rendezvous;
+    return control::connect("inproc", options);
+  };
+  Config c;
+  c.layout = Layout{.experts = 4, .physical = 4, .ranks = 1, .nodes = 1, .groups = 1};
+  c.registry = registry;
+  const WeightSpec spec{.layers = 1, .tensors = {{"w", 8}}};
+  auto comm_a = make("eplb-metrics-shared-a-" + std::to_string(::getpid()));
+  auto comm_b = make("eplb-metrics-shared-b-" + std::to_string(::getpid()));
+  auto transport_a = transport::create("inproc", {});
+  auto transport_b = transport::create("inproc", {});
+  Config a = c, b = c;
+  a.metric_labels = {{"model", "a"}};
+  b.metric_labels = {{"model", "b"}};
+  {
+    Rebalancer ra(a, *comm_a, *transport_a, spec, trivial_placement(1, 4, 4));
+    Rebalancer rb(b, *comm_b, *transport_b, spec, trivial_placement(1, 4, 4));
+    const std::vector<Sample> m = parse_exposition(metrics_text(registry->Collect()));
+    EXPECT_TRUE(has(m, "eplb_steps_total", {{"model", "a"}, {"rank", "0"}}));
+    EXPECT_TRUE(has(m, "eplb_steps_total", {{"model", "b"}, {"rank", "0"}}));
+    try {
+      Rebalancer again(a, *comm_a, *transport_a, spec, trivial_placement(1, 4, 4));
+      ADD_FAILURE() << "the same labels twice in one registry were accepted";
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("model=a, rank=0"), std::string::npos) << e.what();
+    }
+  }
+  // Both gone: their places are free again.
+  EXPECT_FALSE(has(parse_exposition(metrics_text(registry->Collect())), "eplb_steps_total"));
+  Rebalancer after(a, *comm_a, *transport_a, spec, trivial_placement(1, 4, 4));
+  EXPECT_TRUE(has(parse_exposition(after.metrics_text()), "eplb_steps_total", {{"model", "a"}}));
+}
+
 TEST(RuntimeMetrics, TheEnginesRegistryHoldsEveryRank) {
   Scenario s = four_ranks("engine registry");
   s.config.registry = std::make_shared<prometheus::Registry>();
@@ -165,19 +214,20 @@ TEST(RuntimeMetrics, TheEnginesRegistryHoldsEveryRank) {
   const std::vector<RankResult> results = testing::run_scenario(s);
   for (const RankResult& r : results) {
     for (const std::string& e : r.errors) ADD_FAILURE() << e;
+    // Read from the shared registry while this rank still ran: its own series there, in
+    // the one family every rank's metrics join (a HELP line per name).
+    const std::vector<Sample> m = parse_exposition(r.metrics);
+    EXPECT_TRUE(has(m, "eplb_steps_total", {{"rank", std::to_string(r.rank)}})) << r.rank;
+    size_t helps = 0, pos = 0;
+    while ((pos = r.metrics.find("# HELP eplb_steps_total ", pos)) != std::string::npos) {
+      ++helps;
+      ++pos;
+    }
+    EXPECT_EQ(helps, 1u);
   }
-  const std::string text = metrics_text(s.config.registry->Collect());
-  const std::vector<Sample> m = parse_exposition(text);
-  for (int rank = 0; rank < 4; ++rank) {
-    EXPECT_TRUE(has(m, "eplb_steps_total", {{"rank", std::to_string(rank)}})) << rank;
-  }
-  // One family, once: a HELP line per name.
-  size_t helps = 0, pos = 0;
-  while ((pos = text.find("# HELP eplb_steps_total ", pos)) != std::string::npos) {
-    ++helps;
-    ++pos;
-  }
-  EXPECT_EQ(helps, 1u);
+  // The Rebalancers are gone, and their metrics with them.
+  EXPECT_FALSE(has(parse_exposition(metrics_text(s.config.registry->Collect())),
+                   "eplb_steps_total"));
 }
 
 // A peer made to stall in its placement: the watchdog warns on that rank (phase placement) and
@@ -219,7 +269,9 @@ TEST(RuntimeMetrics, TheWatchdogWarnsOfAStalledRebalance) {
 TEST(RuntimeMetrics, TheWatchdogNamesThePeersOfARead) {
   Progress progress;
   progress.start(3, 40);
-  progress.note(Phase::kReading, 7, {1, 5});
+  progress.note(2, Phase::kReading, 9);  // an older rebalance's worker: ignored
+  EXPECT_EQ(progress.snapshot().phase, Phase::kWindow);
+  progress.note(3, Phase::kReading, 7, {1, 5});
   const std::string text = describe_stall(progress.snapshot(), 0, 12.5);
   EXPECT_NE(text.find("rebalance 3 (triggered at step 40)"), std::string::npos) << text;
   EXPECT_NE(text.find("12.5 s in phase reading: reading layer 7 from ranks 1, 5"),
@@ -227,7 +279,7 @@ TEST(RuntimeMetrics, TheWatchdogNamesThePeersOfARead) {
       << text;
   progress.finish();
   EXPECT_FALSE(progress.snapshot().active);
-  progress.note(Phase::kPlacement);  // after the end: nothing in flight to note
+  progress.note(3, Phase::kPlacement);  // after the end: nothing in flight to note
   EXPECT_EQ(progress.snapshot().phase, Phase::kIdle);
 }
 
@@ -274,7 +326,7 @@ TEST(RuntimeMetrics, ConfigRefusesBadMetricSettings) {
   bad = c;
   bad.balancedness_period = -2;
   EXPECT_THROW(bad.validate(), InvalidArgument);
-  for (const char* label : {"rank", "", "1x", "__x", "a-b"}) {
+  for (const char* label : {"rank", "", "1x", "__x", "a-b", "outcome", "le", "source"}) {
     bad = c;
     bad.metric_labels = {{label, "v"}};
     EXPECT_THROW(bad.validate(), InvalidArgument) << label;

@@ -14,12 +14,16 @@
 #include <atomic>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "eplb/emu/expert.h"
 #include "eplb/emu/workload.h"
 
+namespace prometheus {
+class Registry;
+}
 namespace eplb::control {
 class Communicator;
 }
@@ -63,7 +67,9 @@ struct RunOptions {
   // Where each forked rank writes its metric families every half second (set by run_local
   // when serving; empty: nowhere).
   std::string live_metrics_dir;
-  int local_rank = 0;  // under a launcher: this rank's index on its machine
+  // The registry a rank's metrics go in (null: the Rebalancer's own); set by run_from_env
+  // when this rank serves them.
+  std::shared_ptr<prometheus::Registry> registry;
 
   void validate(const Workload& workload) const;  // InvalidArgument naming the option
   // InvalidArgument when `local_ranks` ranks' load windows would not fit in memory here.

@@ -28,7 +28,8 @@ struct PolicyOptions {
   bool hierarchical = false;
   // sticky: accepted loss of balancedness against balanced on the same load.
   double tolerance = 0.01;
-  // sticky: required, the placement in force now (same layers, experts, physical).
+  // sticky: required, the placement in force now (same layers, experts, physical). balanced
+  // reads it only for its dense layers (no load), which keep it.
   const Placement* previous = nullptr;
 };
 

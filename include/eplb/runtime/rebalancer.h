@@ -218,8 +218,9 @@ struct Config {
   std::function<void(const RebalanceRecord&)> on_failure;
   // Metrics (docs/runtime.md, "Metrics"): registered in `registry` when the engine passes the
   // one it serves, else in one of the Rebalancer's own; every metric carries the label
-  // rank="<rank>" and `metric_labels` (say, a model name). Two Rebalancers may share one
-  // registry only with labels that tell them apart.
+  // rank="<rank>" and `metric_labels` (say, a model name). Rebalancers sharing a registry need
+  // labels that tell them apart (the constructor refuses the same ones twice); a Rebalancer's
+  // metrics leave the registry when it is destroyed.
   std::shared_ptr<prometheus::Registry> registry;
   std::map<std::string, std::string> metric_labels;
   // Watchdog: a rebalance in flight that makes no progress (no phase change, no layer read or

@@ -56,7 +56,8 @@ void Rebalancer::Impl::trigger_async() {
   std::vector<int64_t> window(static_cast<size_t>(layers_ * config_.layout.experts));
   recorder_.snapshot_window(window);
   a->window = control_->all_reduce(std::move(window), control::ReduceOp::kSum,
-                                   config_.timeout, installs_done());
+                                   config_.timeout, installs_done())
+                  .share();
   a->current_phy2log = phy2log_;
   a->map = map_;
   {
@@ -234,7 +235,8 @@ void Rebalancer::Impl::run_job(Active& a) {
     while (a.window.wait_for(std::chrono::milliseconds(2)) != std::future_status::ready) {
       if (cancelled()) return;
     }
-    const std::vector<int64_t> window = a.window.get().take();
+    CollectiveResult result = a.window.get();  // a copy: the monitor may read it too
+    const std::vector<int64_t> window = std::move(result).take();
     progress_.note(a.index, Phase::kPlacement);
     if (config_.delay_hook) config_.delay_hook(DelayPoint::kPlacement);
     a.plan = make_plan(window, a.current_phy2log, config_, spec_.expert_bytes());

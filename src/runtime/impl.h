@@ -44,7 +44,8 @@ struct Active {
   int64_t index = 0;                     // the rebalance's record index (for Progress)
   std::vector<int32_t> current_phy2log;  // [layers][physical] at the trigger
   BufferMap map;                         // at the trigger
-  std::future<CollectiveResult> window;  // the worker's alone
+  // The window all-reduce: the worker waits on it (and the monitor, to measure the window).
+  std::shared_future<CollectiveResult> window;
 
   // Progress this rank contributes to the agreement: -1 - rank after a failure, 0 while
   // the placement is computed, 1 + the number of moved layers staged.
@@ -131,15 +132,17 @@ class Rebalancer::Impl {
   bool should_trigger() const;
 
   // The longest the forward thread waits for a collective's result: each queued collective
-  // (at most lag + 1 agreements, a window, and as many balancedness windows) is bounded by
+  // (at most lag + 1 agreements, a window, and a balancedness window before it) is bounded by
   // the timeout itself.
   std::chrono::milliseconds result_bound() const;
 
   void open_record();
 
-  // At steps that are multiples of the balancedness period: the window's all-reduce, for the
-  // monitor thread to measure under `phy2log` (after this step's protocol collectives, on
-  // every rank alike).
+  // At steps that are multiples of the balancedness period, after this step's protocol: the
+  // window for the monitor thread to measure under `phy2log`. A rebalance triggered at this
+  // step all-reduced it already (that result is shared); with one in flight since an earlier
+  // step there is no measurement (no collective queues up among its agreements); else one
+  // all-reduce, on every rank alike.
   void submit_balancedness(std::vector<int32_t> phy2log);
 
   // Ends the open record at this step; `raise` is what step_end throws under on_error=raise.
@@ -259,6 +262,8 @@ class Rebalancer::Impl {
   bool open_finished_ = false;           // it ended at this step: publish at the end of it
   Clock::time_point open_started_;
   std::optional<Failure> raise_;
+  // Sync mode: the window a rebalance triggered at this step all-reduced, for the measurement.
+  std::optional<std::vector<int64_t>> sync_window_;
   std::atomic<bool> control_broken_{false};
   std::atomic<int64_t> published_step_{0};          // step_, for agreement_result's check
   std::atomic<int64_t> contribution_{kNoAgreement};  // agreement_contribution()

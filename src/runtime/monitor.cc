@@ -128,8 +128,8 @@ void Monitor::stop() {
   }
 }
 
-void Monitor::measure(std::future<CollectiveResult> window, std::vector<int32_t> phy2log,
-                      int64_t step) {
+void Monitor::measure(std::shared_future<CollectiveResult> window,
+                      std::vector<int32_t> phy2log, int64_t step) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (stop_) return;
@@ -180,7 +180,7 @@ void Monitor::run(Job& job) {
 }
 
 void Monitor::measure_now(Job& job) {
-  CollectiveResult result = job.window.get();
+  CollectiveResult result = job.window.get();  // a copy: the worker may read it too
   if (result.failure) {
     // A failed collective means a broken control plane: no rebalance may trigger any more.
     spdlog::warn("eplb runtime rank {}: the balancedness window of step {} failed ({}): no "

@@ -70,7 +70,8 @@ class Monitor {
   // Forward thread: measure the balancedness of `window` (the all-reduce of every rank's
   // recorded window, [layers][experts], in flight on the control thread) under `phy2log`
   // ([layers][physical], in force at `step`) once it arrives.
-  void measure(std::future<CollectiveResult> window, std::vector<int32_t> phy2log, int64_t step);
+  void measure(std::shared_future<CollectiveResult> window, std::vector<int32_t> phy2log,
+               int64_t step);
 
   // Any thread: the in-flight metrics brought up to date now (one caller at a time, so an
   // older snapshot never overwrites a newer one).
@@ -82,7 +83,7 @@ class Monitor {
 
  private:
   struct Job {
-    std::future<CollectiveResult> window;
+    std::shared_future<CollectiveResult> window;
     std::vector<int32_t> phy2log;
     int64_t step = 0;
     MonitorClock::time_point deadline;

@@ -323,6 +323,7 @@ void Rebalancer::Impl::step_end() {
   const bool measure = balancedness_period_ > 0 && step_ % balancedness_period_ == 0;
   std::vector<int32_t> served_with;
   if (measure) served_with = phy2log_;
+  sync_window_.reset();
   if (config_.mode == Mode::kAsync) {
     step_end_async();
   } else {
@@ -341,12 +342,25 @@ void Rebalancer::Impl::step_end() {
 }
 
 void Rebalancer::Impl::submit_balancedness(std::vector<int32_t> phy2log) {
-  // A broken control plane runs no collective any more: no figure rather than a hang.
-  if (control_broken()) return;
+  // Triggered at this step: its window is this very window, all-reduced already.
+  if (sync_window_) {
+    std::promise<CollectiveResult> ready;
+    ready.set_value({.values = *sync_window_, .failure = std::nullopt});
+    monitor_->measure(ready.get_future().share(), std::move(phy2log), step_);
+    return;
+  }
+  if (active_ && open_ && open_->trigger_step == step_) {
+    monitor_->measure(active_->window, std::move(phy2log), step_);
+    return;
+  }
+  // In flight since an earlier step (its agreements must not wait behind a window), or a
+  // broken control plane (no collective runs any more): no figure this time.
+  if (open_ || control_broken()) return;
   std::vector<int64_t> window(static_cast<size_t>(layers_ * config_.layout.experts));
   recorder_.snapshot_window(window);
   monitor_->measure(control_->all_reduce(std::move(window), control::ReduceOp::kSum,
-                                         config_.timeout),
+                                         config_.timeout)
+                        .share(),
                     std::move(phy2log), step_);
 }
 
@@ -453,7 +467,8 @@ bool Rebalancer::Impl::should_trigger() const {
 }
 
 std::chrono::milliseconds Rebalancer::Impl::result_bound() const {
-  return config_.timeout * (config_.lag + 3) * (balancedness_period_ > 0 ? 2 : 1);
+  // A balancedness window only runs while no rebalance does: at most one ahead of a window.
+  return config_.timeout * (config_.lag + 4);
 }
 
 void Rebalancer::Impl::open_record() {

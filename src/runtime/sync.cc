@@ -23,6 +23,7 @@ void Rebalancer::Impl::step_end_sync() {
   try {
     window = await(control_->all_reduce(std::move(window), control::ReduceOp::kSum,
                                         config_.timeout, installs_done()));
+    sync_window_ = window;
   } catch (...) {
     control_broken_.store(true, std::memory_order_release);
     Failure failure = Failure::current();

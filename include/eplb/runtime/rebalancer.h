@@ -228,8 +228,9 @@ struct Config {
   // for where it knows them, and again at most this often; 0 turns it off.
   std::chrono::milliseconds stall_warn{10'000};
   // Every this many steps the recorded window's balancedness under the placement in force is
-  // measured off the forward thread (one all-reduce of the window on the control thread),
-  // logged and exported; 0: every `interval` steps; -1: never.
+  // measured off the forward thread, logged and exported; 0: every `interval` steps; -1:
+  // never. It shares the window of a rebalance triggered at that step, skips a step with one
+  // in flight, and else adds one all-reduce of the window on the control thread.
   int64_t balancedness_period = 0;
   // Testing: called at each DelayPoint, from the thread named there (so it must be
   // thread-safe). It may sleep; at kPlacement and kRead it may also throw, which fails the

@@ -29,7 +29,6 @@
 #include "runtime/failure.h"
 #include "runtime/impl.h"
 
-#include "eplb/runtime/metrics.h"
 #include "runtime/plan.h"
 
 // Rebalancer::Impl's construction, start-up and forward thread, and the public Rebalancer

@@ -74,11 +74,12 @@ nlohmann::json to_json(const emu::RunOptions& o, const emu::RunResult& r) {
                           {"predicted_balancedness_before", f.predicted_before},
                           {"predicted_balancedness_after", f.predicted_after}});
   }
-  std::vector<double> balancedness, stall_ms, moe_ms;
+  std::vector<double> balancedness, stall_ms, moe_ms, moe_wall_ms;
   for (const emu::StepFigures& f : r.per_step) {
     balancedness.push_back(f.balancedness);
     stall_ms.push_back(f.stall_ms);
     moe_ms.push_back(f.moe_ms);
+    moe_wall_ms.push_back(f.moe_wall_ms);
   }
   return {{"mode", r.mode},
           {"ranks", o.ranks},
@@ -95,6 +96,8 @@ nlohmann::json to_json(const emu::RunOptions& o, const emu::RunResult& r) {
           {"after_steps", {r.after_first, r.after_last}},
           {"moe_ms_before", r.moe_ms_before},
           {"moe_ms_after", r.moe_ms_after},
+          {"moe_wall_ms_before", r.moe_wall_ms_before},
+          {"moe_wall_ms_after", r.moe_wall_ms_after},
           {"bytes_moved", r.bytes_moved},
           {"bytes_local_copy", r.bytes_local_copy},
           {"bytes_installed", r.bytes_installed},
@@ -106,7 +109,7 @@ nlohmann::json to_json(const emu::RunOptions& o, const emu::RunResult& r) {
           {"bytes_held_per_rank", r.bytes_held},
           {"wall_s", r.wall_s},
           {"per_rebalance", rebalances},
-          {"per_step", {{"balancedness", balancedness}, {"stall_ms", stall_ms}, {"moe_ms", moe_ms}}}};
+          {"per_step", {{"balancedness", balancedness}, {"stall_ms", stall_ms}, {"moe_ms", moe_ms}, {"moe_wall_ms", moe_wall_ms}}}};
 }
 
 void print_header(const RunArgs& a, const emu::Workload& w) {
@@ -134,8 +137,10 @@ void print_result(const emu::RunResult& r) {
   fmt::print("  {:<14}{:.3f} (steps {}-{})  ->  {:.3f} (steps {}-{})\n", "balancedness",
              r.balancedness_before, r.before_first, r.before_last - 1, r.balancedness_after,
              r.after_first, r.after_last - 1);
-  fmt::print("  {:<14}{:.2f} ms  ->  {:.2f} ms  (max over ranks of expert compute, same steps)\n",
-             "MoE per step", r.moe_ms_before, r.moe_ms_after);
+  fmt::print("  {:<14}{:.2f} ms  ->  {:.2f} ms  (max over ranks of expert compute, CPU time, "
+             "same steps; wall {:.2f} -> {:.2f} ms)\n",
+             "MoE per step", r.moe_ms_before, r.moe_ms_after, r.moe_wall_ms_before,
+             r.moe_wall_ms_after);
   fmt::print("  {:<14}{} completed ({} triggered), {} moved, {} copied locally\n", "rebalances",
              r.rebalances, r.rebalances_triggered, human_bytes(static_cast<double>(r.bytes_moved)),
              human_bytes(static_cast<double>(r.bytes_local_copy)));

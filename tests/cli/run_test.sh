@@ -31,6 +31,10 @@ if not errors:
     if d["rebalances"] < 1: errors.append("no rebalance")
     if d["bytes_moved"] <= 0: errors.append("no bytes moved")
     if d["verified"] <= 0: errors.append("nothing verified")
+    # MoE time in CPU time beside the wall time; the CPU time of a step never exceeds the wall.
+    for when in ("before", "after"):
+        cpu, wall = d[f"moe_ms_{when}"], d[f"moe_wall_ms_{when}"]
+        if not 0 < cpu <= wall * 1.01 + 0.01: errors.append(f"moe {when}: cpu {cpu} wall {wall}")
     if not d["balancedness_after"] >= d["balancedness_before"]:
         errors.append(f"balancedness {d['balancedness_before']} -> {d['balancedness_after']}")
 print("; ".join(errors))

@@ -81,7 +81,8 @@ struct RunOptions {
 // What one step looked like, merged over ranks.
 struct StepFigures {
   double balancedness = 0;   // sum_l mean rank load / sum_l max rank load, global loads
-  double moe_ms = 0;         // max over ranks of the rank's expert compute time
+  double moe_ms = 0;         // max over ranks of the rank's expert compute, CPU time
+  double moe_wall_ms = 0;    // ... and wall time (with more ranks than cores: mostly waiting)
   double stall_ms = 0;       // max over ranks of the time in step_end
   int64_t installs = 0;      // layers installed at this step's step_end
 };
@@ -111,8 +112,10 @@ struct RunResult {
   int64_t after_first = 0, after_last = 0;    // and "after"
   double balancedness_before = 0;
   double balancedness_after = 0;
-  double moe_ms_before = 0;      // mean over the same steps
+  double moe_ms_before = 0;      // mean over the same steps (CPU time)
   double moe_ms_after = 0;
+  double moe_wall_ms_before = 0;  // the same in wall time
+  double moe_wall_ms_after = 0;
   int64_t bytes_moved = 0;
   int64_t bytes_local_copy = 0;
   int64_t bytes_installed = 0;   // written into live weights by installs, all ranks

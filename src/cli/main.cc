@@ -6,6 +6,8 @@
 
 #include <CLI/CLI.hpp>
 #include <fmt/core.h>
+#include <spdlog/sinks/stdout_color_sinks.h>
+#include <spdlog/spdlog.h>
 
 #include "cli/commands.h"
 #include "eplb/config.h"
@@ -13,6 +15,10 @@
 #include "eplb/core/memory.h"
 
 int main(int argc, char** argv) {
+  // Logs (the runtime's rebalances, the watchdog's warnings) go to standard error: standard
+  // output is the commands' own (--json prints one object there, which a log line would break).
+  spdlog::set_default_logger(spdlog::stderr_color_mt("eplb"));
+  spdlog::set_pattern("[%Y-%m-%d %H:%M:%S.%e] [%l] %v");
   CLI::App app{"eplb: an expert-parallel load balancer for Mixture-of-Experts inference"};
   app.set_version_flag("--version", EPLB_VERSION);
   app.require_subcommand(1);

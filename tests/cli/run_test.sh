@@ -99,6 +99,14 @@ done
   || fail "12 experts + 4 redundant on 8 ranks exited $?: $(tail -c 300 "$tmp/load8.err")"
 
 # Off, sync and async side by side.
+# Logs go to standard error: with --verbose (every rebalance logged) stdout is still one JSON
+# object, and the logs are there on stderr.
+if "$eplb" run "${small[@]}" --verbose --json >"$tmp/verbose.json" 2>"$tmp/verbose.err"; then
+  [ "$(wc -l <"$tmp/verbose.json")" -eq 1 ] || fail "--verbose --json: stdout has log lines"
+  grep -q "eplb runtime rank 0: rebalance" "$tmp/verbose.err" || fail "--verbose logged nothing on stderr"
+else
+  fail "--verbose --json failed: $(tail -c 300 "$tmp/verbose.err")"
+fi
 if "$eplb" run "${small[@]}" --compare --json >"$tmp/compare.json" 2>"$tmp/compare.err"; then
   for mode in off sync async; do
     grep -q "\"$mode\":{" "$tmp/compare.json" || fail "--compare lacks $mode"

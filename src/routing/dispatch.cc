@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "eplb/core/error.h"
+#include "eplb/routing/adaptive.h"
 
 namespace eplb::routing {
 
@@ -12,15 +13,26 @@ DispatchPolicy parse_dispatch_policy(std::string_view name) {
   if (name == "random") return DispatchPolicy::kRandom;
   if (name == "hash") return DispatchPolicy::kHash;
   if (name == "weighted") return DispatchPolicy::kWeighted;
-  fail("unknown dispatch policy '", name, "' (expected static, random, hash or weighted)");
+  if (name == "split") return DispatchPolicy::kSplit;
+  if (name == "adaptive") return DispatchPolicy::kAdaptive;
+  fail("unknown dispatch policy '", name,
+       "' (expected static, random, hash, weighted, split or adaptive)");
 }
 
 std::string_view dispatch_policy_name(DispatchPolicy policy) {
   switch (policy) {
-    case DispatchPolicy::kStatic: return "static";
-    case DispatchPolicy::kRandom: return "random";
-    case DispatchPolicy::kHash: return "hash";
-    case DispatchPolicy::kWeighted: return "weighted";
+    case DispatchPolicy::kStatic:
+      return "static";
+    case DispatchPolicy::kRandom:
+      return "random";
+    case DispatchPolicy::kHash:
+      return "hash";
+    case DispatchPolicy::kWeighted:
+      return "weighted";
+    case DispatchPolicy::kSplit:
+      return "split";
+    case DispatchPolicy::kAdaptive:
+      return "adaptive";
   }
   return "?";
 }
@@ -52,7 +64,8 @@ void fill_static(DispatchTables& t, const Layout& layout) {
           }
         }
         if (chosen < 0 && !on_node.empty()) {
-          chosen = on_node[static_cast<size_t>(near_ranks++ % static_cast<int64_t>(on_node.size()))];
+          chosen =
+              on_node[static_cast<size_t>(near_ranks++ % static_cast<int64_t>(on_node.size()))];
         }
         if (chosen < 0) {
           chosen = reps[static_cast<size_t>(far_ranks++ % static_cast<int64_t>(reps.size()))];
@@ -105,8 +118,7 @@ DispatchTables build_dispatch_tables(const Placement& placement, int64_t layer,
   EPLB_CHECK(placement.experts == layout.experts && placement.physical == layout.physical,
              "the placement (", placement.experts, " experts, ", placement.physical,
              " slots) does not fit the layout ", layout.describe());
-  EPLB_CHECK(replica_share.empty() || static_cast<int64_t>(replica_share.size()) ==
-                                          layout.physical,
+  EPLB_CHECK(replica_share.empty() || static_cast<int64_t>(replica_share.size()) == layout.physical,
              "replica_share has ", replica_share.size(), " entries, expected one per slot (",
              layout.physical, ")");
   for (double s : replica_share) {
@@ -118,6 +130,7 @@ DispatchTables build_dispatch_tables(const Placement& placement, int64_t layer,
   t.experts = placement.experts;
   t.ranks = layout.ranks;
   t.max_replicas = placement.max_replicas;
+  t.slots_per_rank = layout.slots_per_rank();
   const auto counts = placement.layer_replica_count(layer);
   t.replica_count.assign(counts.begin(), counts.end());
   const size_t width = static_cast<size_t>(t.experts * t.max_replicas);
@@ -132,7 +145,8 @@ DispatchTables build_dispatch_tables(const Placement& placement, int64_t layer,
 int32_t choose_slot(const DispatchTables& t, DispatchPolicy policy, int32_t expert,
                     uint64_t token_index, int64_t rank, uint64_t& random_state) {
   switch (policy) {
-    case DispatchPolicy::kStatic: return t.static_slot[rank * t.experts + expert];
+    case DispatchPolicy::kStatic:
+      return t.static_slot[rank * t.experts + expert];
     case DispatchPolicy::kRandom:
       return pick_uniform(t, expert, static_cast<uint32_t>(next_random(random_state) >> 32));
     case DispatchPolicy::kHash:
@@ -144,6 +158,14 @@ int32_t choose_slot(const DispatchTables& t, DispatchPolicy policy, int32_t expe
       while (u > thresholds[i]) ++i;
       return t.log2phy[expert * t.max_replicas + i];
     }
+    case DispatchPolicy::kSplit:
+      return t
+          .log2phy[expert * t.max_replicas + split_replica(static_cast<int64_t>(token_index), rank,
+                                                           expert, t.replica_count[expert])];
+    case DispatchPolicy::kAdaptive:
+      fail(
+          "adaptive dispatch needs the step's shares: call adaptive_shares() and "
+          "route_adaptive() instead of choose_slot()/route()");
   }
   return -1;
 }
@@ -151,21 +173,119 @@ int32_t choose_slot(const DispatchTables& t, DispatchPolicy policy, int32_t expe
 void route(const DispatchTables& tables, DispatchPolicy policy, std::span<const int32_t> experts,
            int64_t top_k, std::span<int32_t> slots, uint64_t first_token, int64_t rank,
            uint64_t& random_state) {
-  EPLB_CHECK(top_k >= 1 && experts.size() % static_cast<size_t>(top_k) == 0, "route: ",
-             experts.size(), " expert ids are not a whole number of tokens of top_k ", top_k);
+  EPLB_CHECK(top_k >= 1 && experts.size() % static_cast<size_t>(top_k) == 0,
+             "route: ", experts.size(), " expert ids are not a whole number of tokens of top_k ",
+             top_k);
   EPLB_CHECK(experts.size() == slots.size(), "route: ", experts.size(), " experts but ",
              slots.size(), " slots to fill");
-  EPLB_CHECK(rank >= 0 && rank < tables.ranks, "route: rank ", rank, " outside [0, ",
-             tables.ranks, ")");
+  EPLB_CHECK(rank >= 0 && rank < tables.ranks, "route: rank ", rank, " outside [0, ", tables.ranks,
+             ")");
+  if (policy == DispatchPolicy::kAdaptive) {
+    fail(
+        "route: adaptive dispatch needs the step's shares: call adaptive_shares() and "
+        "route_adaptive()");
+  }
   if (random_state == 0) random_state = 0x853C49E6748FEA9Bull;
   const size_t n = experts.size();
   const size_t k = static_cast<size_t>(top_k);
+  std::vector<int64_t> ordinal;  // split: tokens of each expert seen so far in this batch
+  if (policy == DispatchPolicy::kSplit) ordinal.assign(static_cast<size_t>(tables.experts), 0);
   for (size_t i = 0; i < n; ++i) {
     const int32_t e = experts[i];
     if (e < 0 || e >= tables.experts) {
       fail("route: expert id ", e, " at position ", i, " is outside [0, ", tables.experts, ")");
     }
-    slots[i] = choose_slot(tables, policy, e, first_token + i / k, rank, random_state);
+    const uint64_t index = policy == DispatchPolicy::kSplit
+                               ? static_cast<uint64_t>(ordinal[static_cast<size_t>(e)]++)
+                               : first_token + i / k;
+    slots[i] = choose_slot(tables, policy, e, index, rank, random_state);
+  }
+}
+
+AdaptiveLayer adaptive_layer(const DispatchTables& t) {
+  return {.log2phy = t.log2phy.data(),
+          .replica_count = t.replica_count.data(),
+          .experts = static_cast<int32_t>(t.experts),
+          .max_replicas = static_cast<int32_t>(t.max_replicas),
+          .ranks = static_cast<int32_t>(t.ranks),
+          .slots_per_rank = static_cast<int32_t>(t.slots_per_rank)};
+}
+
+void adaptive_shares(const DispatchTables& tables, std::span<const int64_t> global_counts,
+                     AdaptiveShares& out) {
+  EPLB_CHECK(static_cast<int64_t>(global_counts.size()) == tables.experts,
+             "adaptive_shares: ", global_counts.size(),
+             " counts, expected one per logical expert (", tables.experts, ")");
+  for (size_t e = 0; e < global_counts.size(); ++e) {
+    if (global_counts[e] < 0) {
+      fail("adaptive_shares: expert ", e, " has count ", global_counts[e],
+           " (counts are tokens, >= 0)");
+    }
+  }
+  out.share.resize(static_cast<size_t>(tables.experts * tables.max_replicas));
+  out.work.resize(static_cast<size_t>(
+      adaptive_workspace_words(tables.experts, tables.ranks, tables.max_replicas)));
+  out.max_rank_load = adaptive_split(adaptive_layer(tables), global_counts.data(), out.share.data(),
+                                     out.work.data());
+  EPLB_CHECK(out.max_rank_load >= 0,
+             "adaptive_shares: the dispatch tables are inconsistent "
+             "(a replica count or slot out of range)");
+}
+
+void count_experts(std::span<const int32_t> experts, int64_t num_experts,
+                   std::span<int64_t> counts) {
+  EPLB_CHECK(static_cast<int64_t>(counts.size()) == num_experts, "count_experts: ", counts.size(),
+             " counters for ", num_experts, " experts");
+  for (size_t i = 0; i < experts.size(); ++i) {
+    const int32_t e = experts[i];
+    if (e < 0 || e >= num_experts) {
+      fail("count_experts: expert id ", e, " at position ", i, " is outside [0, ", num_experts,
+           ")");
+    }
+    ++counts[static_cast<size_t>(e)];
+  }
+}
+
+void exclusive_prefix(std::span<const int64_t> rank_counts, int64_t num_experts, int64_t rank,
+                      std::span<int64_t> prefix) {
+  EPLB_CHECK(num_experts >= 1 && rank_counts.size() % static_cast<size_t>(num_experts) == 0,
+             "exclusive_prefix: ", rank_counts.size(), " counts are not [ranks][", num_experts,
+             "]");
+  const auto ranks = static_cast<int64_t>(rank_counts.size()) / num_experts;
+  EPLB_CHECK(rank >= 0 && rank < ranks, "exclusive_prefix: rank ", rank, " outside [0, ", ranks,
+             ")");
+  EPLB_CHECK(static_cast<int64_t>(prefix.size()) == num_experts,
+             "exclusive_prefix: ", prefix.size(), " outputs for ", num_experts, " experts");
+  std::fill(prefix.begin(), prefix.end(), 0);
+  for (int64_t g = 0; g < rank; ++g) {
+    for (int64_t e = 0; e < num_experts; ++e) prefix[e] += rank_counts[g * num_experts + e];
+  }
+}
+
+void route_adaptive(const DispatchTables& tables, const AdaptiveShares& shares,
+                    std::span<const int64_t> prefix, std::span<const int32_t> experts,
+                    int64_t top_k, std::span<int32_t> slots) {
+  EPLB_CHECK(top_k >= 1 && experts.size() % static_cast<size_t>(top_k) == 0,
+             "route_adaptive: ", experts.size(),
+             " expert ids are not a whole number of tokens of top_k ", top_k);
+  EPLB_CHECK(experts.size() == slots.size(), "route_adaptive: ", experts.size(), " experts but ",
+             slots.size(), " slots to fill");
+  EPLB_CHECK(static_cast<int64_t>(prefix.size()) == tables.experts, "route_adaptive: prefix has ",
+             prefix.size(), " entries, expected one per logical expert (", tables.experts, ")");
+  EPLB_CHECK(shares.share.size() == static_cast<size_t>(tables.experts * tables.max_replicas),
+             "route_adaptive: the shares (", shares.share.size(),
+             " entries) are not of these tables; compute them with adaptive_shares()");
+  std::vector<int64_t> ordinal(prefix.begin(), prefix.end());
+  const int64_t R = tables.max_replicas;
+  for (size_t i = 0; i < experts.size(); ++i) {
+    const int32_t e = experts[i];
+    if (e < 0 || e >= tables.experts) {
+      fail("route_adaptive: expert id ", e, " at position ", i, " is outside [0, ", tables.experts,
+           ")");
+    }
+    const int32_t replica =
+        adaptive_replica(shares.share.data() + e * R, tables.replica_count[e], ordinal[e]++);
+    slots[i] = tables.log2phy[e * R + replica];
   }
 }
 

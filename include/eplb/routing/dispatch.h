@@ -9,6 +9,15 @@
 //             do not pick in lockstep. Stateless and reproducible: the CUDA routing kernel uses
 //             the same function, bit for bit.
 //   weighted  in proportion to each replica's planned share of its expert's load.
+//   split     rank g's k-th token of expert e (in token order within one route() call) goes to
+//             replica (k + g + e) mod replicas: each rank's tokens of an expert split evenly
+//             over its replicas, with nothing but the tables (split_replica, adaptive.h).
+//   adaptive  the step's best split: from the step's global count of every expert (which every
+//             rank must have, e.g. from the all-to-all's layout exchange or one all-reduce of E
+//             counts), adaptive_shares() computes each replica's share so that the busiest rank
+//             carries the least load possible, identically on every rank; route_adaptive()
+//             then gives each rank's tokens the ordinals after the lower ranks' tokens of the
+//             same expert (`prefix`) and sends ordinal q to the replica whose share covers q.
 //
 // The tables of one layer are built once per placement change (off the forward thread) and
 // read by the router; they are plain arrays an engine can upload to a device as they are.
@@ -20,12 +29,14 @@
 
 #include "eplb/core/hash.h"
 #include "eplb/core/types.h"
+#include "eplb/routing/adaptive.h"
 
 namespace eplb::routing {
 
-enum class DispatchPolicy { kStatic, kRandom, kHash, kWeighted };
+enum class DispatchPolicy { kStatic, kRandom, kHash, kWeighted, kSplit, kAdaptive };
 
-// "static" | "random" | "hash" | "weighted"; else InvalidArgument listing them.
+// "static" | "random" | "hash" | "weighted" | "split" | "adaptive"; else InvalidArgument
+// listing them.
 DispatchPolicy parse_dispatch_policy(std::string_view name);
 std::string_view dispatch_policy_name(DispatchPolicy policy);
 
@@ -34,6 +45,7 @@ struct DispatchTables {
   int64_t experts = 0;
   int64_t ranks = 0;
   int64_t max_replicas = 0;
+  int64_t slots_per_rank = 0;
   std::vector<int32_t> log2phy;        // [experts][max_replicas], padded with -1
   std::vector<int32_t> replica_count;  // [experts]
   std::vector<int32_t> static_slot;    // [ranks][experts]: the slot rank g sends e to (static)
@@ -60,14 +72,52 @@ inline uint32_t dispatch_hash(uint64_t token_index, uint32_t rank) {
 }
 
 // Chooses the slot for one (token, expert) on `rank`. `random_state` is the caller's per-rank
-// stream for `random` (any non-zero seed; advanced in place), unused by the others.
+// stream for `random` (any non-zero seed; advanced in place), unused by the others. For `split`,
+// `token_index` is the token's ordinal k among this rank's tokens of `expert`. `adaptive` needs
+// the step's shares: InvalidArgument pointing to route_adaptive.
 int32_t choose_slot(const DispatchTables& tables, DispatchPolicy policy, int32_t expert,
                     uint64_t token_index, int64_t rank, uint64_t& random_state);
 
 // Maps a batch: experts [tokens][top_k] -> slots [tokens][top_k]. Row t is the token with
-// index first_token + t (what hash and weighted dispatch hash).
+// index first_token + t (what hash and weighted dispatch hash); `split` counts ordinals from 0
+// in this batch, so route one rank's tokens of a step in one call. `adaptive` throws
+// InvalidArgument: use route_adaptive.
 void route(const DispatchTables& tables, DispatchPolicy policy, std::span<const int32_t> experts,
            int64_t top_k, std::span<int32_t> slots, uint64_t first_token, int64_t rank,
            uint64_t& random_state);
+
+// The step's shares of one layer under `adaptive` (and the best split the simulator scores).
+struct AdaptiveShares {
+  std::vector<int64_t> share;  // [experts][max_replicas], aligned with log2phy; 0 in padding
+  int64_t max_rank_load = 0;   // the busiest rank's load under them: the least possible
+  std::vector<int64_t> work;   // the solver's workspace, kept between calls
+};
+
+// The tables as the split solver (adaptive.h) reads them: pointers into `tables`.
+AdaptiveLayer adaptive_layer(const DispatchTables& tables);
+
+// Computes `out` from the step's global count of every expert of the layer ([experts], the
+// sum over all ranks; the same on every rank gives the same shares on every rank, bit for
+// bit). Reuses out's buffers: no allocation after the first call of a shape. InvalidArgument
+// for a count array of the wrong size or a negative count.
+void adaptive_shares(const DispatchTables& tables, std::span<const int64_t> global_counts,
+                     AdaptiveShares& out);
+
+// Adds the batch's count of every expert to `counts` ([experts]); InvalidArgument for an id
+// outside [0, experts).
+void count_experts(std::span<const int32_t> experts, int64_t num_experts,
+                   std::span<int64_t> counts);
+
+// `prefix` ([experts]) for rank `rank` from every rank's counts ([ranks][experts]): the tokens
+// of each expert that lower ranks send.
+void exclusive_prefix(std::span<const int64_t> rank_counts, int64_t num_experts, int64_t rank,
+                      std::span<int64_t> prefix);
+
+// Maps one rank's batch under `adaptive`: the batch's j-th token of expert e (in token order)
+// has ordinal prefix[e] + j and goes to the replica whose share covers it
+// (adaptive_replica). InvalidArgument for mismatched sizes or an expert id out of range.
+void route_adaptive(const DispatchTables& tables, const AdaptiveShares& shares,
+                    std::span<const int64_t> prefix, std::span<const int32_t> experts,
+                    int64_t top_k, std::span<int32_t> slots);
 
 }  // namespace eplb::routing

@@ -22,6 +22,7 @@
 #include "cli/commands.h"
 #include "cli/layout_options.h"
 #include "eplb/core/error.h"
+#include "eplb/sim/per_step.h"
 #include "eplb/stats/load_file.h"
 
 namespace eplb::cli {
@@ -52,11 +53,18 @@ struct SimulateArgs {
   int64_t peers_per_round = 1;
   bool json = false;
   std::string plot_path;
+  std::string dispatches = "all";  // per-step scoring at token level; "none": off
+};
+
+// What was read: the history the replay runs on, and the trace its steps were grouped from.
+struct Input {
+  stats::LoadHistory history;
+  std::optional<stats::RoutingTrace> trace;
 };
 
 // The input as a load history: steps of a load file as they are, a routing trace's tokens
 // grouped into steps of --tokens-per-step.
-stats::LoadHistory read_history(const SimulateArgs& args) {
+Input read_input(const SimulateArgs& args) {
   if (args.load_path.empty() == args.trace_path.empty()) {
     fail("give exactly one of --load-history FILE and --trace FILE");
   }
@@ -76,17 +84,19 @@ stats::LoadHistory read_history(const SimulateArgs& args) {
          stats::load_format_name(format), "): pass load files with --load-history");
   }
   if (format == stats::LoadFormat::kTrace) {
-    const stats::RoutingTrace routes = stats::parse_routing_trace(content, args.experts, path);
-    if (args.tokens_per_step > routes.tokens) {
-      fail("--tokens-per-step ", args.tokens_per_step, " exceeds the ", routes.tokens,
+    Input in;
+    in.trace = stats::parse_routing_trace(content, args.experts, path);
+    if (args.tokens_per_step > in.trace->tokens) {
+      fail("--tokens-per-step ", args.tokens_per_step, " exceeds the ", in.trace->tokens,
            " tokens of ", path, " (not even one step)");
     }
-    return sim::history_from_trace(routes, args.tokens_per_step, args.experts);
+    in.history = sim::history_from_trace(*in.trace, args.tokens_per_step, args.experts);
+    return in;
   }
   stats::LoadReadOptions options;
   options.format = format;
   options.experts = args.experts;
-  return stats::parse_load_history(content, options, path);
+  return {.history = stats::parse_load_history(content, options, path), .trace = std::nullopt};
 }
 
 Layout make_layout(const SimulateArgs& args, int64_t experts) {
@@ -138,38 +148,77 @@ double thread_cpu_seconds() {
 
 bool have_gnuplot() { return std::system("command -v gnuplot >/dev/null 2>&1") == 0; }
 
-// Balancedness per scored step, one line per policy, a dashed line at every rebalance.
-void plot(const std::string& path, const sim::SimResult& r) {
+// Balancedness per scored step: the replay's (window sums, one line per policy), and below it,
+// with per-step scoring, each policy's dispatches and bounds at token level; a dashed line at
+// every rebalance.
+void plot(const std::string& path, const sim::SimResult& r, const sim::PerStepResult* steps) {
   std::string script = "$data << EOD\n";
   for (size_t i = 0; i < r.policies.front().step_balancedness.size(); ++i) {
     script += std::to_string(r.first_scored_step + static_cast<int64_t>(i));
     for (const sim::PolicyResult& p : r.policies) {
       script += fmt::format(" {:.6f}", p.step_balancedness[i]);
     }
+    if (steps != nullptr) {
+      for (const sim::PerStepPolicy& p : steps->policies) {
+        for (const sim::StepScore& d : p.dispatches) {
+          script += fmt::format(" {:.6f}", d.step_balancedness[i]);
+        }
+        if (!p.dispatch_bound.step_balancedness.empty()) {
+          script += fmt::format(" {:.6f} {:.6f}", p.dispatch_bound.step_balancedness[i],
+                                p.placement_bound.step_balancedness[i]);
+        }
+      }
+    }
     script += "\n";
   }
   script += "EOD\n";
-  script += "set terminal pngcairo size 1200,600\n";
+  script += fmt::format("set terminal pngcairo size 1200,{}\n", steps != nullptr ? 1100 : 600);
   std::string quoted;
   for (const char c : path) {
     if (c == '"' || c == '\\') quoted += '\\';
     quoted += c;
   }
   script += fmt::format("set output \"{}\"\n", quoted);
-  script +=
-      "set title \"eplb simulate: out-of-sample balancedness per step (dashed: rebalances)\"\n";
+  if (steps != nullptr) script += "set multiplot layout 2,1\n";
   script += "set xlabel \"step\"\nset ylabel \"balancedness (mean / max rank load)\"\n";
   script += "set yrange [0:1.05]\nset key bottom right\nset grid ytics\n";
   for (const int64_t t : r.rebalance_steps) {
     script +=
         fmt::format("set arrow from {0},graph 0 to {0},graph 1 nohead dt 2 lc rgb \"gray60\"\n", t);
   }
+  script +=
+      "set title \"eplb simulate: out-of-sample balancedness per step of the window's "
+      "sums (dashed: rebalances)\"\n";
   script += "plot ";
   for (size_t i = 0; i < r.policies.size(); ++i) {
     script += fmt::format("{}$data using 1:{} with lines lw 2 title \"{}\"", i ? ", " : "", i + 2,
                           r.policies[i].policy);
   }
   script += "\n";
+  if (steps != nullptr) {
+    script +=
+        "set title \"per step at token level: each dispatch, the best split (dispatch "
+        "bound) and a placement for the step (placement bound)\"\n";
+    script += "set key outside right\nplot ";
+    size_t column = r.policies.size() + 2;
+    bool first = true;
+    for (const sim::PerStepPolicy& p : steps->policies) {
+      for (const sim::StepScore& d : p.dispatches) {
+        script += fmt::format("{}$data using 1:{} with lines lw 1 title \"{} {}\"",
+                              first ? "" : ", ", column++, p.policy, d.name);
+        first = false;
+      }
+      if (!p.dispatch_bound.step_balancedness.empty()) {
+        script += fmt::format(
+            "{}$data using 1:{} with lines dt 3 lw 2 title \"{} dispatch bound\", "
+            "$data using 1:{} with lines dt 4 lw 1 title \"{} placement bound\"",
+            first ? "" : ", ", column, p.policy, column + 1, p.policy);
+        column += 2;
+        first = false;
+      }
+    }
+    script += "\nunset multiplot\n";
+  }
   FILE* pipe = popen("gnuplot", "w");
   if (pipe == nullptr) fail<IoError>("cannot start gnuplot to draw ", path);
   const bool written = std::fwrite(script.data(), 1, script.size(), pipe) == script.size();
@@ -187,6 +236,33 @@ double moe_per_step(const SimulateArgs& args, const sim::PolicyResult& p) {
                            : p.max_rank_load_per_step;
 }
 
+// MoE per step from a per-step score: ms with --token-us, else token-expert passes.
+double moe_per_step(const SimulateArgs& args, const sim::StepScore& s) {
+  return args.token_us > 0 ? s.max_rank_load_per_step * args.token_us / 1000
+                           : s.max_rank_load_per_step;
+}
+
+nlohmann::json score_json(const SimulateArgs& args, const sim::StepScore& s) {
+  return {{"balancedness", s.balancedness},
+          {"balancedness_step", s.balancedness_step},
+          {"max_rank_load_per_step", s.max_rank_load_per_step},
+          {"predicted_moe_ms_per_step",
+           args.token_us > 0 ? nlohmann::json(moe_per_step(args, s)) : nlohmann::json(nullptr)}};
+}
+
+// The per-step figures of one policy, merged into its results object.
+void add_per_step_json(const SimulateArgs& args, const sim::PerStepPolicy& p, nlohmann::json& out) {
+  nlohmann::json dispatch = nlohmann::json::object();
+  for (const sim::StepScore& d : p.dispatches) dispatch[d.name] = score_json(args, d);
+  out["dispatch"] = std::move(dispatch);
+  if (!p.dispatch_bound.step_balancedness.empty()) {
+    out["dispatch_bound"] = p.dispatch_bound.balancedness;
+    out["placement_bound"] = p.placement_bound.balancedness;
+    out["dispatch_bound_detail"] = score_json(args, p.dispatch_bound);
+    out["placement_bound_detail"] = score_json(args, p.placement_bound);
+  }
+}
+
 nlohmann::json result_json(const SimulateArgs& args, const sim::SimResult& r,
                            const sim::PolicyResult& p) {
   nlohmann::json moved = nlohmann::json::array(), bytes = nlohmann::json::array(),
@@ -200,8 +276,8 @@ nlohmann::json result_json(const SimulateArgs& args, const sim::SimResult& r,
       {"balancedness", p.balancedness},
       {"balancedness_step", p.balancedness_step},
       {"max_rank_load_per_step", p.max_rank_load_per_step},
-      {"predicted_moe_ms_per_step", args.token_us > 0 ? nlohmann::json(moe_per_step(args, p))
-                                                      : nlohmann::json(nullptr)},
+      {"predicted_moe_ms_per_step",
+       args.token_us > 0 ? nlohmann::json(moe_per_step(args, p)) : nlohmann::json(nullptr)},
       {"moved_slots_per_rebalance", p.moved_slots_per_rebalance},
       {"steady_moved_slots_per_rebalance", p.steady_moved_slots_per_rebalance >= 0
                                                ? nlohmann::json(p.steady_moved_slots_per_rebalance)
@@ -214,6 +290,41 @@ nlohmann::json result_json(const SimulateArgs& args, const sim::SimResult& r,
       {"bytes", std::move(bytes)},
       {"rounds", std::move(rounds)},
   };
+}
+
+// The per-step table: balancedness per dispatch and the bounds, then the MoE per step.
+void print_per_step(const SimulateArgs& args, const Input& in, const sim::PerStepResult& ps,
+                    double cpu_seconds) {
+  const sim::PerStepPolicy& first = ps.policies.front();
+  const bool bounds = !first.dispatch_bound.step_balancedness.empty();
+  fmt::print("\nper step at token level ({}), every step scored on its own:\n",
+             in.trace ? fmt::format("{} tokens per step from the trace", args.tokens_per_step)
+                      : std::string("the history's counts as tokens, spread over the ranks"));
+  for (const bool moe : {false, true}) {
+    std::string header = fmt::format("{:>9}", moe ? "MoE/step" : "policy");
+    for (const sim::StepScore& d : first.dispatches) header += fmt::format("  {:>9}", d.name);
+    if (bounds) header += fmt::format("  {:>14}  {:>15}", "dispatch bound", "placement bound");
+    fmt::print("{}\n", header);
+    for (const sim::PerStepPolicy& p : ps.policies) {
+      std::string line = fmt::format("{:>9}", p.policy);
+      auto cell = [&](const sim::StepScore& s, int width) {
+        return moe ? fmt::format("  {:>{}.{}f}", moe_per_step(args, s), width,
+                                 args.token_us > 0 ? 3 : 0)
+                   : fmt::format("  {:>{}.4f}", s.balancedness, width);
+      };
+      for (const sim::StepScore& d : p.dispatches) line += cell(d, 9);
+      if (bounds) line += cell(p.dispatch_bound, 14) + cell(p.placement_bound, 15);
+      fmt::print("{}\n", line);
+    }
+  }
+  fmt::print(
+      "dispatch bound: the best split of each step's counts over the placement in force; "
+      "placement bound: a placement made for that step alone, with its best split\n");
+  fmt::print(
+      "per-step scoring: {:.3f} s of CPU, {:.3f}M layer-steps per CPU second ({:.1f}M "
+      "token-experts per second)\n",
+      cpu_seconds, static_cast<double>(ps.layer_steps) / cpu_seconds / 1e6,
+      static_cast<double>(ps.tokens) * static_cast<double>(ps.policies.size()) / cpu_seconds / 1e6);
 }
 
 void print_table(const SimulateArgs& args, const stats::LoadHistory& history, const Layout& layout,
@@ -247,13 +358,13 @@ void print_table(const SimulateArgs& args, const stats::LoadHistory& history, co
   fmt::print(
       "moved/reb counts the first rebalance from the trivial placement; steady moved "
       "leaves it out\n");
-  fmt::print("MoE/step: the busiest rank's load summed over layers, per step (the MoE time a "
-             "step waits for){}\n",
-             args.token_us > 0 ? fmt::format(", at {} us per token and expert", args.token_us)
-                               : " in token-expert passes; --token-us turns it into ms");
+  fmt::print(
+      "MoE/step: the busiest rank's load summed over layers, per step (the MoE time a "
+      "step waits for){}\n",
+      args.token_us > 0 ? fmt::format(", at {} us per token and expert", args.token_us)
+                        : " in token-expert passes; --token-us turns it into ms");
   fmt::print("replay: {:.3f} s ({:.3f} s of CPU), {:.2f}M layer-steps per CPU second\n", seconds,
              cpu_seconds, static_cast<double>(r.layer_steps) / cpu_seconds / 1e6);
-  if (!args.plot_path.empty()) fmt::print("wrote {}\n", args.plot_path);
 }
 
 void run_simulate(const SimulateArgs& args) {
@@ -274,7 +385,9 @@ void run_simulate(const SimulateArgs& args) {
   }
 
   // Step 2: the input, its layout, and the checks that need its shape.
-  const stats::LoadHistory history = read_history(args);
+  const std::vector<routing::DispatchPolicy> dispatches = sim::parse_dispatches(args.dispatches);
+  const Input input = read_input(args);
+  const stats::LoadHistory& history = input.history;
   options.layout = make_layout(args, history.experts);
   if (args.window >= history.steps) {
     fail("--window ", args.window, " leaves no step to score: the input has ", history.steps,
@@ -288,17 +401,37 @@ void run_simulate(const SimulateArgs& args) {
   }
 
   // Step 3: the replay, timed without the parsing: wall-clock, and CPU time for the speed.
+  const bool per_step = !dispatches.empty();
+  options.keep_placements = per_step;
   const auto start = std::chrono::steady_clock::now();
   const double cpu_start = thread_cpu_seconds();
   const sim::SimResult result = sim::simulate(history, options);
   const double cpu_seconds = std::max(thread_cpu_seconds() - cpu_start, 1e-9);
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  if (!args.plot_path.empty()) plot(args.plot_path, result);
+
+  // Step 4: every step scored on its own at token level, timed apart from the replay.
+  std::optional<sim::PerStepResult> steps;
+  double step_cpu_seconds = 0;
+  if (per_step) {
+    sim::PerStepOptions po;
+    po.dispatches = dispatches;
+    po.bounds = true;
+    po.trace = input.trace ? &*input.trace : nullptr;
+    po.tokens_per_step = args.tokens_per_step;
+    const double step_start = thread_cpu_seconds();
+    steps = sim::score_per_step(history, options, result, po);
+    step_cpu_seconds = std::max(thread_cpu_seconds() - step_start, 1e-9);
+  }
+  if (!args.plot_path.empty()) plot(args.plot_path, result, steps ? &*steps : nullptr);
 
   if (args.json) {
     nlohmann::json results = nlohmann::json::object();
-    for (const sim::PolicyResult& p : result.policies) results[p.policy] = result_json(args, result, p);
+    for (size_t i = 0; i < result.policies.size(); ++i) {
+      const sim::PolicyResult& p = result.policies[i];
+      results[p.policy] = result_json(args, result, p);
+      if (steps) add_per_step_json(args, steps->policies[i], results[p.policy]);
+    }
     nlohmann::json out = {
         {"source", args.trace_path.empty() ? args.load_path : args.trace_path},
         {"format", stats::load_format_name(history.format)},
@@ -328,10 +461,21 @@ void run_simulate(const SimulateArgs& args) {
     if (!args.trace_path.empty() || history.format == stats::LoadFormat::kTrace) {
       out["tokens_per_step"] = args.tokens_per_step;
     }
+    if (steps) {
+      out["per_step"] = {
+          {"tokens", input.trace ? "trace" : "counts"},
+          {"dispatches", sim::parse_dispatches(args.dispatches).size()},
+          {"layer_steps", steps->layer_steps},
+          {"token_experts", steps->tokens},
+          {"cpu_s", step_cpu_seconds},
+          {"layer_steps_per_s", static_cast<double>(steps->layer_steps) / step_cpu_seconds}};
+    }
     if (!args.plot_path.empty()) out["plot"] = args.plot_path;
     fmt::print("{}\n", out.dump());
   } else {
     print_table(args, history, options.layout, result, seconds, cpu_seconds);
+    if (steps) print_per_step(args, input, *steps, step_cpu_seconds);
+    if (!args.plot_path.empty()) fmt::print("wrote {}\n", args.plot_path);
   }
 }
 
@@ -387,8 +531,14 @@ void add_simulate(CLI::App& app) {
                   "Peers a rank reads from (and serves) per round of a migration")
       ->capture_default_str();
   cmd->add_flag("--json", args->json, "Print one JSON object instead of the table");
+  cmd->add_option("--dispatch", args->dispatches,
+                  "Score every step on its own at token level under these dispatches "
+                  "(comma-separated: static, random, hash, weighted, split, adaptive), with the "
+                  "dispatch and placement bounds; all, or none to skip")
+      ->capture_default_str();
   cmd->add_option("--plot", args->plot_path,
-                  "Draw balancedness per step per policy, rebalances marked, to a PNG (gnuplot)");
+                  "Draw balancedness per step per policy (and per dispatch), rebalances marked, "
+                  "to a PNG (gnuplot)");
   cmd->callback([args] { run_simulate(*args); });
 }
 

@@ -334,7 +334,10 @@ SimResult simulate(const stats::LoadHistory& history, const SimOptions& options)
     }
     const LoadMatrix& window = window_sum.cover(t - options.window, t);
     for (Run& run : runs) {
-      if (!run.policy->rebalances) continue;
+      if (!run.policy->rebalances) {
+        if (options.keep_placements) run.result.placements.push_back(run.current);
+        continue;
+      }
       placement::PolicyOptions po;
       po.policy = run.policy->policy;
       po.hierarchical = options.hierarchical;
@@ -350,6 +353,7 @@ SimResult simulate(const stats::LoadHistory& history, const SimOptions& options)
                                        .rounds = plan.totals.rounds});
       run.current = std::move(next);
       run.slot_share = slot_shares(run.current);
+      if (options.keep_placements) run.result.placements.push_back(run.current);
     }
 
     // Step 2: score the steps this placement serves, out of sample; the first policy's pass

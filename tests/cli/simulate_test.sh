@@ -85,7 +85,7 @@ fi
 "$eplb" simulate --load-history "$trace" --ranks 4 --redundant 8 --interval 2 --window 2 \
   --policy none,deepseek,balanced,sticky --json >"$tmp/trace2.json" 2>"$tmp/err" \
   || fail "simulate --load-history on a trace failed: $(cat "$tmp/err")"
-strip() { sed -e 's/"layer_steps_per_s":[^,}]*//; s/"replay_s":[^,}]*//; s/"replay_cpu_s":[^,}]*//; s/"source":"[^"]*"//' "$1"; }
+strip() { sed -e 's/"layer_steps_per_s":[^,}]*//g; s/"replay_s":[^,}]*//; s/"replay_cpu_s":[^,}]*//; s/"cpu_s":[^,}]*//; s/"source":"[^"]*"//' "$1"; }
 [ "$(strip "$tmp/trace.json")" = "$(strip "$tmp/trace2.json")" ] \
   || fail "--trace and --load-history give different results on the trace"
 # Deterministic: the same run twice gives the same figures.
@@ -211,6 +211,37 @@ expect_error "" --load-history "$tmp/neg.json" --ranks 2 --interval 1 --window 1
 "$eplb" simulate --load-history "$tmp/missing.json" --ranks 2 --interval 1 --window 1 \
   >/dev/null 2>"$tmp/err"
 [ $? -eq 1 ] && grep -q "missing.json" "$tmp/err" || fail "missing file: $(cat "$tmp/err")"
+
+# Per-step scoring at token level: every dispatch and both bounds in --json, adaptive at the
+# dispatch bound and nothing above it, the placement bound above it; --dispatch chooses.
+"$eplb" simulate --trace "$trace" --ranks 8 --redundant 8 --interval 4 --window 4 \
+  --tokens-per-step 128 --policy none,deepseek --json >"$tmp/steps.json" 2>"$tmp/err" \
+  || fail "per-step simulate failed: $(cat "$tmp/err")"
+if [ -n "$py" ]; then
+  "$py" - "$tmp/steps.json" <<'PY' || fail "per-step JSON: $(head -c 400 "$tmp/steps.json")"
+import json, sys
+d = json.load(open(sys.argv[1]))
+for name, r in d["results"].items():
+    want = {"static", "random", "hash", "weighted", "split", "adaptive"}
+    assert set(r["dispatch"]) == want, (name, sorted(r["dispatch"]))
+    db, pb = r["dispatch_bound"], r["placement_bound"]
+    for k, v in r["dispatch"].items():
+        assert 0 < v["balancedness"] <= db + 1e-9, (name, k, v, db)
+    assert abs(r["dispatch"]["adaptive"]["balancedness"] - db) < 1e-9
+    assert db <= pb <= 1 + 1e-9, (db, pb)
+assert d["results"]["deepseek"]["dispatch"]["adaptive"]["balancedness"] >= 0.9
+assert d["per_step"]["layer_steps"] == 12 * 8 * 2 and d["per_step"]["layer_steps_per_s"] > 0
+PY
+fi
+"$eplb" simulate --trace "$trace" --ranks 8 --redundant 8 --interval 4 --window 4 \
+  --tokens-per-step 128 --policy deepseek --dispatch split,adaptive >"$tmp/steps.txt" 2>&1
+grep -q "dispatch bound" "$tmp/steps.txt" && grep -q "adaptive" "$tmp/steps.txt" \
+  && ! grep -qw "hash" "$tmp/steps.txt" || fail "--dispatch split,adaptive table: $(cat "$tmp/steps.txt")"
+"$eplb" simulate --trace "$trace" --ranks 8 --interval 4 --window 4 --policy deepseek \
+  --dispatch none --json >"$tmp/nosteps.json" 2>&1
+! grep -q '"dispatch"' "$tmp/nosteps.json" || fail "--dispatch none still scored per step"
+expect_error "unknown dispatch policy 'roundrobin'" "${t[@]}" --interval 1 --window 2 \
+  --dispatch hash,roundrobin
 
 if [ $failures -ne 0 ]; then
   echo "$failures failure(s)"

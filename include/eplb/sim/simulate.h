@@ -50,6 +50,9 @@ struct SimOptions {
   double tolerance = 0.01;          // sticky: accepted balancedness loss against balanced
   // Migration accounting of each rebalance (expert_bytes >= 1, peers per round).
   migration::MigrationOptions migration;
+  // Keep every placement each policy served with (PolicyResult::placements), for the per-step
+  // scoring of sim/per_step.h.
+  bool keep_placements = false;
 };
 
 // One rebalance of one policy: the moves from the placement in force to the new one.
@@ -72,6 +75,9 @@ struct PolicyResult {
   double max_rank_load_per_step = 0;
   std::vector<double> step_balancedness;  // [scored steps]: mean over layers, step by step
   std::vector<Rebalance> rebalances;      // [rebalances]; empty for `none`
+  // With SimOptions::keep_placements: [rebalances], the placement that served from each
+  // rebalance step on (for `none`, the trivial placement every time).
+  std::vector<Placement> placements;
   // Means over `rebalances` (0 when there are none), the first one counted from the trivial
   // placement; steady_moved_slots_per_rebalance leaves the first one out (-1 with fewer than two).
   double moved_slots_per_rebalance = 0;

@@ -31,7 +31,8 @@ struct RunArgs {
   emu::RunOptions options;
   std::string trace;
   std::string load;
-  int64_t top_k = 6;
+  int64_t top_k = 8;
+  int64_t layers = -1;  // -1: 6 of the bundled DeepSeek-V3 loads, every layer of a given input
   int64_t sample_tokens = 4096;
   std::string verify = "16";
   bool compare = false;
@@ -56,6 +57,12 @@ std::string human_bytes(double bytes) {
     ++u;
   }
   return u == 0 ? fmt::format("{:.0f} B", bytes) : fmt::format("{:.1f} {}", bytes, units[u]);
+}
+
+// Tokens per second the slowest rank allows: a step's tokens over its MoE time (CPU time of
+// the busiest rank's expert compute), were nothing else in the step.
+double tokens_per_s(const emu::RunOptions& o, double moe_ms) {
+  return moe_ms > 0 ? static_cast<double>(o.ranks * o.tokens_per_rank) / (moe_ms / 1000) : 0;
 }
 
 nlohmann::json to_json(const emu::RunOptions& o, const emu::RunResult& r) {
@@ -98,6 +105,9 @@ nlohmann::json to_json(const emu::RunOptions& o, const emu::RunResult& r) {
           {"moe_ms_after", r.moe_ms_after},
           {"moe_wall_ms_before", r.moe_wall_ms_before},
           {"moe_wall_ms_after", r.moe_wall_ms_after},
+          {"tokens_per_s_before", tokens_per_s(o, r.moe_ms_before)},
+          {"tokens_per_s_after", tokens_per_s(o, r.moe_ms_after)},
+          {"dispatch", o.dispatch},
           {"bytes_moved", r.bytes_moved},
           {"bytes_local_copy", r.bytes_local_copy},
           {"bytes_installed", r.bytes_installed},
@@ -122,7 +132,7 @@ void print_header(const RunArgs& a, const emu::Workload& w) {
              "layer ({} redundant), {} tokens per rank per step\n",
              o.ranks, o.nodes, o.nodes > 1 ? "s" : "", transport, w.layers, w.experts, w.top_k,
              w.experts + redundant, redundant, o.tokens_per_rank);
-  fmt::print("  experts: fp32 FFN hidden {} x intermediate {} ({} each, {}); trace {}\n",
+  fmt::print("  experts: fp32 FFN hidden {} x intermediate {} ({} each, {}); tokens from {}\n",
              o.shape.hidden, o.shape.intermediate,
              human_bytes(static_cast<double>(o.shape.expert_bytes())),
              o.weights == "engine" ? "each rank's own tensors, registered" : "in eplb's arena",
@@ -131,7 +141,7 @@ void print_header(const RunArgs& a, const emu::Workload& w) {
              o.steps, o.interval, o.window, o.policy, o.dispatch);
 }
 
-void print_result(const emu::RunResult& r) {
+void print_result(const emu::RunOptions& o, const emu::RunResult& r) {
   fmt::print("  {:<14}{}{}\n", "mode", r.mode == "off" ? "off (no rebalancing)" : r.mode,
              r.interrupted ? fmt::format("  (interrupted at step {})", r.steps) : "");
   fmt::print("  {:<14}{:.3f} (steps {}-{})  ->  {:.3f} (steps {}-{})\n", "balancedness",
@@ -141,6 +151,8 @@ void print_result(const emu::RunResult& r) {
              "same steps; wall {:.2f} -> {:.2f} ms)\n",
              "MoE per step", r.moe_ms_before, r.moe_ms_after, r.moe_wall_ms_before,
              r.moe_wall_ms_after);
+  fmt::print("  {:<14}{:.0f}  ->  {:.0f} tokens/s  (what the slowest rank's MoE time allows)\n",
+             "throughput", tokens_per_s(o, r.moe_ms_before), tokens_per_s(o, r.moe_ms_after));
   fmt::print("  {:<14}{} completed ({} triggered), {} moved, {} copied locally\n", "rebalances",
              r.rebalances, r.rebalances_triggered, human_bytes(static_cast<double>(r.bytes_moved)),
              human_bytes(static_cast<double>(r.bytes_local_copy)));
@@ -151,7 +163,7 @@ void print_result(const emu::RunResult& r) {
   fmt::print("  {:<14}{:.1f} s\n", "wall time", r.wall_s);
 }
 
-void print_compare(const std::vector<emu::RunResult>& results) {
+void print_compare(const emu::RunOptions& o, const std::vector<emu::RunResult>& results) {
   fmt::print("  {:<26}", "");
   for (const auto& r : results) fmt::print("{:>14}", r.mode);
   fmt::print("\n");
@@ -162,7 +174,10 @@ void print_compare(const std::vector<emu::RunResult>& results) {
   };
   row("balancedness before", [](const emu::RunResult& r) { return fmt::format("{:.3f}", r.balancedness_before); });
   row("balancedness after", [](const emu::RunResult& r) { return fmt::format("{:.3f}", r.balancedness_after); });
+  row("MoE ms per step before", [](const emu::RunResult& r) { return fmt::format("{:.2f}", r.moe_ms_before); });
   row("MoE ms per step after", [](const emu::RunResult& r) { return fmt::format("{:.2f}", r.moe_ms_after); });
+  row("tokens/s before", [&](const emu::RunResult& r) { return fmt::format("{:.0f}", tokens_per_s(o, r.moe_ms_before)); });
+  row("tokens/s after", [&](const emu::RunResult& r) { return fmt::format("{:.0f}", tokens_per_s(o, r.moe_ms_after)); });
   row("rebalances", [](const emu::RunResult& r) { return fmt::format("{}", r.rebalances); });
   row("bytes moved", [](const emu::RunResult& r) { return human_bytes(static_cast<double>(r.bytes_moved)); });
   row("stall max step (ms)", [](const emu::RunResult& r) { return fmt::format("{:.3f}", r.stall_max_ms); });
@@ -256,10 +271,15 @@ void run(RunArgs a) {
     }
   }
   if (!a.trace.empty() && !a.load.empty()) fail("--trace and --load exclude each other");
-  const emu::Workload workload =
-      a.load.empty()
-          ? emu::workload_from_trace(a.trace.empty() ? emu::default_trace_path() : a.trace)
-          : emu::workload_from_load(a.load, a.top_k, a.sample_tokens, o.seed);
+  // The default workload: tokens sampled from DeepSeek-V3's real, skewed expert loads, whose
+  // imbalance rebalancing removes (docs/run.md).
+  const bool bundled = a.trace.empty() && a.load.empty();
+  emu::Workload workload =
+      !a.trace.empty() ? emu::workload_from_trace(a.trace)
+                       : emu::workload_from_load(bundled ? emu::default_load_path() : a.load,
+                                                 a.top_k, a.sample_tokens, o.seed);
+  if (a.layers < -1) fail("--layers ", a.layers, " must not be negative (0: every layer)");
+  emu::keep_layers(workload, a.layers == -1 ? (bundled ? 6 : 0) : a.layers);
 
   const bool launched = control::launched_by_mpirun() || std::getenv("RANK") != nullptr;
   if (launched) {
@@ -277,7 +297,7 @@ void run(RunArgs a) {
       if (a.json) {
         fmt::print("{}\n", to_json(o, r).dump());
       } else {
-        print_result(r);
+        print_result(o, r);
       }
       if (!a.plot.empty()) plot(a.plot, {r});
       if (!a.metrics.empty()) write_metrics(a.metrics, {r});
@@ -307,9 +327,9 @@ void run(RunArgs a) {
       fmt::print("{}\n", to_json(o, results[0]).dump());
     }
   } else if (a.compare) {
-    print_compare(results);
+    print_compare(o, results);
   } else {
-    print_result(results[0]);
+    print_result(o, results[0]);
   }
   if (!a.plot.empty()) {
     plot(a.plot, results);
@@ -358,15 +378,24 @@ void add_run(CLI::App& app) {
       ->capture_default_str();
   cmd->add_option("--policy", o.policy, "deepseek, balanced or sticky")->capture_default_str();
   cmd->add_option("--mode", o.mode, "async, sync or off (no rebalancing)")->capture_default_str();
-  cmd->add_option("--dispatch", o.dispatch, "static, random, hash or weighted")
+  cmd->add_option("--dispatch", o.dispatch,
+                  "static, random, hash, weighted, split or adaptive (the step's best split from "
+                  "its global counts)")
       ->capture_default_str();
   cmd->add_option("--lag", o.lag, "Steps between an agreement and its action")
       ->capture_default_str();
   cmd->add_option("--verify", a->verify, "all, sample, or N: check the outputs of 1 token in N")
       ->capture_default_str();
-  cmd->add_option("--trace", a->trace, "Routing trace CSV (default: the bundled FLAME trace)");
-  cmd->add_option("--load", a->load, "Load file to sample tokens from (any `eplb plan` format)");
+  cmd->add_option("--trace", a->trace,
+                  "Routing trace CSV to replay (e.g. the bundled "
+                  "data/flame-moe-290m/routing_top6.csv)");
+  cmd->add_option("--load", a->load,
+                  "Load file to sample tokens from, any `eplb plan` format (default: the bundled "
+                  "DeepSeek-V3 loads, data/deepseek-v3-sglang/prefill_in1024.json)");
   cmd->add_option("--top-k", a->top_k, "With --load: experts per token")->capture_default_str();
+  cmd->add_option("--layers", a->layers,
+                  "Serve the first N MoE layers of the input (default: 6 of the bundled "
+                  "DeepSeek-V3 loads, every layer of a --trace or --load; 0: all)");
   cmd->add_option("--sample-tokens", a->sample_tokens, "With --load: tokens in one pass")
       ->capture_default_str();
   cmd->add_option("--seed", o.seed, "Sampler and random dispatch seed")->capture_default_str();

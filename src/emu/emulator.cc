@@ -1,5 +1,8 @@
 #include "eplb/emu/emulator.h"
 
+#include <fmt/core.h>
+#include <prometheus/metric_family.h>
+#include <prometheus/registry.h>
 #include <signal.h>
 #include <sys/mman.h>
 #include <time.h>
@@ -15,18 +18,15 @@
 #include <fstream>
 #include <memory>
 #include <new>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <sstream>
 
-#include <fmt/core.h>
-#include <nlohmann/json.hpp>
-#include <prometheus/metric_family.h>
-#include <prometheus/registry.h>
-
-#include "eplb/core/hash.h"
+#include "emu/live_metrics.h"
 #include "eplb/control/communicator.h"
 #include "eplb/control/launch.h"
 #include "eplb/core/error.h"
+#include "eplb/core/hash.h"
 #include "eplb/core/memory.h"
 #include "eplb/core/types.h"
 #include "eplb/placement/policy.h"
@@ -37,7 +37,6 @@
 #include "eplb/stats/recorder.h"
 #include "eplb/transport/registry.h"
 #include "eplb/transport/transport.h"
-#include "emu/live_metrics.h"
 
 namespace eplb::emu {
 namespace {
@@ -57,12 +56,11 @@ double thread_cpu_ms() {
   return static_cast<double>(ts.tv_sec) * 1e3 + static_cast<double>(ts.tv_nsec) / 1e6;
 }
 
-
 // Whether the outputs of global token `token` at `step` are verified this step.
 bool verified_token(int64_t verify_every, int64_t step, int64_t token) {
   if (verify_every <= 1) return true;
   const uint64_t h = mix64((static_cast<uint64_t>(step) << 32) ^ static_cast<uint64_t>(token) ^
-                         0x3C6EF372FE94F82Bull);
+                           0x3C6EF372FE94F82Bull);
   return h % static_cast<uint64_t>(verify_every) == 0;
 }
 
@@ -147,14 +145,16 @@ void RunOptions::validate(const Workload& workload) const {
          " physical slots (experts + --redundant): every rank needs a slot");
   }
   if (weights != "engine" && weights != "arena") {
-    fail("--weights '", weights, "' is not engine (each rank allocates its experts and eplb "
+    fail("--weights '", weights,
+         "' is not engine (each rank allocates its experts and eplb "
          "registers them) or arena (eplb allocates them)");
   }
   if (transport != "auto" && !transport::has_backend(transport)) {
     fail("--transport '", transport, "' is not built in");
   }
   if (transport == "auto" && nodes > 1 && !transport::has_backend("hybrid")) {
-    fail("--nodes ", nodes, " needs the hybrid transport (shm within a node, UCX across), "
+    fail("--nodes ", nodes,
+         " needs the hybrid transport (shm within a node, UCX across), "
          "which this build lacks: it needs UCX (use --nodes 1)");
   }
   make_config(*this, workload).validate();
@@ -164,8 +164,8 @@ void RunOptions::validate(const Workload& workload) const {
 void RunOptions::check_window_fits(const Workload& workload, int64_t local_ranks) const {
   // Every rank records a window of loads: what the ranks of this machine will hold together,
   // checked before any starts (each rank's recorder checks its own share again).
-  const int64_t window_bytes = stats::LoadRecorder::bytes_for(workload.layers, workload.experts,
-                                                              window);
+  const int64_t window_bytes =
+      stats::LoadRecorder::bytes_for(workload.layers, workload.experts, window);
   check_fits_in_memory(
       checked_mul(window_bytes, local_ranks, "the load windows of this machine's ranks"),
       detail::concat("--window ", window, " (", local_ranks, local_ranks == 1 ? " rank" : " ranks",
@@ -187,9 +187,8 @@ std::string run_rank(const RunOptions& options, const Workload& workload,
   const int64_t spr = config.layout.slots_per_rank();
   const routing::DispatchPolicy dispatch = config.dispatch;
 
-  runtime::WeightSpec spec{.layers = L,
-                           .tensors = {{"gate_up", shape.gate_up_bytes()},
-                                       {"down", shape.down_bytes()}}};
+  runtime::WeightSpec spec{
+      .layers = L, .tensors = {{"gate_up", shape.gate_up_bytes()}, {"down", shape.down_bytes()}}};
   // --weights engine: this rank allocates its experts itself, per layer and tensor,
   // expert-major, as an engine does at model load, and registers them; they never move.
   std::vector<std::vector<float>> own;  // [layers][tensors]
@@ -211,16 +210,20 @@ std::string run_rank(const RunOptions& options, const Workload& workload,
     snapshots.emplace(snapshot_path(options.live_metrics_dir, me), std::chrono::milliseconds(500));
   }
 
-  runtime::fill_weights(rb, [&](int64_t layer, int64_t tensor, int32_t expert,
-                                std::span<std::byte> bytes) {
-    generate_weights_bytes(shape, layer, expert, static_cast<Tensor>(tensor), bytes);
-  });
+  runtime::fill_weights(
+      rb, [&](int64_t layer, int64_t tensor, int32_t expert, std::span<std::byte> bytes) {
+        generate_weights_bytes(shape, layer, expert, static_cast<Tensor>(tensor), bytes);
+      });
 
   // Every rank replays every sender's replica choice, so each sender has its random stream here.
   std::vector<uint64_t> random_state(static_cast<size_t>(G));
   for (int64_t g = 0; g < G; ++g) random_state[g] = mix64(options.seed * 1000003 + g) | 1;
 
-  std::vector<int32_t> experts(static_cast<size_t>(T * k));
+  std::vector<int32_t> experts(static_cast<size_t>(G * T * k));  // every sender's, this layer
+  const bool adaptive = dispatch == routing::DispatchPolicy::kAdaptive;
+  std::vector<int64_t> global_counts(static_cast<size_t>(workload.experts));
+  std::vector<int64_t> prefix(static_cast<size_t>(workload.experts));
+  routing::AdaptiveShares shares;
   std::vector<int32_t> slots(static_cast<size_t>(G * T * k));
   std::vector<int64_t> rank_load(static_cast<size_t>(G));
   std::vector<float> x(static_cast<size_t>(shape.hidden));
@@ -231,6 +234,12 @@ std::string run_rank(const RunOptions& options, const Workload& workload,
   std::vector<float> reference_down(static_cast<size_t>(shape.down_floats()));
   std::vector<float> outputs;  // the outputs to verify, this layer
   std::vector<Pending> pending;
+  struct Received {
+    int64_t local;  // the slot on this rank
+    int64_t entry;  // (sender, token, k) flattened
+  };
+  std::vector<Received> received;  // this layer's entries for this rank's slots
+  std::vector<int64_t> step_max(static_cast<size_t>(1 + 2 * L));
 
   std::vector<double> moe_ms, moe_wall_ms, stall_ms, balancedness;
   std::vector<int64_t> installs;
@@ -241,58 +250,77 @@ std::string run_rank(const RunOptions& options, const Workload& workload,
 
   int64_t step = 0;
   for (; step < options.steps; ++step) {
-    double compute_ms = 0;       // this thread's CPU time in the expert compute
-    double compute_wall_ms = 0;  // and the wall time it took
+    // This thread's CPU time in each layer's expert compute, and the wall time it took, in ns:
+    // [0] the stop flag, then [1 + l] CPU and [1 + L + l] wall, maxed over the ranks below.
+    std::fill(step_max.begin(), step_max.end(), 0);
     double sum_mean = 0, sum_max = 0;
     for (int64_t l = 0; l < L; ++l) {
       // Step 1: route every sender's tokens through this layer's tables, as each sender would.
+      // Adaptive dispatch first needs the step's global count of every expert (what an engine
+      // has after its all-to-all's layout exchange): every rank computes the same shares from
+      // it, and each sender's tokens follow those of the lower ranks (`prefix`).
       const routing::DispatchTables& tables = rb.dispatch(l);
       std::fill(rank_load.begin(), rank_load.end(), 0);
       for (int64_t g = 0; g < G; ++g) {
         const int64_t first = (step * G + g) * T;
         for (int64_t t = 0; t < T; ++t) {
           const auto e = workload.experts_of(l, first + t);
-          std::copy(e.begin(), e.end(), experts.begin() + t * k);
+          std::copy(e.begin(), e.end(), experts.begin() + (g * T + t) * k);
         }
+      }
+      if (adaptive) {
+        std::fill(global_counts.begin(), global_counts.end(), 0);
+        routing::count_experts(experts, workload.experts, global_counts);
+        routing::adaptive_shares(tables, global_counts, shares);
+        std::fill(prefix.begin(), prefix.end(), 0);
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t first = (step * G + g) * T;
+        std::span<const int32_t> in{experts.data() + g * T * k, static_cast<size_t>(T * k)};
         std::span<int32_t> out{slots.data() + g * T * k, static_cast<size_t>(T * k)};
-        routing::route(tables, dispatch, experts, k, out, static_cast<uint64_t>(first), g,
-                       random_state[g]);
-        if (g == me) rb.record(l, experts);
+        if (adaptive) {
+          routing::route_adaptive(tables, shares, prefix, in, k, out);
+          routing::count_experts(in, workload.experts, prefix);
+        } else {
+          routing::route(tables, dispatch, in, k, out, static_cast<uint64_t>(first), g,
+                         random_state[g]);
+        }
+        if (g == me) rb.record(l, in);
         for (const int32_t s : out) ++rank_load[s / spr];
       }
       const int64_t max_load = *std::max_element(rank_load.begin(), rank_load.end());
       sum_mean += static_cast<double>(T * k);  // G*T*k assignments over G ranks
       sum_max += static_cast<double>(max_load);
 
-      // Step 2: compute the expert outputs of every (token, expert) this rank's slots received.
+      // Step 2: compute the expert outputs of every (token, expert) this rank's slots received,
+      // slot by slot as a grouped expert kernel does (each slot's weights are read once per
+      // step, not once per token), so that the time follows the tokens a rank computes.
       const auto* gate_up = reinterpret_cast<const float*>(rb.weights(l, 0).data());
       const auto* down = reinterpret_cast<const float*>(rb.weights(l, 1).data());
       outputs.clear();
       pending.clear();
+      received.clear();
+      for (int64_t i = 0; i < G * T * k; ++i) {
+        if (slots[i] / spr == me) received.push_back({slots[i] % spr, i});
+      }
+      std::stable_sort(received.begin(), received.end(),
+                       [](const Received& a, const Received& b) { return a.local < b.local; });
       const auto start = Clock::now();
       const double cpu_start = thread_cpu_ms();
-      for (int64_t g = 0; g < G; ++g) {
-        const int64_t first = (step * G + g) * T;
-        for (int64_t t = 0; t < T; ++t) {
-          for (int64_t j = 0; j < k; ++j) {
-            const int32_t slot = slots[(g * T + t) * k + j];
-            if (slot / spr != me) continue;
-            const int64_t local = slot % spr;
-            const int64_t token = first + t;
-            generate_activation(shape.hidden, step, token, l, x);
-            expert_forward(shape, gate_up + local * shape.gate_up_floats(),
-                           down + local * shape.down_floats(), x.data(), scratch.data(),
-                           y.data());
-            ++computed;
-            if (verified_token(options.verify_every, step, token)) {
-              pending.push_back({workload.experts_of(l, token)[j], token, outputs.size()});
-              outputs.insert(outputs.end(), y.begin(), y.end());
-            }
-          }
+      for (const Received& r : received) {
+        const int64_t g = r.entry / (T * k), t = (r.entry / k) % T, j = r.entry % k;
+        const int64_t token = (step * G + g) * T + t;
+        generate_activation(shape.hidden, step, token, l, x);
+        expert_forward(shape, gate_up + r.local * shape.gate_up_floats(),
+                       down + r.local * shape.down_floats(), x.data(), scratch.data(), y.data());
+        ++computed;
+        if (verified_token(options.verify_every, step, token)) {
+          pending.push_back({workload.experts_of(l, token)[j], token, outputs.size()});
+          outputs.insert(outputs.end(), y.begin(), y.end());
         }
       }
-      compute_ms += thread_cpu_ms() - cpu_start;
-      compute_wall_ms += ms_since(start);
+      step_max[1 + l] = std::llround((thread_cpu_ms() - cpu_start) * 1e6);
+      step_max[1 + L + l] = std::llround(ms_since(start) * 1e6);
 
       // Step 3: check the sampled outputs against the logical expert the token chose, from
       // reference weights generated afresh (once per expert).
@@ -313,21 +341,29 @@ std::string run_rank(const RunOptions& options, const Workload& workload,
         if (std::memcmp(reference_y.data(), outputs.data() + p.output,
                         reference_y.size() * sizeof(float)) != 0) {
           if (mismatches == 0) {
-            first_mismatch = fmt::format("step {} layer {} token {} expert {} on rank {}", step,
-                                         l, p.token, p.expert, me);
+            first_mismatch = fmt::format("step {} layer {} token {} expert {} on rank {}", step, l,
+                                         p.token, p.expert, me);
           }
           ++mismatches;
         }
       }
     }
-    moe_ms.push_back(compute_ms);
-    moe_wall_ms.push_back(compute_wall_ms);
     balancedness.push_back(sum_max > 0 ? sum_mean / sum_max : 1.0);
 
     // Step 4: the all-to-alls that keep expert-parallel ranks in step, carrying the stop flag
-    // so that every rank stops at the same step.
-    std::array<int64_t, 1> flag{stop != nullptr && stop->load() != 0 ? 1 : 0};
-    lockstep.all_reduce(flag, control::ReduceOp::kMax);
+    // so that every rank stops at the same step, and each layer's compute times: every layer
+    // waits for its busiest rank, so a step's MoE time is the sum over the layers of the
+    // slowest rank's time in each (what the balancedness measures, in time).
+    step_max[0] = stop != nullptr && stop->load() != 0 ? 1 : 0;
+    lockstep.all_reduce(step_max, control::ReduceOp::kMax);
+    double cpu_ns = 0, wall_ns = 0;
+    for (int64_t l = 0; l < L; ++l) {
+      cpu_ns += static_cast<double>(step_max[1 + l]);
+      wall_ns += static_cast<double>(step_max[1 + L + l]);
+    }
+    moe_ms.push_back(cpu_ns / 1e6);
+    moe_wall_ms.push_back(wall_ns / 1e6);
+    std::span<const int64_t> flag(step_max.data(), 1);
 
     const int64_t installed = rb.installed_layers();
     const auto start = Clock::now();
@@ -446,7 +482,8 @@ RunResult merge_reports(const RunOptions& options, const Workload& workload,
     for (const json& rank : r) {
       if (i >= rank["history"].size()) continue;
       f.bytes_installed += rank["history"][i]["bytes_installed"].get<int64_t>();
-      f.stall_total_ms = std::max(f.stall_total_ms, rank["history"][i]["stall_total_ms"].get<double>());
+      f.stall_total_ms =
+          std::max(f.stall_total_ms, rank["history"][i]["stall_total_ms"].get<double>());
       f.stall_max_ms = std::max(f.stall_max_ms, rank["history"][i]["stall_max_ms"].get<double>());
     }
     ++result.rebalances_triggered;
@@ -481,18 +518,18 @@ RunResult merge_reports(const RunOptions& options, const Workload& workload,
   const int64_t after_len = result.steps - split_after;
   result.after_first =
       after_len >= period ? result.steps - after_len / period * period : split_after;
-  result.balancedness_before = mean_of(result.per_step, result.before_first, result.before_last,
-                                       &StepFigures::balancedness);
-  result.balancedness_after = mean_of(result.per_step, result.after_first, result.after_last,
-                                      &StepFigures::balancedness);
-  result.moe_ms_before = mean_of(result.per_step, result.before_first, result.before_last,
-                                 &StepFigures::moe_ms);
-  result.moe_ms_after = mean_of(result.per_step, result.after_first, result.after_last,
-                                &StepFigures::moe_ms);
-  result.moe_wall_ms_before = mean_of(result.per_step, result.before_first, result.before_last,
-                                      &StepFigures::moe_wall_ms);
-  result.moe_wall_ms_after = mean_of(result.per_step, result.after_first, result.after_last,
-                                     &StepFigures::moe_wall_ms);
+  result.balancedness_before =
+      mean_of(result.per_step, result.before_first, result.before_last, &StepFigures::balancedness);
+  result.balancedness_after =
+      mean_of(result.per_step, result.after_first, result.after_last, &StepFigures::balancedness);
+  result.moe_ms_before =
+      mean_of(result.per_step, result.before_first, result.before_last, &StepFigures::moe_ms);
+  result.moe_ms_after =
+      mean_of(result.per_step, result.after_first, result.after_last, &StepFigures::moe_ms);
+  result.moe_wall_ms_before =
+      mean_of(result.per_step, result.before_first, result.before_last, &StepFigures::moe_wall_ms);
+  result.moe_wall_ms_after =
+      mean_of(result.per_step, result.after_first, result.after_last, &StepFigures::moe_wall_ms);
   return result;
 }
 
@@ -595,13 +632,13 @@ RunResult run_local(const RunOptions& options, const Workload& workload) {
   struct sigaction action {};
   action.sa_handler = on_stop_signal;
   sigemptyset(&action.sa_mask);
-  struct sigaction old_int {}, old_term {};
+  struct sigaction old_int {
+  }, old_term{};
   ::sigaction(SIGINT, &action, &old_int);
   ::sigaction(SIGTERM, &action, &old_term);
 
-  const std::string rendezvous =
-      fmt::format("eplb-run-{}-{}-{}", ::getpid(), options.mode,
-                  Clock::now().time_since_epoch().count() % 1000000);
+  const std::string rendezvous = fmt::format("eplb-run-{}-{}-{}", ::getpid(), options.mode,
+                                             Clock::now().time_since_epoch().count() % 1000000);
   control::ForkOptions fork_options;
   fork_options.timeout = std::chrono::hours(24);  // collectives time out on their own
   fork_options.grace = std::chrono::milliseconds(options.timeout_ms) + std::chrono::seconds(5);
@@ -656,8 +693,9 @@ RunResult run_local(const RunOptions& options, const Workload& workload) {
 RunResult run_from_env(RunOptions options, const Workload& workload) {
   const std::optional<control::LaunchInfo> info = control::launch_info_from_env();
   if (!info) {
-    fail("no launcher environment: set RANK and WORLD_SIZE (and EPLB_RENDEZVOUS), or start "
-         "under mpirun");
+    fail(
+        "no launcher environment: set RANK and WORLD_SIZE (and EPLB_RENDEZVOUS), or start "
+        "under mpirun");
   }
   options.ranks = info->size;
   if (info->local_size >= 1 && info->size % info->local_size == 0) {

@@ -4,8 +4,8 @@
 #include <filesystem>
 #include <numeric>
 
-#include "eplb/core/hash.h"
 #include "eplb/core/error.h"
+#include "eplb/core/hash.h"
 #include "eplb/stats/load_file.h"
 
 namespace eplb::emu {
@@ -34,6 +34,25 @@ std::string default_trace_path() {
 #endif
 }
 
+std::string default_load_path() {
+  if (const char* dir = std::getenv("EPLB_DATA_DIR"); dir != nullptr && *dir != '\0') {
+    return std::string(dir) + "/deepseek-v3-sglang/prefill_in1024.json";
+  }
+#ifdef EPLB_EMU_DATA_DIR
+  return EPLB_EMU_DATA_DIR "/deepseek-v3-sglang/prefill_in1024.json";
+#else
+  return "data/deepseek-v3-sglang/prefill_in1024.json";
+#endif
+}
+
+void keep_layers(Workload& w, int64_t layers) {
+  if (layers < 0) fail("--layers ", layers, " must not be negative (0: every layer)");
+  if (layers == 0 || layers >= w.layers) return;
+  w.routes.resize(static_cast<size_t>(layers * w.tokens * w.top_k));
+  w.source += ", first " + std::to_string(layers) + " of " + std::to_string(w.layers) + " layers";
+  w.layers = layers;
+}
+
 Workload workload_from_trace(const std::string& path) {
   if (!std::filesystem::exists(path)) {
     fail<IoError>("routing trace ", path,
@@ -54,20 +73,32 @@ Workload workload_from_trace(const std::string& path) {
   return w;
 }
 
-Workload workload_from_load(const std::string& path, int64_t top_k, int64_t tokens,
-                            uint64_t seed) {
+Workload workload_from_load(const std::string& path, int64_t top_k, int64_t tokens, uint64_t seed) {
   if (top_k < 1) fail("--top-k ", top_k, " must be at least 1");
   if (tokens < 1) fail("--sample-tokens ", tokens, " must be at least 1");
-  const LoadMatrix load = stats::read_load(path);
-  if (load.experts < top_k) {
-    fail("--top-k ", top_k, " is more than the ", load.experts, " experts of ", path);
+  const LoadMatrix file = stats::read_load(path);
+  if (file.experts < top_k) {
+    fail("--top-k ", top_k, " is more than the ", file.experts, " experts of ", path);
   }
+  // Dense layers (no load at all: DeepSeek-V3's first three) route no tokens: left out.
+  LoadMatrix load(0, file.experts);
+  for (int64_t l = 0; l < file.layers; ++l) {
+    double total = 0;
+    for (const double v : file.row(l)) total += v > 0 ? v : 0;
+    if (total <= 0) continue;
+    load.values.insert(load.values.end(), file.row(l).begin(), file.row(l).end());
+    ++load.layers;
+  }
+  if (load.layers == 0) fail("load file ", path, " has no layer with load (every layer is dense)");
   Workload w;
   w.layers = load.layers;
   w.experts = load.experts;
   w.top_k = top_k;
   w.tokens = tokens;
-  w.source = path + " (sampled, seed " + std::to_string(seed) + ")";
+  w.source = path + " (sampled, seed " + std::to_string(seed) +
+             (load.layers < file.layers
+                  ? ", " + std::to_string(file.layers - load.layers) + " dense layers left out)"
+                  : ")");
   w.routes.resize(static_cast<size_t>(w.layers * tokens * top_k));
   uint64_t state = seed;
   std::vector<double> weight(static_cast<size_t>(w.experts));

@@ -99,9 +99,9 @@ expect_error run-redundant "--redundant -5 must not be negative" "$eplb" run --s
 expect_error run-window "--window 2147483647 .* needs .* of memory, more than the" \
   "$eplb" run --steps 20 --window 2147483647
 expect_error run-lag "--lag 2147483647 is outside \[1, 1024\]" "$eplb" run --steps 20 --lag 2147483647
-expect_error run-ranks "--ranks 100000 is outside \[1, 65536\]" "$eplb" run --ranks 100000 --redundant 99936
+expect_error run-ranks "--ranks 100000 is outside \[1, 65536\]" "$eplb" run --ranks 100000 --redundant 99744
 expect_error run-local-ranks "--ranks 5000 is more rank processes than this machine takes" \
-  "$eplb" run --ranks 5000 --redundant 4936
+  "$eplb" run --ranks 5000 --redundant 4744
 expect_error bench-runtime-ranks "--ranks 100000 is outside \[2, [0-9]+\]" \
   "$eplb" bench runtime --ranks 100000
 expect_error bench-control-ranks "--ranks 100000 is outside \[1, [0-9]+\]" \

@@ -83,15 +83,24 @@ else
   fail "eplb run --verify all exited $?: $(tail -c 300 "$tmp/all.err")"
 fi
 
-# A load file and the seeded sampler, hash and weighted dispatch.
+# A load file and the seeded sampler, every dispatch that chooses per token or per step.
 echo '{"load": [[90,132,40,61,104,165,39,4,73,56,183,86],[20,107,104,64,19,197,187,157,172,86,16,27]]}' >"$tmp/load.json"
-for dispatch in hash weighted; do
+for dispatch in hash weighted split adaptive static; do
   "$eplb" run --load "$tmp/load.json" --top-k 2 --sample-tokens 512 --ranks 2 --redundant 4 \
     --hidden 16 --intermediate 8 --tokens-per-rank 32 --steps 24 --interval 8 --window 8 \
     --dispatch $dispatch --verify all --json >"$tmp/load.out" 2>"$tmp/load.err" \
     || fail "--load with $dispatch dispatch exited $?: $(tail -c 300 "$tmp/load.err")"
   grep -q '"mismatches":0' "$tmp/load.out" || fail "--load $dispatch: $(cat "$tmp/load.out")"
 done
+# The default workload: DeepSeek-V3's loads, 6 MoE layers (its 3 dense ones left out),
+# adaptive dispatch, and the throughput the slowest rank allows.
+"$eplb" run "${sizes[@]}" --steps 8 --json >"$tmp/default.json" 2>"$tmp/default.err" \
+  || fail "default workload exited $?: $(tail -c 300 "$tmp/default.err")"
+for want in '"dispatch":"adaptive"' '"tokens_per_s_after":' '"ranks":8' '"mismatches":0'; do
+  grep -q "$want" "$tmp/default.json" || fail "default run lacks $want: $(head -c 300 "$tmp/default.json")"
+done
+"$eplb" run "${sizes[@]}" --steps 8 --layers -2 >/dev/null 2>"$tmp/err" && fail "--layers -2 accepted"
+grep -q "layers -2 must not be negative" "$tmp/err" || fail "--layers -2: $(cat "$tmp/err")"
 # Physical slots (12 experts + 4) divide over 8 ranks though the redundant slots alone do not.
 "$eplb" run --load "$tmp/load.json" --top-k 2 --sample-tokens 512 --ranks 8 --redundant 4 \
   --hidden 16 --intermediate 8 --tokens-per-rank 16 --steps 16 --interval 8 --window 8 \

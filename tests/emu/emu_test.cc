@@ -1,11 +1,11 @@
+#include <gtest/gtest.h>
+
 #include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <set>
 #include <string>
 #include <vector>
-
-#include <gtest/gtest.h>
 
 #include "eplb/core/error.h"
 #include "eplb/emu/expert.h"
@@ -101,6 +101,29 @@ TEST(Workload, SamplerDrawsDistinctExpertsInProportionToLoad) {
   EXPECT_EQ(workload_from_load(path, 2, 4000, 7).routes, w.routes);
   EXPECT_THROW(workload_from_load(path, 5, 10, 7), InvalidArgument);
   std::remove(path.c_str());
+}
+
+TEST(Workload, DenseLayersOfALoadFileAreLeftOutAndLayersCanBeCut) {
+  const std::string path = testing::TempDir() + "/emu_dense.json";
+  std::ofstream(path) << R"({"load": [[0, 0, 0, 0], [1, 2, 3, 4], [0, 0, 0, 0], [4, 3, 2, 1]]})";
+  Workload w = workload_from_load(path, 2, 100, 3);
+  EXPECT_EQ(w.layers, 2);
+  EXPECT_NE(w.source.find("2 dense layers left out"), std::string::npos);
+  keep_layers(w, 1);
+  EXPECT_EQ(w.layers, 1);
+  EXPECT_EQ(w.routes.size(), static_cast<size_t>(100 * 2));
+  keep_layers(w, 0);  // all: no change
+  EXPECT_EQ(w.layers, 1);
+  EXPECT_THROW(keep_layers(w, -1), InvalidArgument);
+  std::ofstream(path) << R"({"load": [[0, 0, 0, 0]]})";
+  EXPECT_THROW(workload_from_load(path, 2, 100, 3), InvalidArgument);
+  std::remove(path.c_str());
+}
+
+TEST(Workload, BundledDeepSeekLoadsAreFound) {
+  const Workload w = workload_from_load(default_load_path(), 8, 64, 1);
+  EXPECT_EQ(w.layers, 58);  // 61 layers, the first 3 dense
+  EXPECT_EQ(w.experts, 256);
 }
 
 }  // namespace

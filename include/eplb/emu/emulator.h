@@ -34,7 +34,7 @@ class Transport;
 namespace eplb::emu {
 
 struct RunOptions {
-  int ranks = 4;
+  int ranks = 8;
   int nodes = 1;
   int64_t tokens_per_rank = 32;
   ExpertShape shape{.hidden = 256, .intermediate = 192};
@@ -45,11 +45,13 @@ struct RunOptions {
   int64_t lag = 2;
   std::string policy = "balanced";
   std::string mode = "async";  // async | sync | off (no rebalancing)
-  std::string dispatch = "static";
+  // adaptive: every rank replays every sender's tokens, so each has the step's global counts
+  // the best split needs (an engine gets them from its all-to-all's layout exchange).
+  std::string dispatch = "adaptive";
   // arena: the runtime allocates them (swap installs: no copy); engine: each rank allocates
   // its expert weights and registers them, as engines do (installs copy changed slots in).
   std::string weights = "arena";
-  int64_t verify_every = 16;   // verify the tokens whose hash picks 1 in this many; 1: all
+  int64_t verify_every = 16;  // verify the tokens whose hash picks 1 in this many; 1: all
   uint64_t seed = 1;
   int64_t timeout_ms = 60'000;
   std::string transport = "auto";  // auto: shm on one node; hybrid (shm within a node, UCX
@@ -60,7 +62,7 @@ struct RunOptions {
     if (transport != "auto") return transport;
     return launched || nodes > 1 ? "hybrid" : "shm";
   }
-  bool progress = false;           // rank 0 draws a progress line on stdout
+  bool progress = false;  // rank 0 draws a progress line on stdout
   // Serve the ranks' metrics on 127.0.0.1 while running: forked ranks (run_local) merged on
   // this port, a launched rank (run_from_env) its own on port + its local rank. 0: off.
   int metrics_port = 0;
@@ -80,11 +82,14 @@ struct RunOptions {
 
 // What one step looked like, merged over ranks.
 struct StepFigures {
-  double balancedness = 0;   // sum_l mean rank load / sum_l max rank load, global loads
-  double moe_ms = 0;         // max over ranks of the rank's expert compute, CPU time
-  double moe_wall_ms = 0;    // ... and wall time (with more ranks than cores: mostly waiting)
-  double stall_ms = 0;       // max over ranks of the time in step_end
-  int64_t installs = 0;      // layers installed at this step's step_end
+  double balancedness = 0;  // sum_l mean rank load / sum_l max rank load, global loads
+  // Sum over the layers of the busiest rank's expert compute in that layer (every layer waits
+  // for its slowest rank), in the ranks' thread CPU time; the same in wall time (with more
+  // ranks than cores, mostly waiting).
+  double moe_ms = 0;
+  double moe_wall_ms = 0;
+  double stall_ms = 0;   // max over ranks of the time in step_end
+  int64_t installs = 0;  // layers installed at this step's step_end
 };
 
 struct RebalanceFigures {
@@ -93,7 +98,7 @@ struct RebalanceFigures {
   std::string outcome;
   std::string error;
   int64_t slots_moved = 0;
-  int64_t bytes_moved = 0;      // remote reads, all ranks
+  int64_t bytes_moved = 0;  // remote reads, all ranks
   int64_t bytes_local_copy = 0;
   int64_t bytes_installed = 0;  // written into live weights by installs, all ranks
   double stall_total_ms = 0;    // max over ranks
@@ -104,27 +109,27 @@ struct RebalanceFigures {
 
 struct RunResult {
   std::string mode;
-  int64_t steps = 0;             // steps run (fewer than asked when interrupted)
+  int64_t steps = 0;  // steps run (fewer than asked when interrupted)
   bool interrupted = false;
-  int64_t rebalances = 0;        // completed
+  int64_t rebalances = 0;  // completed
   int64_t rebalances_triggered = 0;
   int64_t before_first = 0, before_last = 0;  // [first, last) steps measured "before"
   int64_t after_first = 0, after_last = 0;    // and "after"
   double balancedness_before = 0;
   double balancedness_after = 0;
-  double moe_ms_before = 0;      // mean over the same steps (CPU time)
+  double moe_ms_before = 0;  // mean over the same steps (CPU time)
   double moe_ms_after = 0;
   double moe_wall_ms_before = 0;  // the same in wall time
   double moe_wall_ms_after = 0;
   int64_t bytes_moved = 0;
   int64_t bytes_local_copy = 0;
-  int64_t bytes_installed = 0;   // written into live weights by installs, all ranks
+  int64_t bytes_installed = 0;  // written into live weights by installs, all ranks
   double stall_max_ms = 0;
   double stall_total_ms = 0;
   int64_t mismatches = 0;
-  int64_t verified = 0;          // expert outputs checked
-  int64_t outputs = 0;           // expert outputs computed
-  int64_t bytes_held = 0;        // per rank
+  int64_t verified = 0;    // expert outputs checked
+  int64_t outputs = 0;     // expert outputs computed
+  int64_t bytes_held = 0;  // per rank
   double wall_s = 0;
   // Every rank's metric families at the end, merged (runtime::families_to_json; every sample
   // has a rank and a mode label).

@@ -15,9 +15,9 @@ struct Workload {
   int64_t layers = 0;
   int64_t experts = 0;
   int64_t top_k = 0;
-  int64_t tokens = 0;            // tokens in one pass of the trace
-  std::vector<int32_t> routes;   // [layers][tokens][top_k]
-  std::string source;            // what it was built from, for the summary
+  int64_t tokens = 0;           // tokens in one pass of the trace
+  std::vector<int32_t> routes;  // [layers][tokens][top_k]
+  std::string source;           // what it was built from, for the summary
 
   // The top-k experts of global token `token` (taken modulo tokens) of `layer`.
   std::span<const int32_t> experts_of(int64_t layer, int64_t token) const {
@@ -32,12 +32,21 @@ struct Workload {
 // tree), or EPLB_DATA_DIR/flame-moe-290m/routing_top6.csv when that variable is set.
 std::string default_trace_path();
 
+// DeepSeek-V3's real expert loads as SGLang published them (data/deepseek-v3-sglang, prefill
+// with 1024-token inputs), found like default_trace_path.
+std::string default_load_path();
+
+// Keeps the first `layers` layers (0 or at least w.layers: all of them). InvalidArgument when
+// negative.
+void keep_layers(Workload& w, int64_t layers);
+
 // A routing trace file (the "layer,token,experts,weights" CSV `eplb plan` reads).
 Workload workload_from_trace(const std::string& path);
 
 // A load file of any format `eplb plan` reads, turned into a trace of `tokens` tokens: each
 // token draws `top_k` distinct experts per layer with probability proportional to the layer's
-// load (summed over the file's steps), from a generator seeded with `seed`.
+// load (summed over the file's steps), from a generator seeded with `seed`. Dense layers (no
+// load anywhere) are left out: they route no tokens.
 Workload workload_from_load(const std::string& path, int64_t top_k, int64_t tokens, uint64_t seed);
 
 }  // namespace eplb::emu

@@ -7,8 +7,11 @@
 //   stream  back-to-back launches on one stream (what an eager engine pays, launch included);
 //   graph   one CUDA graph holding kGraphCalls calls, replayed (the device time of the calls
 //           when launch overhead is amortized, as in an engine that captures its forward pass).
-// Each ratio is two-kernel / fused (> 1: the fused kernel is faster). Without a CUDA device the
-// program says so and exits 0, so scripts can run it anywhere.
+// Each ratio is two-kernel / fused (> 1: the fused kernel is faster). Then the kernels of split
+// and adaptive dispatch (routing/dispatch.h) on the same batches, launched on a stream: the
+// split route, the step's adaptive shares (one thread running the CPU's solver) and the adaptive
+// route, each checked against the CPU's slots. Without a CUDA device the program says so and
+// exits 0, so scripts can run it anywhere.
 
 #include <cuda_runtime_api.h>
 
@@ -90,7 +93,8 @@ Options parse(int argc, char** argv) {
 // A skewed placement: the 32 redundant slots go to the hottest experts of a Zipf-like load.
 Placement bench_placement() {
   Placement p(1, kExperts, kPhysical);
-  for (int64_t s = 0; s < kExperts; ++s) p.phy2log[static_cast<size_t>(s)] = static_cast<int32_t>(s);
+  for (int64_t s = 0; s < kExperts; ++s)
+    p.phy2log[static_cast<size_t>(s)] = static_cast<int32_t>(s);
   for (int64_t s = kExperts; s < kPhysical; ++s) {
     p.phy2log[static_cast<size_t>(s)] = static_cast<int32_t>((s - kExperts) % 16);
   }
@@ -100,7 +104,8 @@ Placement bench_placement() {
 
 std::vector<int32_t> skewed_ids(int64_t tokens, std::mt19937_64& rng) {
   std::vector<double> weights(static_cast<size_t>(kExperts));
-  for (int64_t e = 0; e < kExperts; ++e) weights[static_cast<size_t>(e)] = 1.0 / static_cast<double>(e + 1);
+  for (int64_t e = 0; e < kExperts; ++e)
+    weights[static_cast<size_t>(e)] = 1.0 / static_cast<double>(e + 1);
   std::discrete_distribution<int32_t> pick(weights.begin(), weights.end());
   std::vector<int32_t> ids(static_cast<size_t>(tokens * kTopK));
   for (auto& e : ids) e = pick(rng);
@@ -111,6 +116,8 @@ struct Row {
   int64_t tokens = 0;
   double fused_us = 0, split_us = 0;              // stream launches
   double fused_graph_us = 0, split_graph_us = 0;  // graph replay
+  // Dispatches split and adaptive (stream launches), and whether their slots are the CPU's.
+  double split_dispatch_us = 0, adaptive_shares_us = 0, adaptive_route_us = 0;
   bool agree = false;
 };
 
@@ -169,13 +176,18 @@ Row measure(int64_t tokens, const routing::DispatchTables& host_tables, const Op
   check(cudaMalloc(&d_ids, entries * sizeof(int32_t)), "cudaMalloc");
   check(cudaMalloc(&d_fused, entries * sizeof(int32_t)), "cudaMalloc");
   check(cudaMalloc(&d_split, entries * sizeof(int32_t)), "cudaMalloc");
-  check(cudaMemcpyAsync(d_ids, ids.data(), entries * sizeof(int32_t), cudaMemcpyHostToDevice,
-                        stream),
-        "cudaMemcpyAsync");
+  check(
+      cudaMemcpyAsync(d_ids, ids.data(), entries * sizeof(int32_t), cudaMemcpyHostToDevice, stream),
+      "cudaMemcpyAsync");
 
-  const RouteBatch fused{.expert_ids = d_ids, .slots = d_fused, .tokens = tokens,
-                               .top_k = kTopK, .valid_tokens = inputs.valid_tokens(),
-                               .first_token = inputs.first_token(), .rank = kRank, .layer = 0};
+  const RouteBatch fused{.expert_ids = d_ids,
+                         .slots = d_fused,
+                         .tokens = tokens,
+                         .top_k = kTopK,
+                         .valid_tokens = inputs.valid_tokens(),
+                         .first_token = inputs.first_token(),
+                         .rank = kRank,
+                         .layer = 0};
   RouteBatch split = fused;
   split.slots = d_split;
 
@@ -186,12 +198,12 @@ Row measure(int64_t tokens, const routing::DispatchTables& host_tables, const Op
   route_then_record(tables.view(), split, split_ring.view(), stream);
   std::vector<int32_t> a(entries), b(entries);
   std::vector<int64_t> ra(static_cast<size_t>(kWindow * kExperts)), rb(ra.size());
-  check(cudaMemcpyAsync(a.data(), d_fused, entries * sizeof(int32_t), cudaMemcpyDeviceToHost,
-                        stream),
-        "cudaMemcpyAsync");
-  check(cudaMemcpyAsync(b.data(), d_split, entries * sizeof(int32_t), cudaMemcpyDeviceToHost,
-                        stream),
-        "cudaMemcpyAsync");
+  check(
+      cudaMemcpyAsync(a.data(), d_fused, entries * sizeof(int32_t), cudaMemcpyDeviceToHost, stream),
+      "cudaMemcpyAsync");
+  check(
+      cudaMemcpyAsync(b.data(), d_split, entries * sizeof(int32_t), cudaMemcpyDeviceToHost, stream),
+      "cudaMemcpyAsync");
   fused_ring.read(ra, stream);
   split_ring.read(rb, stream);
   row.agree = a == b && ra == rb;
@@ -205,7 +217,67 @@ Row measure(int64_t tokens, const routing::DispatchTables& host_tables, const Op
   row.fused_graph_us = time_graph(call_fused, o, stream);
   row.split_graph_us = time_graph(call_split, o, stream);
 
+  // Split and adaptive: this rank's batch, the step's counts of 32 such batches (this one and
+  // 31 more drawn alike), this rank's prefix; slots checked against the CPU's.
+  std::vector<int64_t> global(static_cast<size_t>(kExperts), 0), prefix(global.size(), 0);
+  for (int64_t g = 0; g < kRanks; ++g) {
+    const std::vector<int32_t> other = g == kRank ? ids : skewed_ids(tokens, rng);
+    routing::count_experts(other, kExperts, global);
+    if (g < kRank) routing::count_experts(other, kExperts, prefix);
+  }
+  int64_t* d_counts = nullptr;
+  int64_t* d_prefix = nullptr;
+  check(cudaMalloc(&d_counts, global.size() * sizeof(int64_t)), "cudaMalloc");
+  check(cudaMalloc(&d_prefix, prefix.size() * sizeof(int64_t)), "cudaMalloc");
+  check(cudaMemcpyAsync(d_counts, global.data(), global.size() * sizeof(int64_t),
+                        cudaMemcpyHostToDevice, stream),
+        "cudaMemcpyAsync");
+  check(cudaMemcpyAsync(d_prefix, prefix.data(), prefix.size() * sizeof(int64_t),
+                        cudaMemcpyHostToDevice, stream),
+        "cudaMemcpyAsync");
+  // Shares are aligned with the device tables' rows, whose stride is their capacity.
+  routing::DispatchTables wide = host_tables;
+  const int64_t capacity = kPhysical - kExperts + 1;
+  wide.log2phy.assign(static_cast<size_t>(kExperts * capacity), -1);
+  for (int64_t e = 0; e < kExperts; ++e) {
+    for (int64_t i = 0; i < host_tables.replica_count[e]; ++i) {
+      wide.log2phy[e * capacity + i] = host_tables.log2phy[e * host_tables.max_replicas + i];
+    }
+  }
+  wide.max_replicas = capacity;
+  DeviceAdaptiveShares shares(
+      kExperts, capacity,
+      RankShape{static_cast<int32_t>(kRanks), static_cast<int32_t>(kPhysical / kRanks)});
+  route_split_and_record(tables.view(), fused, fv, stream);
+  std::vector<int32_t> want(entries);
+  uint64_t state = 1;
+  routing::route(host_tables, routing::DispatchPolicy::kSplit, ids, kTopK, want, 0, kRank, state);
+  check(
+      cudaMemcpyAsync(a.data(), d_fused, entries * sizeof(int32_t), cudaMemcpyDeviceToHost, stream),
+      "cudaMemcpyAsync");
   check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+  row.agree = row.agree && a == want;
+  compute_adaptive_shares(tables.view(), d_counts, shares, stream);
+  route_adaptive_and_record(tables.view(), shares, d_prefix, fused, fv, stream);
+  routing::AdaptiveShares cpu;
+  routing::adaptive_shares(wide, global, cpu);
+  routing::route_adaptive(wide, cpu, prefix, ids, kTopK, want);
+  check(
+      cudaMemcpyAsync(a.data(), d_fused, entries * sizeof(int32_t), cudaMemcpyDeviceToHost, stream),
+      "cudaMemcpyAsync");
+  check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+  row.agree = row.agree && a == want;
+  row.split_dispatch_us =
+      time_stream([&] { route_split_and_record(tables.view(), fused, fv, stream); }, o, stream);
+  row.adaptive_shares_us = time_stream(
+      [&] { compute_adaptive_shares(tables.view(), d_counts, shares, stream); }, o, stream);
+  row.adaptive_route_us = time_stream(
+      [&] { route_adaptive_and_record(tables.view(), shares, d_prefix, fused, fv, stream); }, o,
+      stream);
+
+  check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+  cudaFree(d_counts);
+  cudaFree(d_prefix);
   cudaFree(d_ids);
   cudaFree(d_fused);
   cudaFree(d_split);
@@ -214,9 +286,10 @@ Row measure(int64_t tokens, const routing::DispatchTables& host_tables, const Op
 
 void print_no_device(const Options& o, const char* why) {
   if (o.json) {
-    std::printf("{\"benchmark\": \"cuda_routing\", \"skipped\": \"no CUDA device\", "
-                "\"reason\": \"%s\", \"rows\": []}\n",
-                why);
+    std::printf(
+        "{\"benchmark\": \"cuda_routing\", \"skipped\": \"no CUDA device\", "
+        "\"reason\": \"%s\", \"rows\": []}\n",
+        why);
   } else {
     std::printf("eplb_cuda_routing_bench: no CUDA device (%s): nothing to measure; exiting 0\n",
                 why);
@@ -238,8 +311,8 @@ int run(int argc, char** argv) {
     cudaStream_t stream = nullptr;
     check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
 
-    const Layout layout{.experts = kExperts, .physical = kPhysical, .ranks = kRanks,
-                        .nodes = kNodes, .groups = 1};
+    const Layout layout{
+        .experts = kExperts, .physical = kPhysical, .ranks = kRanks, .nodes = kNodes, .groups = 1};
     const routing::DispatchTables tables =
         routing::build_dispatch_tables(bench_placement(), 0, layout);
     std::vector<Row> rows;
@@ -249,29 +322,34 @@ int run(int argc, char** argv) {
     bool all_agree = true;
     for (const Row& r : rows) all_agree = all_agree && r.agree;
     if (o.json) {
-      std::printf("{\"benchmark\": \"cuda_routing\", \"device\": \"%s\", \"experts\": %lld, "
-                  "\"physical\": %lld, \"top_k\": %lld, \"iterations\": %d, \"graph_calls\": %d, "
-                  "\"results_agree\": %s, \"rows\": [",
-                  prop.name, static_cast<long long>(kExperts), static_cast<long long>(kPhysical),
-                  static_cast<long long>(kTopK), o.iterations, kGraphCalls,
-                  all_agree ? "true" : "false");
+      std::printf(
+          "{\"benchmark\": \"cuda_routing\", \"device\": \"%s\", \"experts\": %lld, "
+          "\"physical\": %lld, \"top_k\": %lld, \"iterations\": %d, \"graph_calls\": %d, "
+          "\"results_agree\": %s, \"rows\": [",
+          prop.name, static_cast<long long>(kExperts), static_cast<long long>(kPhysical),
+          static_cast<long long>(kTopK), o.iterations, kGraphCalls, all_agree ? "true" : "false");
       for (size_t i = 0; i < rows.size(); ++i) {
         const Row& r = rows[i];
-        std::printf("%s{\"tokens\": %lld, \"fused_us\": %.3f, \"two_kernel_us\": %.3f, "
-                    "\"ratio\": %.3f, \"fused_graph_us\": %.3f, \"two_kernel_graph_us\": %.3f, "
-                    "\"graph_ratio\": %.3f, \"agree\": %s}",
-                    i == 0 ? "" : ", ", static_cast<long long>(r.tokens), r.fused_us, r.split_us,
-                    r.split_us / r.fused_us, r.fused_graph_us, r.split_graph_us,
-                    r.split_graph_us / r.fused_graph_us, r.agree ? "true" : "false");
+        std::printf(
+            "%s{\"tokens\": %lld, \"fused_us\": %.3f, \"two_kernel_us\": %.3f, "
+            "\"ratio\": %.3f, \"fused_graph_us\": %.3f, \"two_kernel_graph_us\": %.3f, "
+            "\"graph_ratio\": %.3f, \"split_dispatch_us\": %.3f, "
+            "\"adaptive_shares_us\": %.3f, \"adaptive_route_us\": %.3f, "
+            "\"agree\": %s}",
+            i == 0 ? "" : ", ", static_cast<long long>(r.tokens), r.fused_us, r.split_us,
+            r.split_us / r.fused_us, r.fused_graph_us, r.split_graph_us,
+            r.split_graph_us / r.fused_graph_us, r.split_dispatch_us, r.adaptive_shares_us,
+            r.adaptive_route_us, r.agree ? "true" : "false");
       }
       std::printf("]}\n");
     } else {
       std::printf("eplb CUDA routing + load recording on %s\n", prop.name);
-      std::printf("%lld logical -> %lld physical experts, top-%lld, hash dispatch, rank %lld; "
-                  "%d calls after %d warm-up; graph: %d calls per replay\n",
-                  static_cast<long long>(kExperts), static_cast<long long>(kPhysical),
-                  static_cast<long long>(kTopK), static_cast<long long>(kRank), o.iterations,
-                  o.warmup, kGraphCalls);
+      std::printf(
+          "%lld logical -> %lld physical experts, top-%lld, hash dispatch, rank %lld; "
+          "%d calls after %d warm-up; graph: %d calls per replay\n",
+          static_cast<long long>(kExperts), static_cast<long long>(kPhysical),
+          static_cast<long long>(kTopK), static_cast<long long>(kRank), o.iterations, o.warmup,
+          kGraphCalls);
       std::printf("microseconds per call; ratio = two-kernel / fused (> 1: fused is faster)\n\n");
       std::printf("%8s | %-32s | %-32s |\n", "", "launched on a stream",
                   "replayed from a CUDA graph");
@@ -283,9 +361,20 @@ int run(int argc, char** argv) {
                     r.split_us / r.fused_us, r.fused_graph_us, r.split_graph_us,
                     r.split_graph_us / r.fused_graph_us, r.agree ? "yes" : "NO");
       }
+      std::printf(
+          "\nsplit and adaptive dispatch, microseconds per launch on a stream (the "
+          "shares: one thread runs the CPU's solver)\n");
+      std::printf("%8s | %12s %16s %16s\n", "tokens", "split route", "adaptive shares",
+                  "adaptive route");
+      for (const Row& r : rows) {
+        std::printf("%8lld | %12.2f %16.2f %16.2f\n", static_cast<long long>(r.tokens),
+                    r.split_dispatch_us, r.adaptive_shares_us, r.adaptive_route_us);
+      }
     }
     if (!all_agree) {
-      std::fprintf(stderr, "eplb_cuda_routing_bench: fused and two-kernel results differ\n");
+      std::fprintf(stderr,
+                   "eplb_cuda_routing_bench: fused and two-kernel results differ, or "
+                   "split/adaptive slots differ from the CPU's\n");
       return 1;
     }
   } catch (const std::exception& e) {

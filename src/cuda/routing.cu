@@ -1,12 +1,13 @@
-#include "eplb/cuda/routing.h"
-
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstring>
 #include <limits>
+#include <vector>
 
 #include "eplb/core/error.h"
+#include "eplb/cuda/routing.h"
+#include "eplb/routing/adaptive.h"
 
 namespace eplb::cuda {
 
@@ -36,8 +37,9 @@ void check_not_capturing(cudaStream_t stream, const char* what) {
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
   check(cudaStreamIsCapturing(stream, &status), "cudaStreamIsCapturing");
   if (status != cudaStreamCaptureStatusNone) {
-    fail(what, " was called on a stream that is being captured: it copies from host memory "
-               "the graph would read again at every replay; call it before the replay instead");
+    fail(what,
+         " was called on a stream that is being captured: it copies from host memory "
+         "the graph would read again at every replay; call it before the replay instead");
   }
 }
 
@@ -60,16 +62,31 @@ __host__ __device__ inline uint32_t device_dispatch_hash(uint64_t token_index, u
 // routing::choose_slot for kHash: replica (hash * count) >> 32 of the expert's replicas, a
 // multiply-shift that is always < count. Invalid ids and counts give -1 instead of a read.
 __host__ __device__ inline int32_t device_choose_slot(const int32_t* log2phy,
-                                                      const int32_t* replica_count,
-                                                      int32_t experts, int32_t max_replicas,
-                                                      int32_t expert, uint64_t token_index,
-                                                      uint32_t rank) {
+                                                      const int32_t* replica_count, int32_t experts,
+                                                      int32_t max_replicas, int32_t expert,
+                                                      uint64_t token_index, uint32_t rank) {
   if (expert < 0 || expert >= experts) return -1;
   const int32_t count = replica_count[expert];
   if (count < 1 || count > max_replicas) return -1;
   const uint64_t u = device_dispatch_hash(token_index, rank);
   const int64_t replica = static_cast<int64_t>((u * static_cast<uint64_t>(count)) >> 32);
   return log2phy[static_cast<int64_t>(expert) * max_replicas + replica];
+}
+
+// The choice of split (shares == nullptr) or adaptive for the entry with ordinal `ordinal`
+// among the batch's entries of `expert`: routing::split_replica or routing::adaptive_replica,
+// the functions the CPU routes with. Invalid ids and counts give -1 instead of a read.
+__host__ __device__ inline int32_t device_ordered_slot(
+    const int32_t* log2phy, const int32_t* replica_count, int32_t experts, int32_t max_replicas,
+    int32_t expert, int64_t ordinal, uint32_t rank, const int64_t* shares, const int64_t* prefix) {
+  if (expert < 0 || expert >= experts) return -1;
+  const int32_t count = replica_count[expert];
+  if (count < 1 || count > max_replicas) return -1;
+  const int64_t row = static_cast<int64_t>(expert) * max_replicas;
+  const int32_t replica =
+      shares == nullptr ? routing::split_replica(ordinal, rank, expert, count)
+                        : routing::adaptive_replica(shares + row, count, prefix[expert] + ordinal);
+  return log2phy[row + replica];
 }
 
 // Everything one launch needs, by value (kernel parameters are captured with the graph; the
@@ -124,8 +141,8 @@ __global__ void __launch_bounds__(kThreads) route_kernel(KernelArgs a) {
     const int32_t expert = a.expert_ids[i];
     const uint32_t row = i / a.top_k;
     if constexpr (kMap) {
-      a.slots[i] = device_choose_slot(a.log2phy, a.replica_count, a.experts, a.max_replicas,
-                                      expert, first_token + row, a.rank);
+      a.slots[i] = device_choose_slot(a.log2phy, a.replica_count, a.experts, a.max_replicas, expert,
+                                      first_token + row, a.rank);
     }
     if constexpr (kCount) {
       // row < 2^31, so the signed comparison is exact; a negative `valid` counts nothing.
@@ -169,30 +186,80 @@ __global__ void __launch_bounds__(kAdvanceThreads)
   if (threadIdx.x == 0) *window_slot = next;
 }
 
+// split and adaptive: one warp walks the batch 32 entries at a time in order. The lanes of one
+// expert find each other (__match_any_sync); the lowest of them reads the expert's running
+// count and adds the group's size, and each lane's ordinal is that count plus the lanes of its
+// group below it: the order routing::route counts in.
+constexpr int kMaxOrderedExperts = 12288;  // int32 running counts in the default shared memory
+
+__global__ void __launch_bounds__(32)
+    ordered_route_kernel(KernelArgs a, const int64_t* shares, const int64_t* prefix) {
+  extern __shared__ int32_t seen[];  // [experts]
+  const unsigned lane = threadIdx.x;
+  for (int32_t e = static_cast<int32_t>(lane); e < a.experts; e += 32) seen[e] = 0;
+  __syncwarp();
+  const int32_t valid = *a.valid_tokens;
+  int64_t* counts = nullptr;
+  const int32_t step = *a.window_slot;
+  if (step >= 0 && step < a.window) {
+    counts = a.counts + static_cast<int64_t>(step) * a.step_size + a.layer_offset;
+  }
+  for (uint32_t base = 0; base < a.entries; base += 32) {
+    const uint32_t i = base + lane;
+    const bool active = i < a.entries;
+    const int32_t expert = active ? a.expert_ids[i] : -1;
+    const bool known = active && expert >= 0 && expert < a.experts;
+    const unsigned group = __match_any_sync(0xFFFFFFFFu, known ? expert : -1);
+    const int leader = __ffs(group) - 1;
+    int32_t before = 0;
+    if (known && static_cast<int>(lane) == leader) before = seen[expert];
+    before = __shfl_sync(0xFFFFFFFFu, before, leader);
+    __syncwarp();
+    if (known && static_cast<int>(lane) == leader) seen[expert] = before + __popc(group);
+    __syncwarp();
+    if (!active) continue;
+    const int64_t ordinal = before + __popc(group & ((1u << lane) - 1u));
+    a.slots[i] = device_ordered_slot(a.log2phy, a.replica_count, a.experts, a.max_replicas, expert,
+                                     ordinal, a.rank, shares, prefix);
+    if (counts != nullptr && known && static_cast<int32_t>(i / a.top_k) < valid) {
+      atomicAdd(reinterpret_cast<unsigned long long*>(counts + expert), 1ull);
+    }
+  }
+}
+
+// adaptive's shares: one thread runs the CPU's solver on the step's counts. work[0] receives
+// the busiest rank's load; the solver's words follow.
+__global__ void adaptive_shares_kernel(routing::AdaptiveLayer layer, const int64_t* counts,
+                                       int64_t* shares, int64_t* work) {
+  if (threadIdx.x == 0 && blockIdx.x == 0) {
+    work[0] = routing::adaptive_split(layer, counts, shares, work + 1);
+  }
+}
+
 // Step 1 of a launch: check the arguments on the host (no device access) and pack them.
-KernelArgs pack(const DispatchTablesView& tables, const RouteBatch& batch,
-                const LoadRingView& ring, const char* what) {
+KernelArgs pack(const DispatchTablesView& tables, const RouteBatch& batch, const LoadRingView& ring,
+                const char* what) {
   EPLB_CHECK(batch.tokens >= 0, what, ": tokens ", batch.tokens, " must be >= 0");
   EPLB_CHECK(batch.top_k >= 1, what, ": top_k ", batch.top_k, " must be >= 1");
   const int64_t max_entries = std::numeric_limits<int32_t>::max();
   EPLB_CHECK(batch.tokens <= max_entries / batch.top_k, what, ": tokens ", batch.tokens,
              " x top_k ", batch.top_k, " must be below 2^31 entries");
-  EPLB_CHECK(tables.experts >= 1 && tables.max_replicas >= 1, what, ": tables of ",
-             tables.experts, " experts x ", tables.max_replicas,
-             " replicas (upload the tables first)");
+  EPLB_CHECK(tables.experts >= 1 && tables.max_replicas >= 1, what, ": tables of ", tables.experts,
+             " experts x ", tables.max_replicas, " replicas (upload the tables first)");
   EPLB_CHECK(ring.experts == tables.experts, what, ": the load ring counts ", ring.experts,
              " experts but the tables have ", tables.experts);
-  EPLB_CHECK(ring.window >= 1 && ring.layers >= 1, what, ": load ring of window ",
-             ring.window, " and ", ring.layers, " layers (both must be >= 1)");
+  EPLB_CHECK(ring.window >= 1 && ring.layers >= 1, what, ": load ring of window ", ring.window,
+             " and ", ring.layers, " layers (both must be >= 1)");
   EPLB_CHECK(batch.layer >= 0 && batch.layer < ring.layers, what, ": layer ", batch.layer,
              " is outside [0, ", ring.layers, ")");
-  EPLB_CHECK(batch.rank >= 0 && batch.rank <= std::numeric_limits<uint32_t>::max(), what,
-             ": rank ", batch.rank, " is outside [0, 2^32)");
+  EPLB_CHECK(batch.rank >= 0 && batch.rank <= std::numeric_limits<uint32_t>::max(), what, ": rank ",
+             batch.rank, " is outside [0, 2^32)");
   const bool empty = batch.tokens == 0;
   EPLB_CHECK(empty || (batch.expert_ids != nullptr && batch.slots != nullptr &&
                        batch.valid_tokens != nullptr && batch.first_token != nullptr),
-             what, ": expert_ids, slots, valid_tokens and first_token must all be device "
-                   "pointers");
+             what,
+             ": expert_ids, slots, valid_tokens and first_token must all be device "
+             "pointers");
   EPLB_CHECK(empty || (tables.log2phy != nullptr && tables.replica_count != nullptr &&
                        ring.counts != nullptr && ring.window_slot != nullptr),
              what, ": the tables and the load ring must be device pointers");
@@ -244,8 +311,8 @@ void* device_alloc(size_t bytes, const char* what) {
   const cudaError_t status = cudaMalloc(&p, bytes);
   if (status != cudaSuccess) {
     (void)cudaGetLastError();
-    fail<Error>("cudaMalloc of ", bytes, " bytes for ", what, " failed: ",
-                cudaGetErrorName(status), " (", cudaGetErrorString(status), ")");
+    fail<Error>("cudaMalloc of ", bytes, " bytes for ", what, " failed: ", cudaGetErrorName(status),
+                " (", cudaGetErrorString(status), ")");
   }
   return p;
 }
@@ -255,8 +322,8 @@ void* pinned_alloc(size_t bytes, const char* what) {
   const cudaError_t status = cudaMallocHost(&p, bytes);
   if (status != cudaSuccess) {
     (void)cudaGetLastError();
-    fail<Error>("cudaMallocHost of ", bytes, " bytes for ", what, " failed: ",
-                cudaGetErrorName(status), " (", cudaGetErrorString(status), ")");
+    fail<Error>("cudaMallocHost of ", bytes, " bytes for ", what,
+                " failed: ", cudaGetErrorName(status), " (", cudaGetErrorString(status), ")");
   }
   return p;
 }
@@ -306,9 +373,9 @@ void DeviceDispatchTables::upload(const routing::DispatchTables& tables, cudaStr
   // Step 1: the tables fit the capacity and every count is one the kernel can use.
   EPLB_CHECK(tables.experts == experts_, "upload: tables of ", tables.experts,
              " experts into device tables of ", experts_);
-  EPLB_CHECK(tables.max_replicas >= 1 && tables.max_replicas <= max_replicas_, "upload: ",
-             tables.max_replicas, " replicas per expert, the device tables hold at most ",
-             max_replicas_);
+  EPLB_CHECK(tables.max_replicas >= 1 && tables.max_replicas <= max_replicas_,
+             "upload: ", tables.max_replicas,
+             " replicas per expert, the device tables hold at most ", max_replicas_);
   const int64_t width = tables.max_replicas;
   EPLB_CHECK(static_cast<int64_t>(tables.log2phy.size()) == experts_ * width &&
                  static_cast<int64_t>(tables.replica_count.size()) == experts_,
@@ -393,11 +460,10 @@ int32_t DeviceLoadRing::read(std::span<int64_t> out, cudaStream_t stream) const 
                        static_cast<size_t>(view_.experts);
   EPLB_CHECK_EQ(out.size(), cells, "DeviceLoadRing::read: out must hold window x layers x experts");
   int32_t step = -1;
-  check(cudaMemcpyAsync(out.data(), view_.counts, cells * sizeof(int64_t),
-                        cudaMemcpyDeviceToHost, stream),
-        "cudaMemcpyAsync (load ring)");
-  check(cudaMemcpyAsync(&step, view_.window_slot, sizeof(int32_t), cudaMemcpyDeviceToHost,
+  check(cudaMemcpyAsync(out.data(), view_.counts, cells * sizeof(int64_t), cudaMemcpyDeviceToHost,
                         stream),
+        "cudaMemcpyAsync (load ring)");
+  check(cudaMemcpyAsync(&step, view_.window_slot, sizeof(int32_t), cudaMemcpyDeviceToHost, stream),
         "cudaMemcpyAsync (window slot)");
   check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
   return step;
@@ -477,20 +543,116 @@ void route_then_record(const DispatchTablesView& tables, const RouteBatch& batch
 void advance_window(const LoadRingView& ring, cudaStream_t stream) {
   EPLB_CHECK(ring.counts != nullptr && ring.window_slot != nullptr && ring.window >= 1 &&
                  ring.layers >= 1 && ring.experts >= 1,
-             "advance_window: load ring of window ", ring.window, ", ", ring.layers,
-             " layers and ", ring.experts, " experts (none may be empty)");
+             "advance_window: load ring of window ", ring.window, ", ", ring.layers, " layers and ",
+             ring.experts, " experts (none may be empty)");
   const int64_t step_size = static_cast<int64_t>(ring.layers) * ring.experts;
   advance_window_kernel<<<1, kAdvanceThreads, 0, stream>>>(ring.counts, ring.window_slot,
                                                            ring.window, step_size);
   check(cudaGetLastError(), "advance_window launch");
 }
 
+// ---- split and adaptive ----
+
+DeviceAdaptiveShares::DeviceAdaptiveShares(int64_t experts, int64_t max_replicas,
+                                           const RankShape& shape)
+    : experts_(experts), max_replicas_(max_replicas), shape_(shape) {
+  EPLB_CHECK(experts >= 1 && experts <= std::numeric_limits<int32_t>::max() && max_replicas >= 1 &&
+                 max_replicas <= std::numeric_limits<int32_t>::max() &&
+                 experts <= std::numeric_limits<int64_t>::max() / max_replicas,
+             "device adaptive shares: ", experts, " experts x ", max_replicas,
+             " replicas (both must be in [1, 2^31))");
+  EPLB_CHECK(shape.ranks >= 1 && shape.slots_per_rank >= 1, "device adaptive shares: ", shape.ranks,
+             " ranks of ", shape.slots_per_rank, " slots (both must be >= 1)");
+  const int64_t words = routing::adaptive_workspace_words(
+      experts, shape.ranks, static_cast<int64_t>(shape.ranks) * shape.slots_per_rank);
+  shares_ = static_cast<int64_t*>(device_alloc(
+      static_cast<size_t>(experts * max_replicas) * sizeof(int64_t), "adaptive shares"));
+  try {
+    work_ = static_cast<int64_t*>(
+        device_alloc(static_cast<size_t>(words + 1) * sizeof(int64_t), "adaptive workspace"));
+  } catch (...) {
+    cudaFree(shares_);
+    throw;
+  }
+}
+
+DeviceAdaptiveShares::~DeviceAdaptiveShares() {
+  if (work_ != nullptr) cudaFree(work_);
+  if (shares_ != nullptr) cudaFree(shares_);
+}
+
+void compute_adaptive_shares(const DispatchTablesView& tables, const int64_t* global_counts,
+                             DeviceAdaptiveShares& out, cudaStream_t stream) {
+  EPLB_CHECK(tables.experts == out.experts() && tables.max_replicas == out.max_replicas(),
+             "compute_adaptive_shares: tables of ", tables.experts, " experts x ",
+             tables.max_replicas, " replicas, shares sized for ", out.experts(), " x ",
+             out.max_replicas());
+  EPLB_CHECK(
+      tables.log2phy != nullptr && tables.replica_count != nullptr && global_counts != nullptr,
+      "compute_adaptive_shares: the tables and the counts must be device pointers");
+  const routing::AdaptiveLayer layer{.log2phy = tables.log2phy,
+                                     .replica_count = tables.replica_count,
+                                     .experts = tables.experts,
+                                     .max_replicas = tables.max_replicas,
+                                     .ranks = out.shape().ranks,
+                                     .slots_per_rank = out.shape().slots_per_rank};
+  adaptive_shares_kernel<<<1, 1, 0, stream>>>(layer, global_counts, out.shares(), out.workspace());
+  check(cudaGetLastError(), "compute_adaptive_shares launch");
+}
+
+namespace {
+
+void launch_ordered(const KernelArgs& a, const int64_t* shares, const int64_t* prefix,
+                    cudaStream_t stream, const char* what) {
+  EPLB_CHECK(a.experts <= kMaxOrderedExperts, what, ": ", a.experts,
+             " experts; split and adaptive dispatch keep a running count per expert in shared "
+             "memory, at most ",
+             kMaxOrderedExperts);
+  if (a.entries == 0) return;
+  const size_t shared = static_cast<size_t>(a.experts) * sizeof(int32_t);
+  ordered_route_kernel<<<1, 32, shared, stream>>>(a, shares, prefix);
+  check(cudaGetLastError(), what);
+}
+
+}  // namespace
+
+void route_split_and_record(const DispatchTablesView& tables, const RouteBatch& batch,
+                            const LoadRingView& ring, cudaStream_t stream) {
+  const KernelArgs a = pack(tables, batch, ring, "route_split_and_record");
+  launch_ordered(a, nullptr, nullptr, stream, "route_split_and_record");
+}
+
+void route_adaptive_and_record(const DispatchTablesView& tables, const DeviceAdaptiveShares& shares,
+                               const int64_t* prefix, const RouteBatch& batch,
+                               const LoadRingView& ring, cudaStream_t stream) {
+  const KernelArgs a = pack(tables, batch, ring, "route_adaptive_and_record");
+  EPLB_CHECK(tables.experts == shares.experts() && tables.max_replicas == shares.max_replicas(),
+             "route_adaptive_and_record: shares of ", shares.experts(), " x ",
+             shares.max_replicas(), " for tables of ", tables.experts, " x ", tables.max_replicas);
+  EPLB_CHECK(prefix != nullptr, "route_adaptive_and_record: prefix must be a device pointer");
+  launch_ordered(a, shares.shares(), prefix, stream, "route_adaptive_and_record");
+}
+
+void kernel_route_ordered(const DispatchTablesView& tables, const int32_t* expert_ids,
+                          int64_t entries, uint32_t rank, const int64_t* shares,
+                          const int64_t* prefix, int32_t* slots) {
+  std::vector<int64_t> seen(static_cast<size_t>(std::max<int32_t>(tables.experts, 0)), 0);
+  for (int64_t i = 0; i < entries; ++i) {
+    const int32_t e = expert_ids[i];
+    const bool known = e >= 0 && e < tables.experts;
+    slots[i] =
+        device_ordered_slot(tables.log2phy, tables.replica_count, tables.experts,
+                            tables.max_replicas, e, known ? seen[e] : 0, rank, shares, prefix);
+    if (known) ++seen[e];
+  }
+}
+
 uint32_t kernel_dispatch_hash(uint64_t token_index, uint32_t rank) {
   return device_dispatch_hash(token_index, rank);
 }
 
-int32_t kernel_choose_slot(const DispatchTablesView& tables, int32_t expert,
-                           uint64_t token_index, uint32_t rank) {
+int32_t kernel_choose_slot(const DispatchTablesView& tables, int32_t expert, uint64_t token_index,
+                           uint32_t rank) {
   return device_choose_slot(tables.log2phy, tables.replica_count, tables.experts,
                             tables.max_replicas, expert, token_index, rank);
 }

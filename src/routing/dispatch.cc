@@ -223,8 +223,8 @@ void adaptive_shares(const DispatchTables& tables, std::span<const int64_t> glob
     }
   }
   out.share.resize(static_cast<size_t>(tables.experts * tables.max_replicas));
-  out.work.resize(static_cast<size_t>(
-      adaptive_workspace_words(tables.experts, tables.ranks, tables.max_replicas)));
+  out.work.resize(static_cast<size_t>(adaptive_workspace_words(
+      tables.experts, tables.ranks, tables.ranks * tables.slots_per_rank)));
   out.max_rank_load = adaptive_split(adaptive_layer(tables), global_counts.data(), out.share.data(),
                                      out.work.data());
   EPLB_CHECK(out.max_rank_load >= 0,

@@ -294,7 +294,7 @@ PerStepResult score_per_step(const stats::LoadHistory& history, const SimOptions
               .slots_per_rank = static_cast<int32_t>(spr)};
           fresh_share.resize(static_cast<size_t>(E * fresh.max_replicas));
           fresh_work.resize(
-              static_cast<size_t>(routing::adaptive_workspace_words(E, G, fresh.max_replicas)));
+              static_cast<size_t>(routing::adaptive_workspace_words(E, G, layout.physical)));
           fresh_max =
               routing::adaptive_split(view, global.data(), fresh_share.data(), fresh_work.data());
         }

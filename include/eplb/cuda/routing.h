@@ -116,8 +116,8 @@ class DeviceStepInputs {
   // Enqueues the copy of both values on `stream`. Not while `stream` is capturing.
   void set(uint64_t first_token, int32_t valid_tokens, cudaStream_t stream);
 
-  const int32_t* valid_tokens() const;   // device
-  const uint64_t* first_token() const;   // device
+  const int32_t* valid_tokens() const;  // device
+  const uint64_t* first_token() const;  // device
 
  private:
   static constexpr int kStaging = 16;
@@ -131,9 +131,9 @@ class DeviceStepInputs {
 // One batch of one layer. Rows are tokens; under graph capture `tokens` is the captured
 // capacity and *valid_tokens says how many rows of this pass are real.
 struct RouteBatch {
-  const int32_t* expert_ids = nullptr;    // device [tokens][top_k], logical expert ids
-  int32_t* slots = nullptr;               // device [tokens][top_k], written; must not overlap
-  int64_t tokens = 0;                     // rows; tokens * top_k < 2^31
+  const int32_t* expert_ids = nullptr;  // device [tokens][top_k], logical expert ids
+  int32_t* slots = nullptr;             // device [tokens][top_k], written; must not overlap
+  int64_t tokens = 0;                   // rows; tokens * top_k < 2^31
   int64_t top_k = 1;
   const int32_t* valid_tokens = nullptr;  // device: rows t < *valid_tokens are counted
   const uint64_t* first_token = nullptr;  // device: row t is token *first_token + t
@@ -165,12 +165,82 @@ void route_then_record(const DispatchTablesView& tables, const RouteBatch& batch
 // Capturable; call it once per forward pass, after the pass's route launches.
 void advance_window(const LoadRingView& ring, cudaStream_t stream);
 
+// ---- Dispatches `split` and `adaptive` on the device (routing/dispatch.h, routing/adaptive.h)
+// ----
+//
+// Both need each token's ordinal among the batch's tokens of its expert, in token order, so
+// one warp walks the batch 32 entries at a time, grouping the lanes of one expert with
+// __match_any_sync (sm_70 and later) and keeping a running count per expert in shared memory:
+// the slots are those of routing::route (split) and routing::route_adaptive (adaptive) over
+// all `tokens` rows of the batch, bit for bit (padding rows come after the valid ones, so
+// they never change a valid row's slot). Counting is that of route_and_record. One launch per
+// layer batch; a decode batch of a few thousand entries is a few microseconds. Capturable: the
+// per-pass values and the shares are read from device memory at fixed addresses.
+
+// The placement's shape the adaptive split needs beyond the tables.
+struct RankShape {
+  int32_t ranks = 0;
+  int32_t slots_per_rank = 0;  // slot p is on rank p / slots_per_rank
+};
+
+// The device memory of the step's adaptive shares of one layer: shares ([experts][max_replicas]
+// int64, aligned with log2phy) and the solver's workspace, allocated once at construction.
+class DeviceAdaptiveShares {
+ public:
+  DeviceAdaptiveShares(int64_t experts, int64_t max_replicas, const RankShape& shape);
+  ~DeviceAdaptiveShares();
+  DeviceAdaptiveShares(const DeviceAdaptiveShares&) = delete;
+  DeviceAdaptiveShares& operator=(const DeviceAdaptiveShares&) = delete;
+
+  const int64_t* shares() const { return shares_; }  // device
+  int64_t* shares() { return shares_; }
+  int64_t* workspace() { return work_; }  // device
+  int64_t experts() const { return experts_; }
+  int64_t max_replicas() const { return max_replicas_; }
+  const RankShape& shape() const { return shape_; }
+  // The busiest rank's load under the last shares (the optimum), or -1 for inconsistent
+  // tables: device memory, written by compute_adaptive_shares.
+  const int64_t* max_rank_load() const { return work_; }
+
+ private:
+  int64_t experts_, max_replicas_;
+  RankShape shape_;
+  int64_t* shares_ = nullptr;
+  int64_t* work_ = nullptr;  // [0]: max rank load, then the solver's words
+};
+
+// One single-thread kernel on `stream`: routing::adaptive_split of `global_counts` (device
+// [experts], the step's counts summed over all ranks, e.g. by the engine's all-reduce or its
+// all-to-all layout exchange) over `tables`, into out.shares(). The same code as the CPU's
+// routing::adaptive_shares, so every rank and device gets the same shares bit for bit. The
+// tables must have at most out.max_replicas() replicas per expert.
+void compute_adaptive_shares(const DispatchTablesView& tables, const int64_t* global_counts,
+                             DeviceAdaptiveShares& out, cudaStream_t stream);
+
+// Maps the batch under `split` (rank batch.rank) and counts it like route_and_record.
+// InvalidArgument for more than 12288 experts (the running counts live in shared memory).
+void route_split_and_record(const DispatchTablesView& tables, const RouteBatch& batch,
+                            const LoadRingView& ring, cudaStream_t stream);
+
+// Maps the batch under `adaptive` with the shares of compute_adaptive_shares and `prefix`
+// (device [experts]: the tokens of each expert on the ranks below this one), and counts it.
+void route_adaptive_and_record(const DispatchTablesView& tables, const DeviceAdaptiveShares& shares,
+                               const int64_t* prefix, const RouteBatch& batch,
+                               const LoadRingView& ring, cudaStream_t stream);
+
+// The kernels' per-entry choices of split and adaptive, compiled for the host from the device
+// source, for tests without a GPU: the slots of a whole batch (host pointers), entry by entry
+// as the warp assigns them. `shares` and `prefix` are null for split.
+void kernel_route_ordered(const DispatchTablesView& tables, const int32_t* expert_ids,
+                          int64_t entries, uint32_t rank, const int64_t* shares,
+                          const int64_t* prefix, int32_t* slots);
+
 // The kernel's hash and per-entry choice, compiled for the host from the same source as the
 // device code, so they can be checked against routing::dispatch_hash and routing::choose_slot
 // without a GPU. kernel_choose_slot reads `tables` through its pointers: here they point to
 // host memory.
 uint32_t kernel_dispatch_hash(uint64_t token_index, uint32_t rank);
-int32_t kernel_choose_slot(const DispatchTablesView& tables, int32_t expert,
-                           uint64_t token_index, uint32_t rank);
+int32_t kernel_choose_slot(const DispatchTablesView& tables, int32_t expert, uint64_t token_index,
+                           uint32_t rank);
 
 }  // namespace eplb::cuda

@@ -39,14 +39,13 @@ struct AdaptiveLayer {
   int32_t slots_per_rank = 0;  // slot p is on rank p / slots_per_rank
 };
 
-// int64 words of workspace the solver needs.
+// int64 words of workspace the solver needs for `physical` = ranks x slots_per_rank slots (an
+// edge is a distinct (expert, rank) pair: at most one per slot).
 EPLB_HOST_DEVICE inline int64_t adaptive_workspace_words(int64_t experts, int64_t ranks,
-                                                         int64_t max_replicas) {
-  const int64_t edges = experts * max_replicas;
+                                                         int64_t physical) {
   return 3 * ranks + 1 +         // fixed, inflow, rank_begin[ranks + 1]
          3 * experts + 1 +       // flex_expert, remaining, edge_begin[flex + 1]
-         3 * edges +             // edge_rank, edge_flow, edge_owner
-         edges +                 // rank_edges (edges grouped by rank)
+         4 * physical +          // edge_rank, edge_flow, edge_owner, rank_edges
          3 * (experts + ranks);  // parent, queue, mark of the search
 }
 
@@ -60,14 +59,15 @@ EPLB_HOST_DEVICE inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b -
 // expert e receives share[e][i] of counts[e] tokens, summing to counts[e] (a negative count
 // counts as 0). Replicas of one expert on the same rank share its part there evenly, the first
 // ones one token more. Returns the busiest rank's load under `share` (the optimum), or -1 when
-// the tables are inconsistent (a replica count outside [1, max_replicas] or a slot outside the
-// ranks), with `share` then all 0. `work` holds adaptive_workspace_words(...) int64 words.
+// the tables are inconsistent (a replica count outside [1, max_replicas], a slot outside the
+// ranks, or more replicas than slots), with `share` then all 0. `work` holds
+// adaptive_workspace_words(experts, ranks, ranks * slots_per_rank) int64 words.
 EPLB_HOST_DEVICE inline int64_t adaptive_split(const AdaptiveLayer& t, const int64_t* counts,
                                                int64_t* share, int64_t* work) {
   const int64_t E = t.experts, G = t.ranks, R = t.max_replicas;
   for (int64_t i = 0; i < E * R; ++i) share[i] = 0;
   if (E < 1 || G < 1 || R < 1 || t.slots_per_rank < 1) return -1;
-  const int64_t edges_cap = E * R;
+  const int64_t edges_cap = G * t.slots_per_rank;
   int64_t* fixed = work;                      // [G] load of experts without choice
   int64_t* inflow = fixed + G;                // [G] flow of flexible experts into the rank
   int64_t* rank_begin = inflow + G;           // [G + 1] rank_edges of rank g
@@ -87,7 +87,7 @@ EPLB_HOST_DEVICE inline int64_t adaptive_split(const AdaptiveLayer& t, const int
   int64_t flex = 0, edges = 0, total = 0;
   for (int64_t e = 0; e < E; ++e) {
     const int64_t r = t.replica_count[e];
-    if (r < 1 || r > R) return -1;
+    if (r < 1 || r > R || edges + r > edges_cap) return -1;
     for (int64_t i = 0; i < r; ++i) {
       const int64_t slot = t.log2phy[e * R + i];
       if (slot < 0 || slot / t.slots_per_rank >= G) return -1;

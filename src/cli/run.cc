@@ -2,6 +2,8 @@
 // route a trace's tokens, compute every expert output, verify them, and rebalance live through
 // the runtime; the summary says what rebalancing bought and what it cost the serving loop.
 
+#include <fmt/core.h>
+#include <spdlog/spdlog.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -9,12 +11,9 @@
 #include <filesystem>
 #include <fstream>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
-
-#include <fmt/core.h>
-#include <nlohmann/json.hpp>
-#include <spdlog/spdlog.h>
 
 #include "cli/commands.h"
 #include "eplb/control/launch.h"
@@ -119,7 +118,11 @@ nlohmann::json to_json(const emu::RunOptions& o, const emu::RunResult& r) {
           {"bytes_held_per_rank", r.bytes_held},
           {"wall_s", r.wall_s},
           {"per_rebalance", rebalances},
-          {"per_step", {{"balancedness", balancedness}, {"stall_ms", stall_ms}, {"moe_ms", moe_ms}, {"moe_wall_ms", moe_wall_ms}}}};
+          {"per_step",
+           {{"balancedness", balancedness},
+            {"stall_ms", stall_ms},
+            {"moe_ms", moe_ms},
+            {"moe_wall_ms", moe_wall_ms}}}};
 }
 
 void print_header(const RunArgs& a, const emu::Workload& w) {
@@ -128,10 +131,11 @@ void print_header(const RunArgs& a, const emu::Workload& w) {
   const std::string backend = o.transport_backend();
   const std::string transport =
       backend == "hybrid" ? "hybrid: shm within a node, UCX over TCP across" : backend;
-  fmt::print("eplb run: {} ranks on {} node{} ({}), {} layers x {} experts top-{}, {} slots per "
-             "layer ({} redundant), {} tokens per rank per step\n",
-             o.ranks, o.nodes, o.nodes > 1 ? "s" : "", transport, w.layers, w.experts, w.top_k,
-             w.experts + redundant, redundant, o.tokens_per_rank);
+  fmt::print(
+      "eplb run: {} ranks on {} node{} ({}), {} layers x {} experts top-{}, {} slots per "
+      "layer ({} redundant), {} tokens per rank per step\n",
+      o.ranks, o.nodes, o.nodes > 1 ? "s" : "", transport, w.layers, w.experts, w.top_k,
+      w.experts + redundant, redundant, o.tokens_per_rank);
   fmt::print("  experts: fp32 FFN hidden {} x intermediate {} ({} each, {}); tokens from {}\n",
              o.shape.hidden, o.shape.intermediate,
              human_bytes(static_cast<double>(o.shape.expert_bytes())),
@@ -147,17 +151,17 @@ void print_result(const emu::RunOptions& o, const emu::RunResult& r) {
   fmt::print("  {:<14}{:.3f} (steps {}-{})  ->  {:.3f} (steps {}-{})\n", "balancedness",
              r.balancedness_before, r.before_first, r.before_last - 1, r.balancedness_after,
              r.after_first, r.after_last - 1);
-  fmt::print("  {:<14}{:.2f} ms  ->  {:.2f} ms  (max over ranks of expert compute, CPU time, "
-             "same steps; wall {:.2f} -> {:.2f} ms)\n",
-             "MoE per step", r.moe_ms_before, r.moe_ms_after, r.moe_wall_ms_before,
-             r.moe_wall_ms_after);
+  fmt::print(
+      "  {:<14}{:.2f} ms  ->  {:.2f} ms  (max over ranks of expert compute, CPU time, "
+      "same steps; wall {:.2f} -> {:.2f} ms)\n",
+      "MoE per step", r.moe_ms_before, r.moe_ms_after, r.moe_wall_ms_before, r.moe_wall_ms_after);
   fmt::print("  {:<14}{:.0f}  ->  {:.0f} tokens/s  (what the slowest rank's MoE time allows)\n",
              "throughput", tokens_per_s(o, r.moe_ms_before), tokens_per_s(o, r.moe_ms_after));
   fmt::print("  {:<14}{} completed ({} triggered), {} moved, {} copied locally\n", "rebalances",
              r.rebalances, r.rebalances_triggered, human_bytes(static_cast<double>(r.bytes_moved)),
              human_bytes(static_cast<double>(r.bytes_local_copy)));
-  fmt::print("  {:<14}max step {:.3f} ms, total {:.3f} ms (forward thread, in step_end)\n",
-             "stall", r.stall_max_ms, r.stall_total_ms);
+  fmt::print("  {:<14}max step {:.3f} ms, total {:.3f} ms (forward thread, in step_end)\n", "stall",
+             r.stall_max_ms, r.stall_total_ms);
   fmt::print("  {:<14}{} of {} expert outputs checked bit for bit, {} mismatches\n", "verified",
              r.verified, r.outputs, r.mismatches);
   fmt::print("  {:<14}{:.1f} s\n", "wall time", r.wall_s);
@@ -172,16 +176,27 @@ void print_compare(const emu::RunOptions& o, const std::vector<emu::RunResult>& 
     for (const auto& r : results) fmt::print("{:>14}", cell(r));
     fmt::print("\n");
   };
-  row("balancedness before", [](const emu::RunResult& r) { return fmt::format("{:.3f}", r.balancedness_before); });
-  row("balancedness after", [](const emu::RunResult& r) { return fmt::format("{:.3f}", r.balancedness_after); });
-  row("MoE ms per step before", [](const emu::RunResult& r) { return fmt::format("{:.2f}", r.moe_ms_before); });
-  row("MoE ms per step after", [](const emu::RunResult& r) { return fmt::format("{:.2f}", r.moe_ms_after); });
-  row("tokens/s before", [&](const emu::RunResult& r) { return fmt::format("{:.0f}", tokens_per_s(o, r.moe_ms_before)); });
-  row("tokens/s after", [&](const emu::RunResult& r) { return fmt::format("{:.0f}", tokens_per_s(o, r.moe_ms_after)); });
+  row("balancedness before",
+      [](const emu::RunResult& r) { return fmt::format("{:.3f}", r.balancedness_before); });
+  row("balancedness after",
+      [](const emu::RunResult& r) { return fmt::format("{:.3f}", r.balancedness_after); });
+  row("MoE ms per step before",
+      [](const emu::RunResult& r) { return fmt::format("{:.2f}", r.moe_ms_before); });
+  row("MoE ms per step after",
+      [](const emu::RunResult& r) { return fmt::format("{:.2f}", r.moe_ms_after); });
+  row("tokens/s before", [&](const emu::RunResult& r) {
+    return fmt::format("{:.0f}", tokens_per_s(o, r.moe_ms_before));
+  });
+  row("tokens/s after", [&](const emu::RunResult& r) {
+    return fmt::format("{:.0f}", tokens_per_s(o, r.moe_ms_after));
+  });
   row("rebalances", [](const emu::RunResult& r) { return fmt::format("{}", r.rebalances); });
-  row("bytes moved", [](const emu::RunResult& r) { return human_bytes(static_cast<double>(r.bytes_moved)); });
-  row("stall max step (ms)", [](const emu::RunResult& r) { return fmt::format("{:.3f}", r.stall_max_ms); });
-  row("stall total (ms)", [](const emu::RunResult& r) { return fmt::format("{:.3f}", r.stall_total_ms); });
+  row("bytes moved",
+      [](const emu::RunResult& r) { return human_bytes(static_cast<double>(r.bytes_moved)); });
+  row("stall max step (ms)",
+      [](const emu::RunResult& r) { return fmt::format("{:.3f}", r.stall_max_ms); });
+  row("stall total (ms)",
+      [](const emu::RunResult& r) { return fmt::format("{:.3f}", r.stall_total_ms); });
   row("mismatches", [](const emu::RunResult& r) { return fmt::format("{}", r.mismatches); });
   row("wall time (s)", [](const emu::RunResult& r) { return fmt::format("{:.1f}", r.wall_s); });
 }
@@ -203,8 +218,9 @@ bool on_path(const std::string& program) {
 // Balancedness and step stall per step, one line per mode, rebalances marked.
 void plot(const std::string& png, const std::vector<emu::RunResult>& results) {
   if (!on_path("gnuplot")) {
-    fail<NotSupported>("--plot needs gnuplot, which is not on PATH (Debian: apt-get install "
-                       "gnuplot-nox)");
+    fail<NotSupported>(
+        "--plot needs gnuplot, which is not on PATH (Debian: apt-get install "
+        "gnuplot-nox)");
   }
   const control::ScratchFolder scratch("eplb-plot");
   const std::string& dir = scratch.path();
@@ -312,11 +328,27 @@ void run(RunArgs a) {
   o.validate(workload);
   if (!a.json) print_header(a, workload);
   std::vector<emu::RunResult> results;
-  for (const std::string& mode : modes) {
+  if (a.compare) {
+    // The three runs go side by side, so that their MoE times meet the same machine: one after
+    // the other, a noisy neighbour or a clock change during one run would decide the comparison.
+    if (o.metrics_port > 65535 - 2) {
+      fail("--metrics-port ", o.metrics_port,
+           " with --compare serves three runs on PORT to "
+           "PORT + 2: use a port up to 65533");
+    }
+    std::vector<emu::RunOptions> runs;
+    for (size_t i = 0; i < modes.size(); ++i) {
+      emu::RunOptions m = o;
+      m.mode = modes[i];
+      m.progress = false;
+      if (o.metrics_port > 0) m.metrics_port = o.metrics_port + static_cast<int>(i);
+      runs.push_back(std::move(m));
+    }
+    o.check_window_fits(workload, o.ranks * static_cast<int64_t>(runs.size()));
+    results = emu::run_side_by_side(runs, workload);
+  } else {
     emu::RunOptions m = o;
-    m.mode = mode;
     results.push_back(emu::run_local(m, workload));
-    if (results.back().interrupted) break;
   }
   if (a.json) {
     if (a.compare) {
@@ -406,7 +438,9 @@ void add_run(CLI::App& app) {
       ->capture_default_str();
   cmd->add_option("--timeout-ms", o.timeout_ms, "Every collective and every batch of reads")
       ->capture_default_str();
-  cmd->add_flag("--compare", a->compare, "Run EPLB off, sync and async on the same workload");
+  cmd->add_flag("--compare", a->compare,
+                "Run EPLB off, sync and async on the same workload, side by side (at the same "
+                "time, so that they meet the same machine)");
   cmd->add_flag("--json", a->json, "Print one JSON object");
   cmd->add_option("--plot", a->plot, "Write balancedness and stall per step to a PNG (gnuplot)");
   cmd->add_flag("--verbose", a->verbose, "Log every rebalance");
@@ -414,7 +448,8 @@ void add_run(CLI::App& app) {
                   "Write every rank's metrics at the end (Prometheus text format, rank label)");
   cmd->add_option("--metrics-port", o.metrics_port,
                   "Serve the ranks' metrics on http://127.0.0.1:PORT/metrics while running "
-                  "(under a launcher: each rank on PORT + its local rank)");
+                  "(under a launcher: each rank on PORT + its local rank; with --compare, off, "
+                  "sync and async on PORT, PORT + 1, PORT + 2)");
   cmd->callback([a] { run(*a); });
 }
 

@@ -9,6 +9,7 @@
 
 #include "eplb/core/error.h"
 #include "eplb/emu/expert.h"
+#include "eplb/emu/emulator.h"
 #include "eplb/emu/workload.h"
 
 namespace eplb::emu {
@@ -124,6 +125,34 @@ TEST(Workload, BundledDeepSeekLoadsAreFound) {
   const Workload w = workload_from_load(default_load_path(), 8, 64, 1);
   EXPECT_EQ(w.layers, 58);  // 61 layers, the first 3 dense
   EXPECT_EQ(w.experts, 256);
+}
+
+TEST(Result, RoundTripsThroughJson) {
+  RunResult r;
+  r.mode = "async";
+  r.steps = 48;
+  r.rebalances = 1;
+  r.after_first = 34;
+  r.after_last = 48;
+  r.moe_ms_after = 33.25;
+  r.metrics = R"([{"name":"x"}])";
+  r.per_step.push_back({.balancedness = 0.5, .moe_ms = 1.5, .moe_wall_ms = 2.5, .stall_ms = 0.25,
+                        .installs = 3});
+  r.per_rebalance.push_back({});
+  r.per_rebalance.back().outcome = "completed";
+  r.per_rebalance.back().bytes_moved = 1 << 20;
+  const RunResult back = result_from_json(result_to_json(r));
+  EXPECT_EQ(back.mode, "async");
+  EXPECT_EQ(back.after_first, 34);
+  EXPECT_DOUBLE_EQ(back.moe_ms_after, 33.25);
+  EXPECT_EQ(back.metrics, r.metrics);
+  ASSERT_EQ(back.per_step.size(), 1u);
+  EXPECT_EQ(back.per_step[0].installs, 3);
+  EXPECT_DOUBLE_EQ(back.per_step[0].stall_ms, 0.25);
+  ASSERT_EQ(back.per_rebalance.size(), 1u);
+  EXPECT_EQ(back.per_rebalance[0].bytes_moved, 1 << 20);
+  EXPECT_THROW(result_from_json("{}"), IoError);
+  EXPECT_THROW(result_from_json("not json"), IoError);
 }
 
 }  // namespace

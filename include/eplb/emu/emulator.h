@@ -153,6 +153,18 @@ RunResult merge_reports(const RunOptions& options, const Workload& workload,
 // same step; the result then says interrupted.
 RunResult run_local(const RunOptions& options, const Workload& workload);
 
+// Runs every element of `runs` at the same time, each run_local in a process of its own, so that
+// they see the same machine (its load, its clock, the other runs' work): what `eplb run
+// --compare` uses, whose runs would otherwise meet different conditions one after the other.
+// Results in the order of `runs`. A run that fails: IoError naming its mode and why. SIGINT and
+// SIGTERM are passed on to every run (each then reports interrupted).
+std::vector<RunResult> run_side_by_side(const std::vector<RunOptions>& runs,
+                                        const Workload& workload);
+
+// A RunResult as JSON text and back, every field (how run_side_by_side carries results).
+std::string result_to_json(const RunResult& result);
+RunResult result_from_json(const std::string& text);  // IoError for text that is not one
+
 // One rank per process under mpirun or a torchrun-style launcher (control::connect_from_env);
 // every rank returns the merged result (rank 0 prints it).
 RunResult run_from_env(RunOptions options, const Workload& workload);

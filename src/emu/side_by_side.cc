@@ -1,0 +1,208 @@
+// Runs side by side (emulator.h): each run_local in a process of its own, started together, so
+// that the runs of `eplb run --compare` share the machine's conditions; results carried back
+// as JSON through a scratch folder.
+
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "eplb/control/launch.h"
+#include "eplb/core/error.h"
+#include "eplb/emu/emulator.h"
+
+namespace eplb::emu {
+namespace {
+
+using nlohmann::json;
+
+json step_json(const StepFigures& s) {
+  return {s.balancedness, s.moe_ms, s.moe_wall_ms, s.stall_ms, s.installs};
+}
+
+StepFigures step_from(const json& j) {
+  return {.balancedness = j.at(0).get<double>(),
+          .moe_ms = j.at(1).get<double>(),
+          .moe_wall_ms = j.at(2).get<double>(),
+          .stall_ms = j.at(3).get<double>(),
+          .installs = j.at(4).get<int64_t>()};
+}
+
+json rebalance_json(const RebalanceFigures& f) {
+  return {{"trigger_step", f.trigger_step},
+          {"end_step", f.end_step},
+          {"outcome", f.outcome},
+          {"error", f.error},
+          {"slots_moved", f.slots_moved},
+          {"bytes_moved", f.bytes_moved},
+          {"bytes_local_copy", f.bytes_local_copy},
+          {"bytes_installed", f.bytes_installed},
+          {"stall_total_ms", f.stall_total_ms},
+          {"stall_max_ms", f.stall_max_ms},
+          {"predicted_before", f.predicted_before},
+          {"predicted_after", f.predicted_after}};
+}
+
+RebalanceFigures rebalance_from(const json& j) {
+  RebalanceFigures f;
+  f.trigger_step = j.at("trigger_step").get<int64_t>();
+  f.end_step = j.at("end_step").get<int64_t>();
+  f.outcome = j.at("outcome").get<std::string>();
+  f.error = j.at("error").get<std::string>();
+  f.slots_moved = j.at("slots_moved").get<int64_t>();
+  f.bytes_moved = j.at("bytes_moved").get<int64_t>();
+  f.bytes_local_copy = j.at("bytes_local_copy").get<int64_t>();
+  f.bytes_installed = j.at("bytes_installed").get<int64_t>();
+  f.stall_total_ms = j.at("stall_total_ms").get<double>();
+  f.stall_max_ms = j.at("stall_max_ms").get<double>();
+  f.predicted_before = j.at("predicted_before").get<double>();
+  f.predicted_after = j.at("predicted_after").get<double>();
+  return f;
+}
+
+// The children of run_side_by_side, for the handler that passes a stop signal on to them.
+std::vector<pid_t> g_children;
+
+void forward_signal(int signal) {
+  for (const pid_t pid : g_children) ::kill(pid, signal);
+}
+
+std::string read_text(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+}  // namespace
+
+std::string result_to_json(const RunResult& r) {
+  json steps = json::array(), rebalances = json::array();
+  for (const StepFigures& s : r.per_step) steps.push_back(step_json(s));
+  for (const RebalanceFigures& f : r.per_rebalance) rebalances.push_back(rebalance_json(f));
+  return json{{"mode", r.mode},
+              {"steps", r.steps},
+              {"interrupted", r.interrupted},
+              {"rebalances", r.rebalances},
+              {"rebalances_triggered", r.rebalances_triggered},
+              {"windows", {r.before_first, r.before_last, r.after_first, r.after_last}},
+              {"balancedness", {r.balancedness_before, r.balancedness_after}},
+              {"moe_ms", {r.moe_ms_before, r.moe_ms_after}},
+              {"moe_wall_ms", {r.moe_wall_ms_before, r.moe_wall_ms_after}},
+              {"bytes", {r.bytes_moved, r.bytes_local_copy, r.bytes_installed}},
+              {"stall", {r.stall_max_ms, r.stall_total_ms}},
+              {"checks", {r.mismatches, r.verified, r.outputs}},
+              {"bytes_held", r.bytes_held},
+              {"wall_s", r.wall_s},
+              {"metrics", r.metrics},
+              {"per_step", std::move(steps)},
+              {"per_rebalance", std::move(rebalances)}}
+      .dump();
+}
+
+RunResult result_from_json(const std::string& text) {
+  try {
+    const json j = json::parse(text);
+    RunResult r;
+    r.mode = j.at("mode").get<std::string>();
+    r.steps = j.at("steps").get<int64_t>();
+    r.interrupted = j.at("interrupted").get<bool>();
+    r.rebalances = j.at("rebalances").get<int64_t>();
+    r.rebalances_triggered = j.at("rebalances_triggered").get<int64_t>();
+    const json& w = j.at("windows");
+    r.before_first = w.at(0).get<int64_t>();
+    r.before_last = w.at(1).get<int64_t>();
+    r.after_first = w.at(2).get<int64_t>();
+    r.after_last = w.at(3).get<int64_t>();
+    r.balancedness_before = j.at("balancedness").at(0).get<double>();
+    r.balancedness_after = j.at("balancedness").at(1).get<double>();
+    r.moe_ms_before = j.at("moe_ms").at(0).get<double>();
+    r.moe_ms_after = j.at("moe_ms").at(1).get<double>();
+    r.moe_wall_ms_before = j.at("moe_wall_ms").at(0).get<double>();
+    r.moe_wall_ms_after = j.at("moe_wall_ms").at(1).get<double>();
+    r.bytes_moved = j.at("bytes").at(0).get<int64_t>();
+    r.bytes_local_copy = j.at("bytes").at(1).get<int64_t>();
+    r.bytes_installed = j.at("bytes").at(2).get<int64_t>();
+    r.stall_max_ms = j.at("stall").at(0).get<double>();
+    r.stall_total_ms = j.at("stall").at(1).get<double>();
+    r.mismatches = j.at("checks").at(0).get<int64_t>();
+    r.verified = j.at("checks").at(1).get<int64_t>();
+    r.outputs = j.at("checks").at(2).get<int64_t>();
+    r.bytes_held = j.at("bytes_held").get<int64_t>();
+    r.wall_s = j.at("wall_s").get<double>();
+    r.metrics = j.at("metrics").get<std::string>();
+    for (const json& s : j.at("per_step")) r.per_step.push_back(step_from(s));
+    for (const json& f : j.at("per_rebalance")) r.per_rebalance.push_back(rebalance_from(f));
+    return r;
+  } catch (const json::exception& e) {
+    fail<IoError>("a run's result could not be read back: ", e.what());
+  }
+}
+
+std::vector<RunResult> run_side_by_side(const std::vector<RunOptions>& runs,
+                                        const Workload& workload) {
+  const control::ScratchFolder scratch("eplb-side-by-side");
+  std::vector<pid_t> pids;
+  // Stop signals go to every run (each stops its ranks at the same step and reports).
+  struct sigaction action {};
+  action.sa_handler = forward_signal;
+  sigemptyset(&action.sa_mask);
+  struct sigaction old_int {
+  }, old_term{};
+  g_children.clear();
+  for (size_t i = 0; i < runs.size(); ++i) {
+    const std::string out = scratch.path() + "/" + std::to_string(i);
+    const pid_t pid = ::fork();
+    if (pid < 0) {
+      for (const pid_t p : pids) ::kill(p, SIGTERM);
+      fail<IoError>("fork of the ", runs[i].mode, " run failed: ", std::strerror(errno));
+    }
+    if (pid == 0) {
+      int code = 0;
+      try {
+        std::ofstream(out + ".json") << result_to_json(run_local(runs[i], workload));
+      } catch (const std::exception& e) {
+        std::ofstream(out + ".err") << e.what();
+        code = 1;
+      }
+      std::_Exit(code);
+    }
+    pids.push_back(pid);
+  }
+  g_children = pids;
+  ::sigaction(SIGINT, &action, &old_int);
+  ::sigaction(SIGTERM, &action, &old_term);
+  std::vector<int> status(pids.size(), 0);
+  for (size_t i = 0; i < pids.size(); ++i) {
+    while (::waitpid(pids[i], &status[i], 0) < 0 && errno == EINTR) {
+    }
+  }
+  ::sigaction(SIGINT, &old_int, nullptr);
+  ::sigaction(SIGTERM, &old_term, nullptr);
+  g_children.clear();
+
+  std::vector<RunResult> results;
+  for (size_t i = 0; i < runs.size(); ++i) {
+    const std::string out = scratch.path() + "/" + std::to_string(i);
+    if (!WIFEXITED(status[i]) || WEXITSTATUS(status[i]) != 0) {
+      const std::string why = read_text(out + ".err");
+      fail<IoError>("the ", runs[i].mode, " run failed: ",
+                    why.empty() ? (WIFSIGNALED(status[i]) ? std::string("killed by signal ") +
+                                                                std::to_string(WTERMSIG(status[i]))
+                                                          : std::string("no report"))
+                                : why);
+    }
+    results.push_back(result_from_json(read_text(out + ".json")));
+  }
+  return results;
+}
+
+}  // namespace eplb::emu

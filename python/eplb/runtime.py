@@ -368,14 +368,24 @@ class Rebalancer:
                     for k, v in tables.items()}
         return tables
 
-    def route(self, layer, topk_ids, first_token=0):
+    def route(self, layer, topk_ids, first_token=0, *, global_counts=None, prefix=None):
         """The physical slot of every (token, k) of `topk_ids` [tokens, top_k] under the
         config's dispatch policy; row t is the token with index first_token + t (hash and
-        weighted dispatch hash it). Slot p lives on rank p // slots_per_rank. Returns int32
-        numpy, or an int64 torch tensor for a torch input (torch indexes with int64)."""
+        weighted dispatch hash it; split counts each expert's tokens from the first row).
+        Slot p lives on rank p // slots_per_rank. Returns int32 numpy, or an int64 torch
+        tensor for a torch input (torch indexes with int64).
+
+        dispatch "adaptive" also needs this step's `global_counts` (the layer's count of every
+        logical expert summed over all ranks) and `prefix` (each expert's tokens on the ranks
+        below this one), int arrays of [experts]: from the all-to-all's layout exchange, or an
+        all-reduce and an exclusive scan of this rank's counts. Every rank computes the same
+        shares from them."""
         torch_in = _is_torch_tensor(topk_ids)
+        counts = None if global_counts is None else _ids(global_counts, "global_counts")
+        before = None if prefix is None else _ids(prefix, "prefix")
         slots = self._rt.route(layer, _ids(topk_ids, "topk_ids"),
-                               _as_int(first_token, "first_token"))
+                               _as_int(first_token, "first_token"), global_counts=counts,
+                               prefix=before)
         if torch_in:
             return _torch().from_numpy(slots.astype(np.int64))
         return slots

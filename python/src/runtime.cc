@@ -11,7 +11,8 @@
 // step_end(), shutdown() and destruction. Ranks that are threads of one process (inproc
 // backends) then make progress while one of them waits.
 
-#include "eplb/runtime/rebalancer.h"
+#include <fmt/core.h>
+#include <prometheus/metric_family.h>
 
 #include <chrono>
 #include <cmath>
@@ -21,13 +22,11 @@
 #include <utility>
 #include <vector>
 
-#include <fmt/core.h>
-#include <prometheus/metric_family.h>
-
 #include "bindings.h"
 #include "eplb/control/communicator.h"
 #include "eplb/core/error.h"
 #include "eplb/routing/dispatch.h"
+#include "eplb/runtime/rebalancer.h"
 #include "eplb/stats/load_file.h"
 #include "eplb/transport/registry.h"
 #include "eplb/transport/shareable.h"
@@ -40,7 +39,8 @@ using CountArray = py::array_t<int64_t, py::array::c_style | py::array::forcecas
 
 int64_t int_of(const py::handle& value, const std::string& key) {
   if (PyBool_Check(value.ptr()) || !PyIndex_Check(value.ptr())) {
-    fail("config['", key, "'] must be an integer, got ", py::str(py::repr(value)).cast<std::string>());
+    fail("config['", key, "'] must be an integer, got ",
+         py::str(py::repr(value)).cast<std::string>());
   }
   const auto index = py::reinterpret_steal<py::object>(PyNumber_Index(value.ptr()));
   if (!index) throw py::error_already_set();
@@ -56,7 +56,8 @@ int64_t int_of(const py::handle& value, const std::string& key) {
 
 double float_of(const py::handle& value, const std::string& key) {
   if (PyBool_Check(value.ptr()) || !(PyFloat_Check(value.ptr()) || PyIndex_Check(value.ptr()))) {
-    fail("config['", key, "'] must be a number, got ", py::str(py::repr(value)).cast<std::string>());
+    fail("config['", key, "'] must be a number, got ",
+         py::str(py::repr(value)).cast<std::string>());
   }
   const double v = PyFloat_AsDouble(value.ptr());  // an int too large for a double: an error
   if (v == -1.0 && PyErr_Occurred()) {
@@ -69,7 +70,8 @@ double float_of(const py::handle& value, const std::string& key) {
 
 std::string string_of(const py::handle& value, const std::string& key) {
   if (!py::isinstance<py::str>(value)) {
-    fail("config['", key, "'] must be a string, got ", py::str(py::repr(value)).cast<std::string>());
+    fail("config['", key, "'] must be a string, got ",
+         py::str(py::repr(value)).cast<std::string>());
   }
   return value.cast<std::string>();
 }
@@ -160,7 +162,8 @@ runtime::Config to_config(const py::dict& d, int world_size) {
     }
   }
   if (!has_experts) fail("config needs 'experts' (logical experts per layer)");
-  if (!has_physical) fail("config needs 'physical' (physical slots per layer, experts + redundant)");
+  if (!has_physical)
+    fail("config needs 'physical' (physical slots per layer, experts + redundant)");
   if (c.layout.ranks != world_size) {
     fail("config['ranks'] ", c.layout.ranks, " differs from world_size ", world_size,
          " (the layout's ranks are the control group's size)");
@@ -249,8 +252,8 @@ py::list metric_families_list(const std::vector<prometheus::MetricFamily>& famil
         case prometheus::MetricType::Histogram:
           for (const auto& b : m.histogram.bucket) {
             py::dict l = labels_of(m);
-            l["le"] = std::isinf(b.upper_bound) ? std::string("+Inf")
-                                                : fmt::format("{}", b.upper_bound);
+            l["le"] =
+                std::isinf(b.upper_bound) ? std::string("+Inf") : fmt::format("{}", b.upper_bound);
             samples.append(
                 py::make_tuple(f.name + "_bucket", l, static_cast<double>(b.cumulative_count)));
           }
@@ -269,7 +272,7 @@ py::list metric_families_list(const std::vector<prometheus::MetricFamily>& famil
                        : f.type == prometheus::MetricType::Gauge     ? "gauge"
                        : f.type == prometheus::MetricType::Histogram ? "histogram"
                        : f.type == prometheus::MetricType::Summary   ? "summary"
-                                                                      : "untyped";
+                                                                     : "untyped";
     py::dict d;
     d["name"] = f.name;
     d["help"] = f.help;
@@ -291,9 +294,9 @@ py::array_t<int32_t> int32s(const std::vector<int32_t>& v, std::vector<py::ssize
 class Runtime {
  public:
   Runtime(runtime::Config config, int rank, const std::string& control,
-          const control::Options& options, const std::string& transport,
-          runtime::WeightSpec spec, std::optional<Placement> initial,
-          std::optional<std::string> initial_path, py::object keep)
+          const control::Options& options, const std::string& transport, runtime::WeightSpec spec,
+          std::optional<Placement> initial, std::optional<std::string> initial_path,
+          py::object keep)
       : keep_(std::move(keep)),
         layout_(config.layout),
         dispatch_policy_(config.dispatch),
@@ -338,6 +341,7 @@ class Runtime {
   const Layout& layout() const { return layout_; }
 
   routing::DispatchPolicy dispatch_policy() const { return dispatch_policy_; }
+  routing::AdaptiveShares& shares() { return shares_; }  // route()'s, reused between calls
   uint64_t& random_state() { return random_state_; }
 
  private:
@@ -352,6 +356,7 @@ class Runtime {
   py::object keep_;
   const Layout layout_;
   const routing::DispatchPolicy dispatch_policy_;
+  routing::AdaptiveShares shares_;
   uint64_t random_state_;
   std::unique_ptr<control::Communicator> comm_;
   std::unique_ptr<transport::Transport> transport_;
@@ -393,9 +398,8 @@ std::unique_ptr<Runtime> make_runtime(const py::dict& config, int rank, int worl
   options.rendezvous = rendezvous;
   options.group = group;
   options.timeout = c.timeout;
-  return std::make_unique<Runtime>(std::move(c), rank, control, options, transport,
-                                   std::move(spec), std::move(start), initial_path,
-                                   std::move(keep));
+  return std::make_unique<Runtime>(std::move(c), rank, control, options, transport, std::move(spec),
+                                   std::move(start), initial_path, std::move(keep));
 }
 
 // This rank's bytes of one tensor of `layer`, [slots_per_rank][expert_bytes] uint8, a view
@@ -405,12 +409,12 @@ py::array weights_view(py::object self, int64_t layer, int64_t tensor) {
   std::span<std::byte> bytes = r.rb().weights(layer, tensor);
   const runtime::WeightSpec& spec = r.rb().weight_spec();
   const py::ssize_t slots = r.layout().slots_per_rank();
-  EPLB_CHECK(tensor >= 0 && tensor < static_cast<int64_t>(spec.tensors.size()), "tensor ",
-             tensor, " is outside [0, ", spec.tensors.size(), ")");
+  EPLB_CHECK(tensor >= 0 && tensor < static_cast<int64_t>(spec.tensors.size()), "tensor ", tensor,
+             " is outside [0, ", spec.tensors.size(), ")");
   const auto per_slot = static_cast<py::ssize_t>(spec.tensors[tensor].expert_bytes);
   // The engine's tensors may have a stride between slots; the arena's slots are contiguous.
-  const auto stride = static_cast<py::ssize_t>(
-      spec.engine_weights() ? spec.stride(layer, tensor) : per_slot);
+  const auto stride =
+      static_cast<py::ssize_t>(spec.engine_weights() ? spec.stride(layer, tensor) : per_slot);
   return py::array(py::dtype::of<uint8_t>(), {slots, per_slot}, {stride, py::ssize_t{1}},
                    bytes.data(), self);
 }
@@ -430,8 +434,9 @@ py::dict dispatch_dict(Runtime& r, int64_t layer) {
 }
 
 // experts [tokens][top_k] (int32) -> slots of the same shape, with the config's dispatch policy.
-py::array_t<int32_t> route(Runtime& r, int64_t layer, const IdArray& experts,
-                           uint64_t first_token) {
+py::array_t<int32_t> route(Runtime& r, int64_t layer, const IdArray& experts, uint64_t first_token,
+                           const std::optional<CountArray>& global_counts,
+                           const std::optional<CountArray>& prefix) {
   if (experts.ndim() != 2) {
     fail("route: topk_ids must be a 2-D [tokens, top_k] array, got ", experts.ndim(),
          " dimensions");
@@ -441,11 +446,34 @@ py::array_t<int32_t> route(Runtime& r, int64_t layer, const IdArray& experts,
   const py::ssize_t n = experts.size();
   for (py::ssize_t i = 0; i < n; ++i) {
     if (ids[i] < 0 || ids[i] >= tables.experts) {
-      fail("route: layer ", layer, " expert id ", ids[i], " at position ", i,
-           " is outside [0, ", tables.experts, ")");
+      fail("route: layer ", layer, " expert id ", ids[i], " at position ", i, " is outside [0, ",
+           tables.experts, ")");
     }
   }
   py::array_t<int32_t> slots(std::vector<py::ssize_t>{experts.shape(0), experts.shape(1)});
+  if (r.dispatch_policy() == routing::DispatchPolicy::kAdaptive) {
+    // The step's best split needs the step's global count of every expert and the tokens of
+    // each expert on the lower ranks: an engine has both after its all-to-all layout exchange.
+    if (!global_counts || !prefix) {
+      fail(
+          "route: adaptive dispatch needs global_counts= (this layer's count of every expert "
+          "this step, summed over all ranks) and prefix= (each expert's tokens on the ranks "
+          "below this one), both int64 arrays of ",
+          tables.experts, " entries");
+    }
+    auto span_of = [&](const CountArray& a, const char* what) {
+      if (a.ndim() != 1 || a.size() != tables.experts) {
+        fail("route: ", what, " must be a 1-D array of ", tables.experts,
+             " entries (one per logical expert), got ", a.size());
+      }
+      return std::span<const int64_t>(a.data(), static_cast<size_t>(a.size()));
+    };
+    routing::adaptive_shares(tables, span_of(*global_counts, "global_counts"), r.shares());
+    routing::route_adaptive(tables, r.shares(), span_of(*prefix, "prefix"),
+                            {ids, static_cast<size_t>(n)}, experts.shape(1),
+                            {slots.mutable_data(), static_cast<size_t>(n)});
+    return slots;
+  }
   routing::route(tables, r.dispatch_policy(), {ids, static_cast<size_t>(n)}, experts.shape(1),
                  {slots.mutable_data(), static_cast<size_t>(n)}, first_token, r.rb().rank(),
                  r.random_state());
@@ -500,7 +528,10 @@ void bind_runtime(py::module_& m) {
              r.rb().record_counts(layer, {counts.data(), static_cast<size_t>(counts.size())});
            })
       .def("dispatch", &dispatch_dict)
-      .def("route", &route)
+      .def("route", &route, py::arg("layer"), py::arg("topk_ids"), py::arg("first_token") = 0,
+           py::kw_only(), py::arg("global_counts") = std::nullopt, py::arg("prefix") = std::nullopt,
+           "Slots for topk_ids [tokens, top_k] under the config's dispatch; adaptive also takes "
+           "the step's global_counts and this rank's prefix (int64 [experts] each)")
       .def("weights", &weights_view)
       .def("phy2log",
            [](Runtime& r, int64_t layer) {
@@ -528,12 +559,9 @@ void bind_runtime(py::module_& m) {
              py::gil_scoped_release release;
              rb.shutdown();
            })
-      .def("agreement_contribution",
-           [](Runtime& r) { return r.rb().agreement_contribution(); })
-      .def("agreement_result",
-           [](Runtime& r, int64_t step, int64_t min_value) {
-             r.rb().agreement_result(step, min_value);
-           })
+      .def("agreement_contribution", [](Runtime& r) { return r.rb().agreement_contribution(); })
+      .def("agreement_result", [](Runtime& r, int64_t step,
+                                  int64_t min_value) { r.rb().agreement_result(step, min_value); })
       .def("history",
            [](Runtime& r) {
              py::list out;

@@ -312,6 +312,33 @@ def test_torch_paths():
         rb.step_end()
 
 
+def test_split_and_adaptive_dispatch():
+    torch = pytest.importorskip("torch")
+    ids = np.array([[0, 5], [3, 7], [0, 0], [0, 1]], dtype=np.int32)
+    with eplb.Rebalancer(one_config(dispatch="split"), 0, 1, control="inproc",
+                         transport="inproc", weights=WEIGHTS, layers=LAYERS) as rb:
+        rb.connect()
+        slots = rb.route(0, ids)
+        np.testing.assert_array_equal(rb.phy2log(0)[slots], ids)
+        # Expert 0's four tokens alternate over its two replicas.
+        zero = slots[ids == 0]
+        assert len(set(zero.tolist())) == 2
+    with eplb.Rebalancer(one_config(dispatch="adaptive"), 0, 1, control="inproc",
+                         transport="inproc", weights=WEIGHTS, layers=LAYERS) as rb:
+        rb.connect()
+        assert rb.config["dispatch"] == "adaptive"
+        counts = np.bincount(ids.ravel(), minlength=EXPERTS)
+        slots = rb.route(0, ids, global_counts=counts, prefix=np.zeros(EXPERTS, np.int64))
+        np.testing.assert_array_equal(rb.phy2log(0)[slots], ids)
+        slots_t = rb.route(0, torch.from_numpy(ids), global_counts=torch.from_numpy(counts),
+                           prefix=torch.zeros(EXPERTS, dtype=torch.int64))
+        assert torch.equal(slots_t, torch.from_numpy(slots).long())
+        with pytest.raises(eplb.InvalidArgument, match="global_counts"):
+            rb.route(0, ids)
+        with pytest.raises(eplb.InvalidArgument, match="1-D array of 8 entries"):
+            rb.route(0, ids, global_counts=counts[:3], prefix=np.zeros(EXPERTS, np.int64))
+
+
 # --------------------------------------------------------------- several ranks: threads
 def run_rank(rank, world, rendezvous, cfg, steps_min, steps_max, log, control, transport,
              agree=None, weights=WEIGHTS):

@@ -54,6 +54,7 @@ struct SimulateArgs {
   bool json = false;
   std::string plot_path;
   std::string dispatches = "all";  // per-step scoring at token level; "none": off
+  double spread = 0;
 };
 
 // What was read: the history the replay runs on, and the trace its steps were grouped from.
@@ -376,6 +377,10 @@ void run_simulate(const SimulateArgs& args) {
   options.window = args.window;
   options.hierarchical = args.hierarchical;
   options.tolerance = args.tolerance;
+  if (!(args.spread >= 0) || !std::isfinite(args.spread)) {
+    fail("--spread ", args.spread, " must be a finite number of standard deviations >= 0");
+  }
+  options.spread = args.spread;
   options.migration.expert_bytes = args.expert_bytes;
   options.migration.schedule.peers_per_round = args.peers_per_round;
   if (!args.plot_path.empty() && !have_gnuplot()) {
@@ -531,6 +536,10 @@ void add_simulate(CLI::App& app) {
                   "Peers a rank reads from (and serves) per round of a migration")
       ->capture_default_str();
   cmd->add_flag("--json", args->json, "Print one JSON object instead of the table");
+  cmd->add_option("--spread", args->spread,
+                  "Place from each expert's window sum plus this many standard deviations of "
+                  "its per-step count (room for per-step dispatch; 0: the sum)")
+      ->capture_default_str();
   cmd->add_option("--dispatch", args->dispatches,
                   "Score every step on its own at token level under these dispatches "
                   "(comma-separated: static, random, hash, weighted, split, adaptive), with the "

@@ -186,6 +186,25 @@ double lower_bound(std::span<const double> w, double mean, const Layout& layout)
   return placement::layer_lower_bound(w, layout);
 }
 
+// The load a placement is made from under SimOptions::spread: each expert's window sum plus
+// `z` standard deviations of its per-step count, times the window's steps, so that experts
+// whose count swings from step to step weigh as their busier steps do.
+const LoadMatrix& spread_load(const stats::LoadHistory& history, int64_t begin, int64_t end,
+                              const LoadMatrix& sums, double z, LoadMatrix& out) {
+  const auto steps = static_cast<double>(end - begin);
+  std::fill(out.values.begin(), out.values.end(), 0.0);
+  for (int64_t s = begin; s < end; ++s) {
+    const double* step = history.step(s);
+    for (size_t i = 0; i < out.values.size(); ++i) out.values[i] += step[i] * step[i];
+  }
+  for (size_t i = 0; i < out.values.size(); ++i) {
+    const double mean = sums.values[i] / steps;
+    const double variance = std::max(0.0, out.values[i] / steps - mean * mean);
+    out.values[i] = sums.values[i] + z * steps * std::sqrt(variance);
+  }
+  return out;
+}
+
 // Running sums of one policy's scores.
 struct Score {
   double sum_balancedness = 0;  // over the (step, layer) with load
@@ -301,8 +320,8 @@ SimResult simulate(const stats::LoadHistory& history, const SimOptions& options)
   out.first_scored_step = options.window;
   // The step after t comes from what is left, so no t + interval is formed (an interval past
   // the last step means one rebalance).
-  for (int64_t t = options.window; t < steps;
-       t = steps - t > options.interval ? t + options.interval : steps) {
+  for (int64_t t = options.window;
+       t<steps; t = steps - t> options.interval ? t + options.interval : steps) {
     out.rebalance_steps.push_back(t);
   }
   const auto rebalances = static_cast<int64_t>(out.rebalance_steps.size());
@@ -319,6 +338,7 @@ SimResult simulate(const stats::LoadHistory& history, const SimOptions& options)
 
   std::vector<double> least(static_cast<size_t>(history.layers * history.experts), 0.0);
   WindowSum window_sum(history, least);
+  LoadMatrix spread(history.layers, history.experts);  // with options.spread
   LoadMatrix served(history.layers, history.experts);  // the steps one placement serves
   int64_t served_begin = -1, served_end = -1;
   double sum_bound_ratio = 0, sum_bound_mean = 0, sum_bound = 0;
@@ -332,7 +352,10 @@ SimResult simulate(const stats::LoadHistory& history, const SimOptions& options)
     if (served_begin == t - options.window && served_end == t) {
       window_sum.take(served, served_begin, served_end);
     }
-    const LoadMatrix& window = window_sum.cover(t - options.window, t);
+    const LoadMatrix& window_sums = window_sum.cover(t - options.window, t);
+    const LoadMatrix& window = options.spread > 0 ? spread_load(history, t - options.window, t,
+                                                                window_sums, options.spread, spread)
+                                                  : window_sums;
     for (Run& run : runs) {
       if (!run.policy->rebalances) {
         if (options.keep_placements) run.result.placements.push_back(run.current);

@@ -242,6 +242,10 @@ grep -q "dispatch bound" "$tmp/steps.txt" && grep -q "adaptive" "$tmp/steps.txt"
 ! grep -q '"dispatch"' "$tmp/nosteps.json" || fail "--dispatch none still scored per step"
 expect_error "unknown dispatch policy 'roundrobin'" "${t[@]}" --interval 1 --window 2 \
   --dispatch hash,roundrobin
+expect_error "--spread -1 must be a finite number of standard deviations" "${t[@]}" --interval 1 \
+  --window 2 --spread -1
+"$eplb" simulate "${t[@]}" --interval 2 --window 2 --policy balanced --spread 0.5 --json \
+  >"$tmp/spread.json" 2>"$tmp/err" || fail "--spread 0.5 failed: $(cat "$tmp/err")"
 
 if [ $failures -ne 0 ]; then
   echo "$failures failure(s)"

@@ -50,6 +50,10 @@ struct SimOptions {
   double tolerance = 0.01;          // sticky: accepted balancedness loss against balanced
   // Migration accounting of each rebalance (expert_bytes >= 1, peers per round).
   migration::MigrationOptions migration;
+  // Place from each expert's window sum plus `spread` standard deviations of its per-step
+  // count (times the window's steps) instead of the sum alone: more room for the experts whose
+  // count varies most, for per-step dispatch. 0: the sum (the default). >= 0.
+  double spread = 0;
   // Keep every placement each policy served with (PolicyResult::placements), for the per-step
   // scoring of sim/per_step.h.
   bool keep_placements = false;
@@ -67,8 +71,8 @@ struct PolicyResult {
   std::string policy;
   // Scored (step, layer): the steps after the first window, each layer with load at that step
   // (a layer without load is dense and left out; every figure is 1 when nothing has load).
-  double balancedness = 1;                // mean over scored (step, layer) of mean / max rank load
-  double balancedness_step = 1;           // sum over scored (step, layer) of mean / sum of max
+  double balancedness = 1;       // mean over scored (step, layer) of mean / max rank load
+  double balancedness_step = 1;  // sum over scored (step, layer) of mean / sum of max
   // The predicted MoE time of a step, in units of one token's pass through one expert: the
   // busiest rank's load of each layer (every rank waits for it), summed over the layers, mean
   // over the scored steps. Multiply by the time of one token-expert to get a time.

@@ -127,6 +127,29 @@ TEST(PerStep, BundledTraceAdaptiveNearsTheBound) {
   EXPECT_EQ(r.tokens, 12 * 8 * 128 * 6);
 }
 
+// SimOptions::spread places for the busier steps of volatile experts: in the window [0, 4)
+// expert 0 swings between 12 and 0 tokens a step and expert 1 holds 6 every step; their sums
+// are equal, and the spread gives the volatile one the spare slot.
+TEST(PerStep, SpreadWeighsVolatileExperts) {
+  stats::LoadHistory h;
+  h.steps = 9;
+  h.layers = 1;
+  h.experts = 3;
+  for (int s = 0; s < 9; ++s) {
+    const double e0 = s % 2 == 0 ? 12 : 0;
+    h.values.insert(h.values.end(), {e0, 6, 1});
+  }
+  const Layout layout{.experts = 3, .physical = 4, .ranks = 2, .nodes = 1, .groups = 1};
+  SimOptions o = options_for(layout, 8, 4, "balanced");
+  const SimResult plain = simulate(h, o);
+  o.spread = 1;
+  const SimResult spread = simulate(h, o);
+  const auto& p0 = plain.policies[0].placements[0];
+  const auto& p1 = spread.policies[0].placements[0];
+  EXPECT_EQ(p1.replica_count[0], 2);  // the volatile expert gets the spare slot
+  EXPECT_GE(p0.replica_count[0] + p0.replica_count[1], 3);
+}
+
 TEST(PerStep, RejectsBadInput) {
   std::mt19937 rng(2);
   const stats::LoadHistory h = random_history(rng, 8, 1, 4);

@@ -197,9 +197,7 @@ void plot(const std::string& path, const sim::SimResult& r, const sim::PerStepRe
   }
   script += "\n";
   if (steps != nullptr) {
-    script +=
-        "set title \"per step at token level: each dispatch, the best split (dispatch "
-        "bound) and a placement for the step (placement bound)\"\n";
+    script += "set title \"each step at token level: dispatches and bounds\"\n";
     script += "set key outside right\nplot ";
     size_t column = r.policies.size() + 2;
     bool first = true;

@@ -464,7 +464,8 @@ py::array_t<int32_t> route(Runtime& r, int64_t layer, const IdArray& experts, ui
     auto span_of = [&](const CountArray& a, const char* what) {
       if (a.ndim() != 1 || a.size() != tables.experts) {
         fail("route: ", what, " must be a 1-D array of ", tables.experts,
-             " entries (one per logical expert), got ", a.size());
+             " entries (one per logical expert), got ", a.ndim(), " dimensions of ", a.size(),
+             " entries");
       }
       return std::span<const int64_t>(a.data(), static_cast<size_t>(a.size()));
     };

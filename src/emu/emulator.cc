@@ -537,13 +537,21 @@ namespace {
 
 std::atomic<int>* g_stop = nullptr;  // shared with the ranks (MAP_SHARED), set by the handler
 
+// A Ctrl-C at a terminal reaches the launcher and every rank at once: each process takes its
+// first signal as "stop at the next step" (the flag is shared), and only a second one to the
+// same process as "stop now" (forked ranks die with the launcher).
+volatile sig_atomic_t g_stop_signals = 0;  // this process's
+
 void on_stop_signal(int signal) {
   if (g_stop == nullptr) return;
-  if (g_stop->exchange(1) != 0) {
-    // A second Ctrl-C: stop now (forked ranks die with the launcher).
+  const int seen = g_stop_signals;
+  g_stop_signals = seen + 1;
+  if (seen > 0) {
     ::signal(signal, SIG_DFL);
     ::raise(signal);
+    return;
   }
+  g_stop->store(1);
 }
 
 std::unique_ptr<transport::Transport> make_transport(const RunOptions& options, int rank) {
@@ -629,6 +637,7 @@ RunResult run_local(const RunOptions& options, const Workload& workload) {
   if (shared == MAP_FAILED) fail<IoError>("mmap of the stop flag failed: ", std::strerror(errno));
   auto* stop = new (shared) std::atomic<int>(0);
   g_stop = stop;
+  g_stop_signals = 0;
   struct sigaction action {};
   action.sa_handler = on_stop_signal;
   sigemptyset(&action.sa_mask);

@@ -1,8 +1,14 @@
 // Runs side by side (emulator.h): each run_local in a process of its own, started together, so
 // that the runs of `eplb run --compare` share the machine's conditions; results carried back
 // as JSON through a scratch folder.
+//
+// Processes: this one (the parent) forks one launcher per run; each launcher is the leader of
+// a process group of its own and forks its ranks (run_local). The parent passes SIGINT and
+// SIGTERM on to the launchers; a launcher dies with the parent (PR_SET_PDEATHSIG: SIGTERM, which
+// stops its ranks at the same step), and its ranks die with it.
 
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -68,11 +74,16 @@ RebalanceFigures rebalance_from(const json& j) {
   return f;
 }
 
-// The children of run_side_by_side, for the handler that passes a stop signal on to them.
-std::vector<pid_t> g_children;
+// The children of run_side_by_side (0 once reaped), for the handler that passes a stop signal
+// on to them.
+constexpr size_t kMaxRuns = 8;
+std::atomic<pid_t> g_children[kMaxRuns];
 
 void forward_signal(int signal) {
-  for (const pid_t pid : g_children) ::kill(pid, signal);
+  for (std::atomic<pid_t>& child : g_children) {
+    const pid_t pid = child.load();
+    if (pid > 0) ::kill(pid, signal);
+  }
 }
 
 std::string read_text(const std::string& path) {
@@ -149,23 +160,77 @@ RunResult result_from_json(const std::string& text) {
 
 std::vector<RunResult> run_side_by_side(const std::vector<RunOptions>& runs,
                                         const Workload& workload) {
+  EPLB_CHECK(!runs.empty() && runs.size() <= kMaxRuns, "run_side_by_side: ", runs.size(),
+             " runs (expected 1 to ", kMaxRuns, ")");
   const control::ScratchFolder scratch("eplb-side-by-side");
-  std::vector<pid_t> pids;
-  // Stop signals go to every run (each stops its ranks at the same step and reports).
+  // Step 1: fork with stop signals blocked and the forwarding handler in place, so that a
+  // signal arriving meanwhile reaches every run. Each run gets a process group of its own: a
+  // Ctrl-C at the terminal then reaches this process alone, which passes it on once (the runs'
+  // own handlers take a second signal as "stop now"); and it dies with this process.
+  std::fflush(stdout);  // or each child would print what is buffered again
+  std::fflush(stderr);
+  sigset_t stops, old_mask;
+  sigemptyset(&stops);
+  sigaddset(&stops, SIGINT);
+  sigaddset(&stops, SIGTERM);
+  ::sigprocmask(SIG_BLOCK, &stops, &old_mask);
   struct sigaction action {};
   action.sa_handler = forward_signal;
   sigemptyset(&action.sa_mask);
   struct sigaction old_int {
   }, old_term{};
-  g_children.clear();
+  ::sigaction(SIGINT, &action, &old_int);
+  ::sigaction(SIGTERM, &action, &old_term);
+  for (std::atomic<pid_t>& child : g_children) child.store(0);
+  auto restore = [&] {
+    ::sigaction(SIGINT, &old_int, nullptr);
+    ::sigaction(SIGTERM, &old_term, nullptr);
+    ::sigprocmask(SIG_SETMASK, &old_mask, nullptr);
+  };
+  // Waits for every child still running; returns their statuses by index (-1: lost).
+  std::vector<int> status(runs.size(), -1);
+  auto reap = [&](bool stop_all_on_failure) {
+    size_t running = 0;
+    for (std::atomic<pid_t>& child : g_children) running += child.load() > 0 ? 1 : 0;
+    bool stopping = false;
+    while (running > 0) {
+      int st = 0;
+      const pid_t pid = ::waitpid(-1, &st, 0);
+      if (pid < 0) {
+        if (errno == EINTR) continue;
+        break;  // no child left to wait for: the others count as lost
+      }
+      for (size_t i = 0; i < runs.size(); ++i) {
+        if (g_children[i].load() != pid) continue;
+        g_children[i].store(0);
+        status[i] = st;
+        --running;
+        const bool ok = WIFEXITED(st) && WEXITSTATUS(st) == 0;
+        if (!ok && stop_all_on_failure && !stopping) {
+          stopping = true;  // one run failed: the comparison is lost, stop the others
+          forward_signal(SIGTERM);
+        }
+      }
+    }
+  };
+  const pid_t parent = ::getpid();
   for (size_t i = 0; i < runs.size(); ++i) {
     const std::string out = scratch.path() + "/" + std::to_string(i);
     const pid_t pid = ::fork();
     if (pid < 0) {
-      for (const pid_t p : pids) ::kill(p, SIGTERM);
-      fail<IoError>("fork of the ", runs[i].mode, " run failed: ", std::strerror(errno));
+      const int error = errno;
+      forward_signal(SIGTERM);
+      reap(false);
+      restore();
+      fail<IoError>("fork of the ", runs[i].mode, " run failed: ", std::strerror(error));
     }
     if (pid == 0) {
+      ::setpgid(0, 0);
+      ::prctl(PR_SET_PDEATHSIG, SIGTERM);
+      if (::getppid() != parent) std::_Exit(125);
+      ::signal(SIGINT, SIG_DFL);
+      ::signal(SIGTERM, SIG_DFL);
+      ::sigprocmask(SIG_SETMASK, &old_mask, nullptr);
       int code = 0;
       try {
         std::ofstream(out + ".json") << result_to_json(run_local(runs[i], workload));
@@ -173,32 +238,35 @@ std::vector<RunResult> run_side_by_side(const std::vector<RunOptions>& runs,
         std::ofstream(out + ".err") << e.what();
         code = 1;
       }
+      std::fflush(stdout);
+      std::fflush(stderr);
       std::_Exit(code);
     }
-    pids.push_back(pid);
+    g_children[i].store(pid);
   }
-  g_children = pids;
-  ::sigaction(SIGINT, &action, &old_int);
-  ::sigaction(SIGTERM, &action, &old_term);
-  std::vector<int> status(pids.size(), 0);
-  for (size_t i = 0; i < pids.size(); ++i) {
-    while (::waitpid(pids[i], &status[i], 0) < 0 && errno == EINTR) {
-    }
-  }
-  ::sigaction(SIGINT, &old_int, nullptr);
-  ::sigaction(SIGTERM, &old_term, nullptr);
-  g_children.clear();
+  ::sigprocmask(SIG_SETMASK, &old_mask, nullptr);  // signals now go to the handler
 
+  // Step 2: wait for all; a failed run stops the others.
+  reap(true);
+  restore();
+
+  // Step 3: the results, or the first failure (the run that failed first by index).
   std::vector<RunResult> results;
   for (size_t i = 0; i < runs.size(); ++i) {
     const std::string out = scratch.path() + "/" + std::to_string(i);
-    if (!WIFEXITED(status[i]) || WEXITSTATUS(status[i]) != 0) {
-      const std::string why = read_text(out + ".err");
+    const std::string why = read_text(out + ".err");
+    if (!why.empty()) fail<IoError>("the ", runs[i].mode, " run failed: ", why);
+  }
+  for (size_t i = 0; i < runs.size(); ++i) {
+    const std::string out = scratch.path() + "/" + std::to_string(i);
+    const int st = status[i];
+    if (st == -1 || !WIFEXITED(st) || WEXITSTATUS(st) != 0) {
       fail<IoError>("the ", runs[i].mode, " run failed: ",
-                    why.empty() ? (WIFSIGNALED(status[i]) ? std::string("killed by signal ") +
-                                                                std::to_string(WTERMSIG(status[i]))
-                                                          : std::string("no report"))
-                                : why);
+                    st == -1 ? std::string("it was lost (no exit status)")
+                    : WIFSIGNALED(st)
+                        ? std::string("killed by signal ") + std::to_string(WTERMSIG(st)) + " (" +
+                              strsignal(WTERMSIG(st)) + ")"
+                        : std::string("exit status ") + std::to_string(WEXITSTATUS(st)));
     }
     results.push_back(result_from_json(read_text(out + ".json")));
   }

@@ -227,9 +227,11 @@ void adaptive_shares(const DispatchTables& tables, std::span<const int64_t> glob
       tables.experts, tables.ranks, tables.ranks * tables.slots_per_rank)));
   out.max_rank_load = adaptive_split(adaptive_layer(tables), global_counts.data(), out.share.data(),
                                      out.work.data());
-  EPLB_CHECK(out.max_rank_load >= 0,
-             "adaptive_shares: the dispatch tables are inconsistent "
-             "(a replica count or slot out of range)");
+  EPLB_CHECK(out.max_rank_load >= 0, "adaptive_shares: the dispatch tables of ", tables.experts,
+             " experts on ", tables.ranks, " ranks of ", tables.slots_per_rank,
+             " slots are inconsistent (a replica count outside [1, ", tables.max_replicas,
+             "] or a slot outside [0, ", tables.ranks * tables.slots_per_rank,
+             ")): build them with build_dispatch_tables");
 }
 
 void count_experts(std::span<const int32_t> experts, int64_t num_experts,

@@ -68,6 +68,9 @@ void check_options(const stats::LoadHistory& history, const SimOptions& options)
   if (options.migration.schedule.peers_per_round < 1) {
     fail("peers per round ", options.migration.schedule.peers_per_round, " must be at least 1");
   }
+  if (!(options.spread >= 0) || !std::isfinite(options.spread)) {
+    fail("spread ", options.spread, " must be a finite number of standard deviations >= 0");
+  }
   if (!(options.tolerance >= 0 && options.tolerance < 1)) {
     fail("tolerance ", options.tolerance, " must be in [0, 1) (a loss of balancedness)");
   }
@@ -320,8 +323,8 @@ SimResult simulate(const stats::LoadHistory& history, const SimOptions& options)
   out.first_scored_step = options.window;
   // The step after t comes from what is left, so no t + interval is formed (an interval past
   // the last step means one rebalance).
-  for (int64_t t = options.window;
-       t<steps; t = steps - t> options.interval ? t + options.interval : steps) {
+  for (int64_t t = options.window; t < steps;
+       t = (steps - t > options.interval) ? t + options.interval : steps) {
     out.rebalance_steps.push_back(t);
   }
   const auto rebalances = static_cast<int64_t>(out.rebalance_steps.size());

@@ -124,6 +124,26 @@ if "$eplb" run "${small[@]}" --compare --json >"$tmp/compare.json" 2>"$tmp/compa
 else
   fail "--compare exited $?: $(tail -c 300 "$tmp/compare.err")"
 fi
+# Side by side into a pipe: the header once (the runs are forked after it is flushed), the table.
+"$eplb" run "${sizes[@]}" --steps 16 --interval 8 --window 8 --compare 2>"$tmp/cmp.err" | cat >"$tmp/cmp.txt"
+[ "$(grep -c '^eplb run:' "$tmp/cmp.txt")" -eq 1 ] \
+  || fail "--compare header printed $(grep -c '^eplb run:' "$tmp/cmp.txt") times"
+grep -q "tokens/s after" "$tmp/cmp.txt" || fail "--compare table: $(cat "$tmp/cmp.txt" "$tmp/cmp.err")"
+# A Ctrl-C at a terminal reaches the whole process group: every run stops at one step and
+# reports, exit 130, nothing left behind (one run, and side by side).
+for extra in "" "--compare"; do
+  want=$([ -z "$extra" ] && echo 9 || echo 27)  # launcher(s) and ranks in the session
+  setsid bash -c "trap '' INT; \"$eplb\" run ${sizes[*]} --steps 1000000 --interval 4 \
+      --window 4 $extra >'$tmp/int.out' 2>'$tmp/int.err' & child=\$!; \
+      for i in \$(seq 1 600); do [ \$(pgrep -s 0 -c -f 'eplb run') -ge $want ] && break; sleep 0.1; done; \
+      sleep 2; kill -INT -\$\$; wait \$child; echo \$? >'$tmp/int.rc'"
+  [ "$(cat "$tmp/int.rc")" = 130 ] \
+    || fail "Ctrl-C ($extra): exit $(cat "$tmp/int.rc"): $(tail -c 300 "$tmp/int.err")"
+  grep -q "interrupted\|off *sync *async" "$tmp/int.out" \
+    || fail "Ctrl-C ($extra): no summary: $(tail -c 300 "$tmp/int.out")"
+done
+sleep 1
+pgrep -f "eplb run ${sizes[*]} --steps 1000000" >/dev/null && fail "Ctrl-C left processes behind"
 
 # The plot, when gnuplot is installed; a clear error otherwise.
 if command -v gnuplot >/dev/null; then

@@ -174,7 +174,7 @@ void advance_window(const LoadRingView& ring, cudaStream_t stream);
 // the slots are those of routing::route (split) and routing::route_adaptive (adaptive) over
 // all `tokens` rows of the batch, bit for bit (padding rows come after the valid ones, so
 // they never change a valid row's slot). Counting is that of route_and_record. One launch per
-// layer batch; a decode batch of a few thousand entries is a few microseconds. Capturable: the
+// layer batch (its time: scripts/gpu-check.sh, routing-bench). Capturable: the
 // per-pass values and the shares are read from device memory at fixed addresses.
 
 // The placement's shape the adaptive split needs beyond the tables.

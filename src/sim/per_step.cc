@@ -221,7 +221,8 @@ PerStepResult score_per_step(const stats::LoadHistory& history, const SimOptions
   for (size_t i = 0; i < runs.size(); ++i) {
     PolicyRun& run = runs[i];
     run.replay = &replay.policies[i];
-    EPLB_CHECK(run.replay->placements.size() == replay.rebalance_steps.size(),
+    EPLB_CHECK(run.replay->placements.size() == replay.rebalance_steps.size() ||
+                   (!run.replay->placements.empty() && run.replay->rebalances.empty()),
                "the replay of policy '", run.replay->policy,
                "' kept no placements (run simulate() with keep_placements)");
     run.out.policy = run.replay->policy;
@@ -269,7 +270,9 @@ PerStepResult score_per_step(const stats::LoadHistory& history, const SimOptions
     for (PolicyRun& run : runs) {
       run.tables.clear();
       for (int64_t l = 0; l < L; ++l) {
-        run.tables.push_back(routing::build_dispatch_tables(run.replay->placements[k], l, layout));
+        const std::vector<Placement>& served = run.replay->placements;
+        run.tables.push_back(
+            routing::build_dispatch_tables(served[std::min(k, served.size() - 1)], l, layout));
       }
     }
     for (int64_t s = begin; s < end; ++s) {

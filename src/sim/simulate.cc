@@ -360,10 +360,7 @@ SimResult simulate(const stats::LoadHistory& history, const SimOptions& options)
                                                                 window_sums, options.spread, spread)
                                                   : window_sums;
     for (Run& run : runs) {
-      if (!run.policy->rebalances) {
-        if (options.keep_placements) run.result.placements.push_back(run.current);
-        continue;
-      }
+      if (!run.policy->rebalances) continue;
       placement::PolicyOptions po;
       po.policy = run.policy->policy;
       po.hierarchical = options.hierarchical;
@@ -377,9 +374,12 @@ SimResult simulate(const stats::LoadHistory& history, const SimOptions& options)
                                        .moved_slots = placement::moved_slots(run.current, next),
                                        .bytes = plan.totals.bytes_total,
                                        .rounds = plan.totals.rounds});
+      // The placement that served until now is done: kept (moved, not copied) when asked.
+      if (options.keep_placements && k > 0) {
+        run.result.placements.push_back(std::move(run.current));
+      }
       run.current = std::move(next);
       run.slot_share = slot_shares(run.current);
-      if (options.keep_placements) run.result.placements.push_back(run.current);
     }
 
     // Step 2: score the steps this placement serves, out of sample; the first policy's pass
@@ -421,6 +421,7 @@ SimResult simulate(const stats::LoadHistory& history, const SimOptions& options)
   // Step 4: the figures of each policy.
   for (Run& run : runs) {
     PolicyResult& r = run.result;
+    if (options.keep_placements) r.placements.push_back(std::move(run.current));
     r.balancedness = run.score.scored > 0
                          ? run.score.sum_balancedness / static_cast<double>(run.score.scored)
                          : 1.0;

@@ -80,7 +80,7 @@ struct PolicyResult {
   std::vector<double> step_balancedness;  // [scored steps]: mean over layers, step by step
   std::vector<Rebalance> rebalances;      // [rebalances]; empty for `none`
   // With SimOptions::keep_placements: [rebalances], the placement that served from each
-  // rebalance step on (for `none`, the trivial placement every time).
+  // rebalance step on; for `none`, one: the trivial placement that served throughout.
   std::vector<Placement> placements;
   // Means over `rebalances` (0 when there are none), the first one counted from the trivial
   // placement; steady_moved_slots_per_rebalance leaves the first one out (-1 with fewer than two).

@@ -5,6 +5,10 @@
 # Usage: metrics_test.sh <eplb binary> <source dir>
 set -u
 eplb=$1
+src=$2
+# The bundled trace (64 experts) rather than the default workload: these checks are of the
+# metrics, and must stay quick under the sanitizers.
+small=(--trace "$src/data/flame-moe-290m/routing_top6.csv")
 py=/usr/bin/python3
 tmp=$(mktemp -d)
 trap 'kill $(jobs -p) 2>/dev/null; rm -rf "$tmp"' EXIT
@@ -15,7 +19,7 @@ if ! $py -c "import prometheus_client" 2>/dev/null; then
   exit 1
 fi
 
-"$eplb" run --ranks 4 --steps 32 --interval 8 --window 8 --metrics "$tmp/m.prom" --json \
+"$eplb" run "${small[@]}" --ranks 4 --steps 32 --interval 8 --window 8 --metrics "$tmp/m.prom" --json \
   >"$tmp/run.json" 2>"$tmp/err" || fail "eplb run --metrics failed: $(tail -c 300 "$tmp/err")"
 $py - "$tmp/m.prom" "$tmp/run.json" <<'PY' || fail "the metrics file"
 import json, sys
@@ -41,7 +45,7 @@ assert fams["eplb_forward_stall_seconds"].type == "histogram"
 PY
 
 # --compare: the three modes in one file, told apart by their label.
-"$eplb" run --ranks 2 --steps 16 --interval 8 --window 8 --compare --metrics "$tmp/c.prom" \
+"$eplb" run "${small[@]}" --ranks 2 --steps 16 --interval 8 --window 8 --compare --metrics "$tmp/c.prom" \
   >/dev/null 2>"$tmp/err" || fail "eplb run --compare --metrics failed: $(tail -c 300 "$tmp/err")"
 $py - "$tmp/c.prom" <<'PY' || fail "the --compare metrics file"
 import sys
@@ -52,7 +56,7 @@ PY
 
 # --metrics-port: scraped while the run goes on, every rank there.
 port=$($py -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
-"$eplb" run --ranks 4 --steps 100000 --interval 8 --window 8 --metrics-port "$port" \
+"$eplb" run "${small[@]}" --ranks 4 --steps 100000 --interval 8 --window 8 --metrics-port "$port" \
   >"$tmp/live.out" 2>"$tmp/live.err" &
 live=$!
 $py - "$port" "$live" <<'PY' || fail "scraping 127.0.0.1:$port/metrics while running: $(tail -c 300 "$tmp/live.err")"
@@ -86,13 +90,13 @@ print("ranks seen", sorted(seen), {r: (min(v), max(v)) for r, v in steps.items()
 sys.exit(1)
 PY
 # A second run on the same port while the first still serves: refused, naming the port.
-"$eplb" run --ranks 2 --steps 4 --metrics-port "$port" >/dev/null 2>"$tmp/busy.err"
+"$eplb" run "${small[@]}" --ranks 2 --steps 4 --metrics-port "$port" >/dev/null 2>"$tmp/busy.err"
 rc=$?
 { [ $rc -eq 1 ] || [ $rc -eq 2 ]; } || fail "a port in use: exit $rc"
 grep -q "127.0.0.1:$port" "$tmp/busy.err" || fail "a port in use: $(cat "$tmp/busy.err")"
 kill -INT $live 2>/dev/null
 wait $live 2>/dev/null
-"$eplb" run --ranks 2 --steps 4 --metrics-port 70000 >/dev/null 2>"$tmp/bad.err"
+"$eplb" run "${small[@]}" --ranks 2 --steps 4 --metrics-port 70000 >/dev/null 2>"$tmp/bad.err"
 grep -q -- "--metrics-port 70000" "$tmp/bad.err" || fail "a bad port: $(cat "$tmp/bad.err")"
 
 if [ $failures -ne 0 ]; then

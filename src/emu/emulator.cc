@@ -363,7 +363,6 @@ std::string run_rank(const RunOptions& options, const Workload& workload,
     }
     moe_ms.push_back(cpu_ns / 1e6);
     moe_wall_ms.push_back(wall_ns / 1e6);
-    std::span<const int64_t> flag(step_max.data(), 1);
 
     const int64_t installed = rb.installed_layers();
     const auto start = Clock::now();
@@ -376,7 +375,7 @@ std::string run_rank(const RunOptions& options, const Workload& workload,
                  rb.history().size(), balancedness.back());
       std::fflush(stdout);
     }
-    if (flag[0] != 0) {
+    if (step_max[0] != 0) {
       interrupted = true;
       ++step;
       break;

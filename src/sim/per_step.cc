@@ -17,6 +17,7 @@
 #include "eplb/core/hash.h"
 #include "eplb/placement/policy.h"
 #include "eplb/routing/adaptive.h"
+#include "sim/names.h"
 
 namespace eplb::sim {
 namespace {
@@ -25,12 +26,6 @@ using routing::DispatchPolicy;
 
 constexpr std::string_view kDispatchChoices =
     "static, random, hash, weighted, split, adaptive, all or none";
-
-std::string_view trim(std::string_view s) {
-  while (!s.empty() && s.front() == ' ') s.remove_prefix(1);
-  while (!s.empty() && s.back() == ' ') s.remove_suffix(1);
-  return s;
-}
 
 // Running sums of one score.
 struct Sums {
@@ -172,32 +167,18 @@ struct PolicyRun {
 }  // namespace
 
 std::vector<DispatchPolicy> parse_dispatches(std::string_view list) {
-  std::vector<DispatchPolicy> out;
-  const std::string_view whole = trim(list);
-  if (whole == "none") return out;
+  const std::string_view whole = detail::trim(list);
+  if (whole == "none") return {};
   if (whole == "all") {
     return {DispatchPolicy::kStatic,   DispatchPolicy::kRandom, DispatchPolicy::kHash,
             DispatchPolicy::kWeighted, DispatchPolicy::kSplit,  DispatchPolicy::kAdaptive};
   }
-  if (whole.empty())
-    fail("no dispatch given (expected a comma-separated list of ", kDispatchChoices, ")");
-  size_t at = 0;
-  while (at <= list.size()) {
-    const size_t comma = std::min(list.find(',', at), list.size());
-    const std::string_view name = trim(list.substr(at, comma - at));
-    if (name.empty()) {
-      fail("dispatch list '", list, "' has an empty name (expected a comma-separated list of ",
-           kDispatchChoices, ")");
-    }
+  std::vector<DispatchPolicy> out;
+  for (const std::string_view name : detail::split_names(list, "dispatch", kDispatchChoices)) {
     if (name == "all" || name == "none") {
       fail("dispatch list '", list, "': '", name, "' stands alone, not in a list");
     }
-    const DispatchPolicy d = routing::parse_dispatch_policy(name);
-    if (std::find(out.begin(), out.end(), d) != out.end()) {
-      fail("dispatch '", name, "' is listed twice in '", list, "'");
-    }
-    out.push_back(d);
-    at = comma + 1;
+    out.push_back(routing::parse_dispatch_policy(name));
   }
   return out;
 }

@@ -19,17 +19,12 @@
 
 #include "eplb/core/error.h"
 #include "eplb/placement/metrics.h"
+#include "sim/names.h"
 
 namespace eplb::sim {
 namespace {
 
 constexpr std::string_view kChoices = "deepseek, balanced, sticky or none";
-
-std::string_view trim(std::string_view s) {
-  while (!s.empty() && s.front() == ' ') s.remove_prefix(1);
-  while (!s.empty() && s.back() == ' ') s.remove_suffix(1);
-  return s;
-}
 
 double ratio_or_one(double num, double den) { return den > 0 ? num / den : 1.0; }
 
@@ -284,16 +279,7 @@ struct Run {
 
 std::vector<SimPolicy> parse_policies(std::string_view list) {
   std::vector<SimPolicy> out;
-  if (trim(list).empty())
-    fail("no policy given (expected a comma-separated list of ", kChoices, ")");
-  size_t at = 0;
-  while (at <= list.size()) {
-    const size_t comma = std::min(list.find(',', at), list.size());
-    const std::string_view name = trim(list.substr(at, comma - at));
-    if (name.empty()) {
-      fail("policy list '", list, "' has an empty name (expected a comma-separated list of ",
-           kChoices, ")");
-    }
+  for (const std::string_view name : detail::split_names(list, "policy", kChoices)) {
     SimPolicy p;
     p.name = std::string(name);
     if (name == "none") {
@@ -303,11 +289,7 @@ std::vector<SimPolicy> parse_policies(std::string_view list) {
     } else {
       fail("unknown policy '", name, "' (expected ", kChoices, ")");
     }
-    for (const SimPolicy& q : out) {
-      if (q.name == p.name) fail("policy '", name, "' is listed twice in '", list, "'");
-    }
     out.push_back(std::move(p));
-    at = comma + 1;
   }
   return out;
 }

@@ -110,6 +110,24 @@ TEST(Sticky, DriftScenarioMovesFewSlots) {
   EXPECT_LE(moved_fraction, 0.15);
 }
 
+TEST(Sticky, ManyRanksRelabelKeepsTheRules) {
+  // Past 64 ranks the fallback's ranks are matched greedily: the result still follows every
+  // rule, reaches the target, and an unchanged load still moves nothing.
+  for (const bool hierarchical : {false, true}) {
+    SCOPED_TRACE(hierarchical ? "hierarchical" : "global");
+    const Layout layout = make_layout(256, 512, 256, 32, hierarchical ? 32 : 8);
+    std::mt19937_64 rng(21);
+    LoadMatrix load = lognormal_load(3, 256, rng);
+    const Placement previous = balanced(load, layout, hierarchical);
+    EXPECT_EQ(moved_slots(previous, sticky(load, layout, previous, 0.01, hierarchical)), 0);
+    load = drift(load, rng);
+    const Placement out = sticky(load, layout, previous, 0.01, hierarchical);
+    ASSERT_NO_THROW(out.validate());
+    EXPECT_EQ(duplicates_on_ranks(out, layout), 0);
+    expect_within_tolerance(load, layout, out, 0.01, hierarchical);
+  }
+}
+
 TEST(Sticky, HierarchicalDriftKeepsGroupsOnOneNode) {
   std::mt19937_64 rng(12);
   LoadMatrix load = lognormal_load(6, 256, rng);

@@ -27,6 +27,7 @@ struct BenchPlacementArgs {
   int64_t ranks = 32;
   int64_t nodes = 4;
   int64_t groups = 8;
+  std::string shape;
   std::string policy = "deepseek";
   bool hierarchical = false;
   uint64_t seed = 0;
@@ -35,6 +36,24 @@ struct BenchPlacementArgs {
   bool json = false;
 };
 
+// The production shapes `--shape` names: DeepSeek-V3's prefill (32 ranks, 9 slots each) and
+// decode (144-320 ranks, one or two slots each), and 384-expert models.
+struct Shape {
+  const char* name;
+  int64_t layers, experts, physical, ranks, nodes, groups;
+};
+constexpr Shape kShapes[] = {
+    {"v3-ep32", 58, 256, 288, 32, 4, 8},    {"v3-ep144", 58, 256, 288, 144, 18, 8},
+    {"v3-ep256", 58, 256, 512, 256, 32, 8}, {"v3-ep320", 58, 256, 320, 320, 40, 8},
+    {"k2-ep64", 61, 384, 448, 64, 8, 8},    {"v4-ep32", 40, 384, 416, 32, 8, 8},
+};
+
+std::string shape_names() {
+  std::string out;
+  for (const Shape& s : kShapes) out += std::string(out.empty() ? "" : ", ") + s.name;
+  return out + " or all";
+}
+
 LoadMatrix lognormal_load(int64_t layers, int64_t experts, double sigma, std::mt19937_64& rng) {
   LoadMatrix load(layers, experts);
   std::lognormal_distribution<double> dist(0.0, sigma);
@@ -42,20 +61,21 @@ LoadMatrix lognormal_load(int64_t layers, int64_t experts, double sigma, std::mt
   return load;
 }
 
-void run_bench_placement(const BenchPlacementArgs& args) {
-  if (args.repeat < 1) fail("--repeat ", args.repeat, " must be at least 1");
-  if (args.layers < 1) fail("--layers ", args.layers, " must be at least 1");
-  std::mt19937_64 rng(args.seed);
-  // Real loads (say SGLang's statistics of DeepSeek-V3, dense layers included) or lognormal ones.
-  const LoadMatrix load = args.load_path.empty()
-                              ? lognormal_load(args.layers, args.experts, 1.0, rng)
-                              : stats::read_load(args.load_path);
-  const Layout layout{.experts = load.experts, .physical = args.physical, .ranks = args.ranks,
-                      .nodes = args.nodes, .groups = args.groups};
-  layout.validate();
+// One policy timed on one shape.
+struct PlacementRow {
+  std::string shape, policy;
+  int64_t layers = 0, experts = 0, physical = 0, ranks = 0;
+  std::vector<double> ms;  // ascending
+  placement::PlacementMetrics metrics;
+  bool identical = true;  // every repeat gave the same placement
+};
 
+// `load` comes from `rng` (seeded), which then draws sticky's drift.
+PlacementRow measure_placement(const BenchPlacementArgs& args, const Layout& layout,
+                               const LoadMatrix& load, std::mt19937_64& rng,
+                               const std::string& policy) {
   placement::PolicyOptions options;
-  options.policy = placement::parse_policy(args.policy);
+  options.policy = placement::parse_policy(policy);
   options.hierarchical = args.hierarchical;
   // sticky starts from the balanced placement of a drifted load, as a rebalance would.
   Placement previous;
@@ -70,35 +90,117 @@ void run_bench_placement(const BenchPlacementArgs& args) {
     options.previous = &previous;
   }
 
-  std::vector<double> ms;
+  PlacementRow row{.shape = args.shape, .policy = policy, .layers = load.layers,
+                   .experts = load.experts, .physical = layout.physical, .ranks = layout.ranks};
   Placement result;
   for (int i = 0; i < args.repeat; ++i) {
     const auto start = std::chrono::steady_clock::now();
-    result = placement::place(load, layout, options);
-    ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() -
-                                                           start)
-                     .count());
+    Placement out = placement::place(load, layout, options);
+    row.ms.push_back(
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start)
+            .count());
+    if (i > 0 && out.phy2log != result.phy2log) row.identical = false;
+    result = std::move(out);
   }
-  std::sort(ms.begin(), ms.end());
-  const double median = ms[ms.size() / 2];
-  const placement::PlacementMetrics m = placement::evaluate(load, result, layout, options.previous);
+  std::sort(row.ms.begin(), row.ms.end());
+  row.metrics = placement::evaluate(load, result, layout, options.previous);
+  return row;
+}
+
+nlohmann::json row_json(const PlacementRow& row) {
+  const placement::PlacementMetrics& m = row.metrics;
+  nlohmann::json out = {{"policy", row.policy},
+                        {"layers", row.layers},
+                        {"experts", row.experts},
+                        {"physical", row.physical},
+                        {"ranks", row.ranks},
+                        {"ms_per_call", row.ms[row.ms.size() / 2]},
+                        {"ms_min", row.ms.front()},
+                        {"balancedness", m.balancedness_mean},
+                        {"lower_bound_balancedness", m.lower_bound_mean},
+                        {"gap_to_bound", m.lower_bound_mean - m.balancedness_mean},
+                        {"identical_repeats", row.identical}};
+  if (!row.shape.empty()) out["shape"] = row.shape;
+  if (m.moved >= 0) {
+    out["moved_slots"] = m.moved;
+    out["moved_fraction"] =
+        static_cast<double>(m.moved) / static_cast<double>(row.layers * row.physical);
+  }
+  return out;
+}
+
+// --shape all: every preset with every policy, one row each, and each policy's time against
+// deepseek's on the same loads.
+void run_all_shapes(BenchPlacementArgs args) {
+  if (!args.load_path.empty()) fail("--shape all places lognormal loads; drop --load");
+  nlohmann::json rows = nlohmann::json::array();
+  if (!args.json) {
+    fmt::print("{:<9} {:<9} {:>9} {:>8} {:>12} {:>8} {:>8} {:>7}\n", "shape", "policy", "ms",
+               "vs ds", "balancedness", "bound", "gap", "moved");
+  }
+  for (const Shape& s : kShapes) {
+    args.shape = s.name;
+    const Layout layout{.experts = s.experts, .physical = s.physical, .ranks = s.ranks,
+                        .nodes = s.nodes, .groups = s.groups};
+    double deepseek_ms = 0;
+    for (const char* policy : {"deepseek", "balanced", "sticky"}) {
+      std::mt19937_64 rng(args.seed);
+      const LoadMatrix load = lognormal_load(s.layers, s.experts, 1.0, rng);
+      const PlacementRow row = measure_placement(args, layout, load, rng, policy);
+      if (deepseek_ms == 0) deepseek_ms = row.ms.front();
+      nlohmann::json j = row_json(row);
+      j["ms_min_vs_deepseek"] = row.ms.front() / deepseek_ms;
+      const placement::PlacementMetrics& m = row.metrics;
+      if (!args.json) {
+        fmt::print("{:<9} {:<9} {:>9.3f} {:>7.1f}x {:>12.4f} {:>8.4f} {:>8.4f} {:>7}{}\n", s.name,
+                   policy, row.ms.front(), row.ms.front() / deepseek_ms, m.balancedness_mean,
+                   m.lower_bound_mean, m.lower_bound_mean - m.balancedness_mean,
+                   m.moved >= 0 ? fmt::format("{:.1f}%", 100.0 * j["moved_fraction"].get<double>())
+                                : std::string("-"),
+                   row.identical ? "" : "  (repeats differ!)");
+      }
+      rows.push_back(std::move(j));
+    }
+  }
+  if (args.json) fmt::print("{}\n", nlohmann::json{{"shapes", rows}}.dump());
+}
+
+void run_bench_placement(BenchPlacementArgs args) {
+  if (args.repeat < 1) fail("--repeat ", args.repeat, " must be at least 1");
+  if (args.shape == "all") return run_all_shapes(args);
+  if (!args.shape.empty()) {
+    const Shape* found = nullptr;
+    for (const Shape& s : kShapes) {
+      if (args.shape == s.name) found = &s;
+    }
+    if (found == nullptr) fail("unknown --shape '", args.shape, "' (expected ", shape_names(), ")");
+    args.layers = found->layers;
+    args.experts = found->experts;
+    args.physical = found->physical;
+    args.ranks = found->ranks;
+    args.nodes = found->nodes;
+    args.groups = found->groups;
+  }
+  if (args.layers < 1) fail("--layers ", args.layers, " must be at least 1");
+  std::mt19937_64 rng(args.seed);
+  // Real loads (say SGLang's statistics of DeepSeek-V3, dense layers included) or lognormal ones.
+  const LoadMatrix load = args.load_path.empty()
+                              ? lognormal_load(args.layers, args.experts, 1.0, rng)
+                              : stats::read_load(args.load_path);
+  const Layout layout{.experts = load.experts, .physical = args.physical, .ranks = args.ranks,
+                      .nodes = args.nodes, .groups = args.groups};
+  layout.validate();
+  const PlacementRow row = measure_placement(args, layout, load, rng, args.policy);
+  const placement::PlacementMetrics& m = row.metrics;
   if (args.json) {
-    nlohmann::json out = {{"policy", args.policy},
-                          {"layers", load.layers},
-                          {"experts", load.experts},
-                          {"physical", args.physical},
-                          {"ranks", args.ranks},
-                          {"ms_per_call", median},
-                          {"ms_min", ms.front()},
-                          {"balancedness", m.balancedness_mean},
-                          {"lower_bound_balancedness", m.lower_bound_mean}};
-    if (m.moved >= 0) out["moved_slots"] = m.moved;
-    fmt::print("{}\n", out.dump());
+    fmt::print("{}\n", row_json(row).dump());
   } else {
     fmt::print("placement {} {}x{}->{} on {} ranks: {:.3f} ms per call (median of {}, min {:.3f}), "
-               "balancedness {:.4f}, lower bound {:.4f}\n",
-               args.policy, load.layers, load.experts, args.physical, args.ranks, median,
-               args.repeat, ms.front(), m.balancedness_mean, m.lower_bound_mean);
+               "balancedness {:.4f}, lower bound {:.4f}{}\n",
+               args.policy, row.layers, row.experts, args.physical, args.ranks,
+               row.ms[row.ms.size() / 2], args.repeat, row.ms.front(), m.balancedness_mean,
+               m.lower_bound_mean,
+               m.moved >= 0 ? fmt::format(", {} slots moved", m.moved) : std::string());
   }
 }
 
@@ -114,6 +216,9 @@ void add_bench_placement(CLI::App& bench) {
   cmd->add_option("--ranks", args->ranks)->capture_default_str();
   cmd->add_option("--nodes", args->nodes)->capture_default_str();
   cmd->add_option("--groups", args->groups)->capture_default_str();
+  cmd->add_option("--shape", args->shape,
+                  "A production shape, setting layers to groups: " + shape_names() +
+                      " (every shape with every policy, one row each)");
   cmd->add_option("--policy", args->policy, "deepseek, balanced or sticky")
       ->capture_default_str();
   cmd->add_flag("--hierarchical", args->hierarchical);

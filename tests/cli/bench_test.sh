@@ -26,6 +26,10 @@ check() {  # name, fields..., -- eplb args...
 }
 
 check placement policy ms_per_call balancedness -- placement --layers 2 --repeat 2
+check placement-shape shape policy ms_min balancedness gap_to_bound identical_repeats -- placement \
+  --shape v3-ep144 --policy sticky --repeat 2
+check placement-all shapes v4-ep32 k2-ep64 v3-ep320 moved_fraction ms_min_vs_deepseek -- placement \
+  --shape all --repeat 1
 check migration rounds rounds_lower_bound bytes_total -- migration --layers 2 --repeat 2
 check transport backend ranks bytes gbps memcpy_gbps ratio -- transport --backend shm --ranks 2 \
   --bytes 1048576
@@ -43,6 +47,9 @@ check runtime-engine async sync ratio_total weights -- runtime --ranks 2 --layer
 
 "$eplb" bench transport --backend nope --ranks 2 >/dev/null 2>"$tmp/err"
 [ $? -eq 2 ] && grep -q "nope" "$tmp/err" || fail "bench transport --backend nope: $(cat "$tmp/err")"
+"$eplb" bench placement --shape nope >/dev/null 2>"$tmp/err"
+[ $? -eq 2 ] && grep -q "nope" "$tmp/err" && grep -q "v3-ep144" "$tmp/err" \
+  || fail "bench placement --shape nope: $(cat "$tmp/err")"
 "$eplb" bench placement --policy nope >/dev/null 2>"$tmp/err"
 [ $? -eq 2 ] && grep -q "nope" "$tmp/err" || fail "bench placement --policy nope: $(cat "$tmp/err")"
 

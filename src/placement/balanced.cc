@@ -6,7 +6,7 @@
 //           of one expert on a rank: longest-processing-time first, then local search (swaps off
 //           the most loaded rank) until no swap lowers it or it is within 0.1% of the bound.
 //   Step 4: keep deepseek's layer instead where it is better and follows the same rules
-//           (happens only on tiny shapes).
+//           (happens only on tiny shapes; only layers left above the bound are compared).
 // Every rank is full after Step 3, so a "move" of a replica off the most loaded rank is always a
 // swap with a lighter replica of another rank; the swap search covers both.
 
@@ -340,9 +340,28 @@ Placement balanced(const LoadMatrix& load, const Layout& layout, bool hierarchic
   // rank it cannot be taken; that happens only with 2-3 slots per rank.
   // deepseek is hierarchical exactly when groups % nodes == 0, so its layers keep whole groups
   // on one node whenever `hierarchical` is allowed.
-  const Placement reference = deepseek(load, layout);
+  // deepseek runs only on the layers the search left more than kCloseEnough above the lower
+  // bound: on the others it could gain that much at most, and computing it cost as much as
+  // the rest of the policy at 256 ranks.
+  std::vector<int64_t> open_layers;
   for (int64_t l = 0; l < load.layers; ++l) {
-    const std::span<const int32_t> theirs = reference.layer_phy2log(l);
+    const std::vector<double> ranks = rank_loads(load.row(l), out.layer_phy2log(l), layout);
+    const double most = *std::max_element(ranks.begin(), ranks.end());
+    if (most > layer_lower_bound(load.row(l), layout) * (1 + kCloseEnough)) open_layers.push_back(l);
+  }
+  if (open_layers.empty()) {
+    out.derive_from_phy2log();
+    return out;
+  }
+  LoadMatrix open_load(static_cast<int64_t>(open_layers.size()), load.experts);
+  for (size_t i = 0; i < open_layers.size(); ++i) {
+    std::copy_n(load.row(open_layers[i]).begin(), load.experts,
+                open_load.row(static_cast<int64_t>(i)).begin());
+  }
+  const Placement reference = deepseek(open_load, layout);
+  for (size_t i = 0; i < open_layers.size(); ++i) {
+    const int64_t l = open_layers[i];
+    const std::span<const int32_t> theirs = reference.layer_phy2log(static_cast<int64_t>(i));
     const std::span<int32_t> ours = out.layer_phy2log(l);
     if (layer_balancedness(load.row(l), theirs, layout) <=
             layer_balancedness(load.row(l), ours, layout) ||

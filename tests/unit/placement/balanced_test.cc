@@ -7,6 +7,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <limits>
+#include <span>
 #include <random>
 #include <string>
 #include <vector>
@@ -150,6 +152,52 @@ TEST(Balanced, NeverWorseThanDeepseekOnSmallShapes) {
       }
     }
   }
+}
+
+// The smallest largest-rank load with one slot per rank, by exhaustive search: every count
+// vector (r_e >= 1, sum P), each rank then holding one replica.
+double one_slot_optimum(std::span<const double> w, int64_t physical) {
+  const int64_t n = static_cast<int64_t>(w.size());
+  std::vector<int64_t> r(static_cast<size_t>(n), 1);
+  double best = std::numeric_limits<double>::infinity();
+  auto visit = [&](auto&& self, int64_t e, int64_t left) -> void {
+    if (e == n - 1) {
+      r[e] = 1 + left;
+      double most = 0;
+      for (int64_t k = 0; k < n; ++k) most = std::max(most, w[k] / static_cast<double>(r[k]));
+      best = std::min(best, most);
+      return;
+    }
+    for (int64_t extra = 0; extra <= left; ++extra) {
+      r[e] = 1 + extra;
+      self(self, e + 1, left - extra);
+    }
+  };
+  visit(visit, 0, physical - n);
+  return best;
+}
+
+TEST(Balanced, OneSlotPerRankIsExact) {
+  // With one slot per rank the lower bound is the optimum (the replica counts alone decide
+  // it), and balanced reaches it: on small cases against exhaustive search, and at 320 ranks.
+  std::mt19937_64 rng(5);
+  for (int trial = 0; trial < 200; ++trial) {
+    const int64_t experts = 1 + static_cast<int64_t>(rng() % 5);
+    const int64_t physical = experts + static_cast<int64_t>(rng() % 5);
+    const Layout layout = make_layout(experts, physical, physical, 1, 1);
+    LoadMatrix load(1, experts);
+    for (double& v : load.values) v = static_cast<double>(rng() % 4 == 0 ? 0 : rng() % 20);
+    SCOPED_TRACE("trial " + std::to_string(trial));
+    const double optimum = one_slot_optimum(load.row(0), physical);
+    EXPECT_DOUBLE_EQ(layer_lower_bound(load.row(0), layout), optimum);
+    const Placement out = balanced(load, layout, false);
+    const std::vector<double> ranks = rank_loads(load.row(0), out.layer_phy2log(0), layout);
+    EXPECT_DOUBLE_EQ(*std::max_element(ranks.begin(), ranks.end()), optimum);
+  }
+  const Layout wide = make_layout(256, 320, 320, 40, 8);
+  const LoadMatrix load = lognormal_load(4, 256, 9);
+  const PlacementMetrics m = evaluate(load, balanced(load, wide, false), wide);
+  EXPECT_DOUBLE_EQ(m.balancedness_mean, m.lower_bound_mean);
 }
 
 TEST(Balanced, HierarchicalKeepsGroupsOnOneNode) {

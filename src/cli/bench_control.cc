@@ -1,4 +1,5 @@
-// `eplb bench control`: all-reduce latency of the control plane, 4 int64 values, N ranks.
+// `eplb bench control`: all-reduce latency of the control plane, 4 int64 values, N ranks;
+// `--ranks 8,32,64` measures each size in turn, one row (or JSON object) each.
 //
 // inproc ranks are threads; shm and gloo ranks are forked children of this process (gloo meets
 // through a temporary folder); mpi ranks are mpirun's: run outside mpirun, the verb starts
@@ -34,7 +35,8 @@ using control::Communicator;
 
 struct Args {
   std::string backend = "shm";
-  int ranks = 2;
+  int ranks = 2;  // the size being measured: one of `sizes`
+  std::vector<int> sizes = {2};
   int iters = 2000;
   bool json = false;
 };
@@ -192,6 +194,8 @@ void relaunch_under_mpirun(const Args& args) {
   }
 }
 
+void run_one(const Args& args);
+
 void run(const Args& args) {
   const auto names = control::backend_names();
   if (std::find(names.begin(), names.end(), args.backend) == names.end()) {
@@ -200,11 +204,26 @@ void run(const Args& args) {
     fail<InvalidArgument>("--backend ", args.backend, " is not built in (this build has: ",
                           known, ")");
   }
-  if (args.ranks < 1 || args.ranks > control::max_local_ranks()) {
-    fail<InvalidArgument>("--ranks ", args.ranks, " is outside [1, ", control::max_local_ranks(),
-                          "] (ranks this machine takes, as processes or threads)");
+  if (args.sizes.empty()) fail<InvalidArgument>("--ranks needs at least one size");
+  for (const int ranks : args.sizes) {
+    if (ranks < 1 || ranks > control::max_local_ranks()) {
+      fail<InvalidArgument>("--ranks ", ranks, " is outside [1, ", control::max_local_ranks(),
+                            "] (ranks this machine takes, as processes or threads)");
+    }
   }
   if (args.iters < 1) fail<InvalidArgument>("--iters ", args.iters, " must be at least 1");
+  if (args.backend == "mpi" && args.sizes.size() > 1) {
+    fail<InvalidArgument>("--backend mpi takes one --ranks value, not ", args.sizes.size(),
+                          " (mpirun starts one world per run)");
+  }
+  for (const int ranks : args.sizes) {
+    Args one = args;
+    one.ranks = ranks;
+    run_one(one);
+  }
+}
+
+void run_one(const Args& args) {
   if (args.backend == "inproc") {
     print(args, run_threads(args));
   } else if (args.backend == "mpi") {
@@ -235,9 +254,13 @@ void add_bench_control(CLI::App& bench) {
       "control", "All-reduce latency of the control plane (4 int64 values) over N ranks");
   cmd->add_option("--backend", args->backend, "inproc | shm | gloo | mpi (those built)")
       ->capture_default_str();
-  cmd->add_option("--ranks", args->ranks, "Number of ranks")->capture_default_str();
+  cmd->add_option("--ranks", args->sizes,
+                  "Number of ranks; a comma-separated list (8,32,64) measures each in turn")
+      ->delimiter(',')
+      ->capture_default_str();
   cmd->add_option("--iters", args->iters, "Measured all-reduces")->capture_default_str();
-  cmd->add_flag("--json", args->json, "Print one JSON object: backend, ranks, p50_us, p99_us");
+  cmd->add_flag("--json", args->json,
+                "Print one JSON object per size, one a line: backend, ranks, p50_us, p99_us");
   cmd->callback([args] { run(*args); });
 }
 

@@ -38,6 +38,17 @@ check transport-registered registered gbps ratio -- transport --backend shm --ra
 check transport-shareable memory gbps ratio -- transport --backend shm --ranks 2 \
   --bytes 1048576 --registered --shareable
 check control backend ranks p50_us p99_us -- control --backend shm --ranks 2 --iters 50
+# More ranks than this machine has cores: the shm waiters sleep on the futex.
+check control-32 backend ranks p50_us p99_us -- control --backend shm --ranks 32 --iters 50
+# A list of sizes: one JSON object a line, in the order given.
+if "$eplb" bench control --backend shm --ranks 2,3 --iters 20 --json >"$tmp/out" 2>"$tmp/err"; then
+  [ "$(wc -l <"$tmp/out")" -eq 2 ] || fail "control --ranks 2,3 printed $(wc -l <"$tmp/out") lines"
+  grep -q '"ranks":2[,}]' "$tmp/out" && grep -q '"ranks":3[,}]' "$tmp/out" &&
+    [ "$(grep -c '"p50_us"' "$tmp/out")" -eq 2 ] && [ "$(grep -c '"p99_us"' "$tmp/out")" -eq 2 ] ||
+    fail "control --ranks 2,3: $(cat "$tmp/out")"
+else
+  fail "control --ranks 2,3 exited $?: $(tail -c 300 "$tmp/err")"
+fi
 check runtime async sync ratio_total ratio_max stall_max_ms stall_total_ms -- runtime --ranks 2 \
   --layers 4 --slots-per-rank 3 --expert-bytes 4096 --steps 60 --interval 10 --window 5 \
   --forward-ms 0.2

@@ -21,6 +21,8 @@
 #include <gloo/rendezvous/prefix_store.h>
 #include <gloo/rendezvous/redis_store.h>
 #include <gloo/transport/tcp/device.h>
+#include <gloo/transport/unbound_buffer.h>
+#include <gloo/types.h>
 
 #include "eplb/core/error.h"
 
@@ -28,6 +30,16 @@ namespace eplb::control::gloo {
 namespace {
 
 constexpr std::string_view kRedisScheme = "redis://";
+
+// Slots of eplb's own exchanges, apart from those of gloo's collectives (gloo/types.h uses
+// prefixes 0x01-0x08); the tag counter keeps each call's slot unique.
+constexpr std::uint8_t kExchangeSlotPrefix = 0xe0;
+
+// Up to this many bytes gathered per rank (values x ranks), an all-reduce is one exchange in
+// which every rank sends its values to every peer at once and reduces what it receives, so its
+// latency is one message. gloo's own allreduce (this version: a ring in 2 x 2N - 4 steps of
+// one message each, whatever the size) is for larger payloads.
+constexpr std::size_t kExchangeBytes = 256 * 1024;
 
 // Gloo reports a timeout as an IoException whose message says so; everything else it throws
 // means the peers or links are in an unknown state.
@@ -156,6 +168,11 @@ class GlooCommunicator final : public Communicator {
   void do_all_reduce(std::span<std::int64_t> values, ReduceOp op,
                      Clock::time_point deadline) override {
     if (values.empty()) return;  // every rank passes the same count: nothing to exchange
+    if (size() == 1) return;
+    if (values.size_bytes() * static_cast<std::size_t>(size()) <= kExchangeBytes) {
+      translate([&] { exchange_all_reduce(values, op, deadline); });
+      return;
+    }
     translate([&] {
       ::gloo::AllreduceOptions opts(context_);
       opts.setOutput(values.data(), values.size());
@@ -231,6 +248,33 @@ class GlooCommunicator final : public Communicator {
   }
 
  private:
+  // Every rank sends its values to every peer and receives theirs, all posted at once; then
+  // reduces in rank order (the same result on every rank).
+  void exchange_all_reduce(std::span<std::int64_t> values, ReduceOp op,
+                           Clock::time_point deadline) {
+    const std::size_t bytes = values.size_bytes();
+    gathered_.assign(values.size() * static_cast<std::size_t>(size()), 0);  // [rank][values]
+    std::copy(values.begin(), values.end(),
+              gathered_.begin() + static_cast<std::ptrdiff_t>(values.size()) * rank());
+    auto in = context_->createUnboundBuffer(gathered_.data(), bytes * size());
+    auto out = context_->createUnboundBuffer(values.data(), bytes);
+    const auto slot = ::gloo::Slot::build(kExchangeSlotPrefix, next_tag());
+    for (int peer = 0; peer < size(); ++peer) {
+      if (peer != rank()) in->recv(peer, slot, bytes * peer, bytes);
+    }
+    for (int peer = 0; peer < size(); ++peer) {
+      if (peer != rank()) out->send(peer, slot, 0, bytes);
+    }
+    for (int i = 1; i < size(); ++i) in->waitRecv(remaining(deadline));
+    for (int i = 1; i < size(); ++i) out->waitSend(remaining(deadline));
+    std::copy_n(gathered_.begin(), values.size(), values.begin());
+    for (int r = 1; r < size(); ++r) {
+      reduce_into(
+          values,
+          std::span<const std::int64_t>(gathered_.data() + values.size() * r, values.size()), op);
+    }
+  }
+
   // Collectives of one communicator run one at a time, so a counter gives each its own tag,
   // as torch.distributed does.
   std::uint32_t next_tag() { return tag_++; }
@@ -238,6 +282,7 @@ class GlooCommunicator final : public Communicator {
   std::shared_ptr<::gloo::transport::Device> device_;
   std::shared_ptr<::gloo::Context> context_;
   std::uint32_t tag_ = 0;
+  std::vector<std::int64_t> gathered_;  // exchange_all_reduce's receive buffer, kept
 };
 
 // gloo's TCP pairs write with plain send(): a write to a peer that just died raises SIGPIPE,

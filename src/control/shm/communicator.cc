@@ -32,14 +32,18 @@ namespace {
 using detail::Call;
 using detail::Kind;
 
-constexpr std::uint64_t kMagic = 0x31'6d'68'73'62'6c'70'65;  // "eplbshm1"
+constexpr std::uint64_t kMagic = 0x32'6d'68'73'62'6c'70'65;  // "eplbshm2" (layout version)
 constexpr std::size_t kLine = 64;
 // Payload bytes of one rank's buffer for one round; larger messages take several rounds.
 constexpr std::size_t kCapacity = 32 * 1024;
 
 // Waiting for the last rank of a round: spin while it is likely running on another core, then
 // yield so that a peer sharing this core can run (8 ranks on 2 cores is a supported case),
-// then sleep on the futex. The sleep is cut into slices to look for dead peers.
+// then sleep on the futex. The sleep is cut into slices to look for dead peers. Yielding comes
+// before sleeping even with many more ranks than cores: a yield hands the core straight to a
+// runnable peer, while a sleeper costs the publisher a wake-up and itself a trip through the
+// scheduler's wake path (sleeping at once measured twice the p50 at 8 and at 64 ranks on
+// 2 cores).
 constexpr int kSpins = 256;
 constexpr auto kYieldFor = std::chrono::microseconds(100);
 constexpr auto kSleepSlice = std::chrono::milliseconds(10);
@@ -50,12 +54,24 @@ struct alignas(kLine) Header {
   std::atomic<std::uint64_t> magic;  // written last by rank 0: the segment is ready
   std::int32_t size;
   std::uint32_t capacity;
-  alignas(kLine) std::atomic<std::uint32_t> arrived;  // futex word: rank-rounds entered
-  std::atomic<std::uint32_t> sleepers;                // ranks asleep on `arrived`
+  alignas(kLine) std::atomic<std::uint32_t> arrived;  // rank-rounds entered (wrapping)
+  // The futex word: the last round whose outcome is published (wrapping). Written once per
+  // round, by the rank that arrived last, so a sleeper is woken only when there is news.
+  alignas(kLine) std::atomic<std::uint32_t> completed;
+  std::atomic<std::uint32_t> sleepers;  // ranks asleep (or about to be) on `completed`
+  std::atomic<std::int32_t> combiner;   // the rank that arrived last in the latest round
   alignas(kLine) std::atomic<std::uint32_t> failure;  // Failure; set once, after the next two
   std::atomic<std::uint32_t> reporting;               // taken by the first rank to report
   std::atomic<std::int32_t> failed_rank;              // the rank that died or was waited for
   std::atomic<std::int32_t> reporter;                 // the rank that found it
+};
+
+// The outcome of a round, written by the rank that arrived last before it publishes
+// `completed`, read by every rank before it enters the next round (so one copy suffices: the
+// next round's combiner writes only once every rank has entered that round).
+struct alignas(kLine) Outcome {
+  std::int32_t calls_differ;  // 1: some rank called another collective (each rank finds which)
+  std::uint32_t values;       // all_reduce: the reduced values that follow
 };
 
 struct alignas(kLine) RankState {
@@ -63,16 +79,27 @@ struct alignas(kLine) RankState {
   std::atomic<std::uint32_t> round;  // rounds entered (wrapping)
 };
 
+// Payloads up to kInline bytes (4 int64: the runtime's agreement, a barrier) travel in the
+// buffer header itself. The headers of all ranks sit side by side, so the rank that combines a
+// round reads one cache line per rank from a few pages, not two lines from a page per rank.
+constexpr std::size_t kInline = 32;
+
 struct alignas(kLine) BufferHeader {
   Call call;
   std::uint64_t total;  // bytes this rank contributes to the whole collective
-  std::uint64_t chunk;  // bytes in this round
+  std::uint64_t chunk;  // bytes in this round: inline below if at most kInline, else in the
+                        // rank's payload buffer
+  std::byte inline_payload[kInline];
 };
+static_assert(sizeof(BufferHeader) == kLine);
 
-constexpr std::size_t kBufferStride = sizeof(BufferHeader) + kCapacity;
+constexpr std::size_t kOutcomeBytes = sizeof(Outcome) + kCapacity;
 
+// Layout: Header, Outcome + values, RankState[size], BufferHeader[size][2],
+// payload[size][2][kCapacity].
 std::size_t segment_bytes(int size) {
-  return sizeof(Header) + sizeof(RankState) * size + kBufferStride * 2 * size;
+  return sizeof(Header) + kOutcomeBytes + (sizeof(RankState) + 2 * sizeof(BufferHeader)) * size +
+         kCapacity * 2 * size;
 }
 
 // A name for shm_open: "/eplb.<rendezvous>.<group>", characters outside [A-Za-z0-9._-] made
@@ -153,8 +180,7 @@ class ShmCommunicator final : public Communicator {
     rank_state(rank()).pid.store(static_cast<std::int32_t>(getpid()), std::memory_order_release);
     Call join{Kind::kJoin, 0, 0};
     write(join, 0, {});
-    enter_round(deadline);
-    check_calls(join);
+    enter_round(deadline, join);
     // Everyone has mapped the segment: the name is no longer needed, and removing it now
     // leaves nothing behind whatever happens next.
     if (rank() == 0) {
@@ -167,8 +193,7 @@ class ShmCommunicator final : public Communicator {
   void do_barrier(Clock::time_point deadline) override {
     const Call call{Kind::kBarrier, 0, 0};
     write(call, 0, {});
-    enter_round(deadline);
-    check_calls(call);
+    enter_round(deadline, call);
   }
 
   void do_all_reduce(std::span<std::int64_t> values, ReduceOp op,
@@ -180,13 +205,9 @@ class ShmCommunicator final : public Communicator {
       const std::size_t n = std::min(per_round, values.size() - done);
       const auto chunk = values.subspan(done, n);
       write(call, values.size_bytes(), std::as_bytes(chunk));
-      enter_round(deadline);
-      check_calls(call);
-      // Step: reduce in rank order, the same on every rank.
-      std::copy_n(payload<std::int64_t>(0), n, chunk.begin());
-      for (int r = 1; r < size(); ++r) {
-        reduce_into(chunk, std::span<const std::int64_t>(payload<std::int64_t>(r), n), op);
-      }
+      enter_round(deadline, call);
+      // The rank that arrived last reduced the chunk (in rank order) into the outcome.
+      std::copy_n(outcome_values(), n, chunk.begin());
       done += n;
     } while (done < values.size());
   }
@@ -202,8 +223,7 @@ class ShmCommunicator final : public Communicator {
       write(call, total,
             is_root ? std::span<const std::byte>(data.data() + done, n)
                     : std::span<const std::byte>{});
-      enter_round(deadline);
-      check_calls(call);
+      enter_round(deadline, call);
       const BufferHeader& from = buffer_header(root);
       if (first && !is_root) {
         total = from.total;
@@ -225,8 +245,7 @@ class ShmCommunicator final : public Communicator {
     do {
       const std::size_t mine = std::min<std::size_t>(kCapacity, data.size() - done[rank()]);
       write(call, data.size(), data.subspan(done[rank()], mine));
-      enter_round(deadline);
-      check_calls(call);
+      enter_round(deadline, call);
       more = false;
       for (int r = 0; r < size(); ++r) {
         const BufferHeader& from = buffer_header(r);
@@ -242,22 +261,36 @@ class ShmCommunicator final : public Communicator {
 
  private:
   Header& header() const { return *static_cast<Header*>(base_); }
+  Outcome& outcome() const {
+    return *reinterpret_cast<Outcome*>(static_cast<char*>(base_) + sizeof(Header));
+  }
+  std::int64_t* outcome_values() const {
+    return reinterpret_cast<std::int64_t*>(static_cast<char*>(base_) + sizeof(Header) +
+                                           sizeof(Outcome));
+  }
   RankState& rank_state(int r) const {
-    return reinterpret_cast<RankState*>(static_cast<char*>(base_) + sizeof(Header))[r];
+    return reinterpret_cast<RankState*>(static_cast<char*>(base_) + sizeof(Header) +
+                                        kOutcomeBytes)[r];
   }
   // The buffer of rank r for round `round` (the local count: every rank is at the same round
-  // when it reads).
-  char* buffer(int r, std::uint32_t round) const {
+  // when it reads): its header, and the payload that does not fit in it.
+  BufferHeader* header_of(int r, std::uint32_t round) const {
     const std::size_t index = static_cast<std::size_t>(r) * 2 + (round & 1);
-    return static_cast<char*>(base_) + sizeof(Header) + sizeof(RankState) * size() +
-           kBufferStride * index;
+    return reinterpret_cast<BufferHeader*>(static_cast<char*>(base_) + sizeof(Header) +
+                                           kOutcomeBytes + sizeof(RankState) * size()) +
+           index;
   }
-  const BufferHeader& buffer_header(int r) const {
-    return *reinterpret_cast<const BufferHeader*>(buffer(r, round_));
+  std::byte* payload_of(int r, std::uint32_t round) const {
+    const std::size_t index = static_cast<std::size_t>(r) * 2 + (round & 1);
+    auto* payloads = reinterpret_cast<std::byte*>(header_of(0, 0) + 2 * size());
+    return payloads + kCapacity * index;
   }
+  const BufferHeader& buffer_header(int r) const { return *header_of(r, round_); }
   template <typename T>
   const T* payload(int r) const {
-    return reinterpret_cast<const T*>(buffer(r, round_) + sizeof(BufferHeader));
+    const BufferHeader& head = buffer_header(r);
+    return reinterpret_cast<const T*>(head.chunk <= kInline ? head.inline_payload
+                                                            : payload_of(r, round_));
   }
 
   void create() {
@@ -274,6 +307,7 @@ class ShmCommunicator final : public Communicator {
     }
     map(fd);
     auto* header = new (base_) Header{};
+    new (&outcome()) Outcome{};
     header->size = size();
     header->capacity = static_cast<std::uint32_t>(kCapacity);
     for (int r = 0; r < size(); ++r) {
@@ -333,56 +367,120 @@ class ShmCommunicator final : public Communicator {
 
   // Fills this rank's buffer for the next round.
   void write(const Call& call, std::uint64_t total, std::span<const std::byte> chunk) {
-    char* buf = buffer(rank(), round_ + 1);
-    auto* head = reinterpret_cast<BufferHeader*>(buf);
+    BufferHeader* head = header_of(rank(), round_ + 1);
     head->call = call;
     head->total = total;
     head->chunk = chunk.size();
-    if (!chunk.empty()) std::memcpy(buf + sizeof(BufferHeader), chunk.data(), chunk.size());
+    if (chunk.empty()) return;
+    std::byte* to = chunk.size() <= kInline ? head->inline_payload : payload_of(rank(), round_ + 1);
+    std::memcpy(to, chunk.data(), chunk.size());
   }
 
   void check_calls(const Call& mine) const {
     for (int r = 0; r < size(); ++r) detail::check_same_call(mine, buffer_header(r).call, r);
   }
 
-  void wake_all() { futex(&header().arrived, FUTEX_WAKE, INT_MAX, nullptr); }
+  void wake_all() { futex(&header().completed, FUTEX_WAKE, INT_MAX, nullptr); }
 
-  // Counts this rank into the next round and returns once every rank has entered it.
-  void enter_round(Clock::time_point deadline) {
+  static bool done(std::uint32_t completed, std::uint32_t round) {
+    return static_cast<std::int32_t>(completed - round) >= 0;
+  }
+
+  // Counts this rank into the next round and returns once every rank has entered it and the
+  // round's outcome is published; throws IoError when the ranks' calls differ from `mine`.
+  //
+  // Step 1: arrive. The rank that arrives last combines (checks the calls, reduces an
+  // all-reduce) and publishes: one rank reads every buffer, the others read one outcome, so a
+  // round costs O(ranks), not O(ranks^2), in memory traffic and page touches.
+  // Step 2: the others wait for the outcome (wait_for).
+  // Step 3: every rank looks at the outcome.
+  void enter_round(Clock::time_point deadline, const Call& mine) {
     Header& header = this->header();
     const std::uint32_t round = ++round_;
     rank_state(rank()).round.store(round, std::memory_order_release);
     const std::uint32_t target = round * static_cast<std::uint32_t>(size());
-    const std::uint32_t before = header.arrived.fetch_add(1, std::memory_order_seq_cst);
+    const std::uint32_t before = header.arrived.fetch_add(1, std::memory_order_acq_rel);
     if (before + 1 == target) {
+      combine();
+      header.completed.store(round, std::memory_order_seq_cst);
+      // Only a rank counted in `sleepers` can be asleep: the syscall is skipped on the fast
+      // path, when every waiter is still spinning or yielding.
       if (header.sleepers.load(std::memory_order_seq_cst) > 0) wake_all();
-      return;
+    } else {
+      wait_for(round, deadline);
     }
-    const auto reached = [&](std::uint32_t arrived) {
-      return static_cast<std::int32_t>(arrived - target) >= 0;
-    };
+    if (outcome().calls_differ != 0) {
+      check_calls(mine);
+      fail<IoError>("the ranks called different collectives in round ", round);
+    }
+  }
 
-    // Step 1: spin, for a peer running on another core; pointless when the ranks outnumber
-    // the cores, where the peer is more likely waiting for this one.
+  // Run by the rank that arrived last: every rank's buffer for this round is written.
+  void combine() {
+    Header& header = this->header();
+    Outcome& out = outcome();
+    header.combiner.store(rank(), std::memory_order_relaxed);
+    const BufferHeader& first = buffer_header(0);
+    bool differ = false;
+    for (int r = 1; r < size() && !differ; ++r) differ = !(buffer_header(r).call == first.call);
+    out.calls_differ = differ ? 1 : 0;
+    out.values = 0;
+    if (differ || first.call.kind != Kind::kAllReduce) return;
+    const std::size_t n = first.chunk / sizeof(std::int64_t);
+    for (int r = 1; r < size(); ++r) {
+      if (buffer_header(r).chunk != first.chunk) {
+        out.calls_differ = 1;  // same call, other length: check_calls names no one; say so
+        return;
+      }
+    }
+    const auto op = static_cast<ReduceOp>(first.call.arg);
+    std::span<std::int64_t> acc(outcome_values(), n);
+    std::copy_n(payload<std::int64_t>(0), n, acc.begin());
+    for (int r = 1; r < size(); ++r) {
+      reduce_into(acc, std::span<const std::int64_t>(payload<std::int64_t>(r), n), op);
+    }
+    out.values = static_cast<std::uint32_t>(n);
+  }
+
+  // Waits until `round` is published. Spin while the last rank is likely running on another
+  // core; yield so that a peer sharing this core can run; then sleep on the futex word, in
+  // slices, looking for dead peers and the deadline between them.
+  void wait_for(std::uint32_t round, Clock::time_point deadline) {
+    Header& header = this->header();
     for (int i = 0; i < spins_; ++i) {
-      if (reached(header.arrived.load(std::memory_order_acquire))) return;
+      if (done(header.completed.load(std::memory_order_acquire), round)) return;
       cpu_relax();
     }
-    // Step 2: yield, for a peer waiting for this core.
-    const auto yield_until = Clock::now() + kYieldFor;
-    do {
-      if (reached(header.arrived.load(std::memory_order_acquire))) return;
-      sched_yield();
-    } while (Clock::now() < yield_until);
-    // Step 3: sleep on the futex, looking for dead peers and the deadline between slices.
+    {
+      const auto yield_until = Clock::now() + kYieldFor;
+      for (unsigned i = 1;; ++i) {
+        if (done(header.completed.load(std::memory_order_acquire), round)) return;
+        sched_yield();
+        // The clock is read every 8th turn: cheap as it is, with many ranks a turn is short.
+        if (i % 8 == 0 && Clock::now() >= yield_until) break;
+      }
+    }
+    // Peers are looked at once a slice, not before the first sleep: with many ranks on few
+    // cores most waits end in the first sleep, and N ranks each probing N peers' processes
+    // every round would cost more than the round itself.
+    auto next_check = Clock::now() + kSleepSlice;
     while (true) {
-      if (reached(header.arrived.load(std::memory_order_acquire))) return;
+      if (done(header.completed.load(std::memory_order_acquire), round)) return;
       raise_failure();
       const auto now = Clock::now();
-      check_peers(round);
+      if (now >= next_check || now >= deadline) {
+        if (check_peers(round)) return;
+        next_check = now + kSleepSlice;
+      }
       if (now >= deadline) {
-        if (reached(header.arrived.load(std::memory_order_acquire))) return;
-        report(kPeerTimedOut, first_missing(round));
+        if (done(header.completed.load(std::memory_order_acquire), round)) return;
+        const int late = first_missing(round);
+        const int stuck = late >= 0 ? late : header.combiner.load(std::memory_order_relaxed);
+        report(kPeerTimedOut, stuck);
+        if (late < 0) {
+          fail<Timeout>("timed out waiting for rank ", stuck,
+                        " to finish the round (it arrived last; stopped, hung or too slow)");
+        }
         fail<Timeout>("timed out waiting for rank(s) ", missing(round),
                       " (stopped, hung or too slow)");
       }
@@ -390,10 +488,13 @@ class ShmCommunicator final : public Communicator {
       const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(slice).count();
       const timespec relative{static_cast<time_t>(ns / 1'000'000'000),
                               static_cast<long>(ns % 1'000'000'000)};
+      // Register, then look again: the publisher stores `completed` before it reads
+      // `sleepers` (both seq_cst), so either it sees this rank counted and wakes it, or this
+      // rank sees the round done here. The kernel compares the word again before sleeping.
       header.sleepers.fetch_add(1, std::memory_order_seq_cst);
-      const std::uint32_t seen = header.arrived.load(std::memory_order_seq_cst);
-      if (!reached(seen) && header.failure.load(std::memory_order_seq_cst) == kNone) {
-        futex(&header.arrived, FUTEX_WAIT, seen, &relative);
+      const std::uint32_t seen = header.completed.load(std::memory_order_seq_cst);
+      if (!done(seen, round) && header.failure.load(std::memory_order_seq_cst) == kNone) {
+        futex(&header.completed, FUTEX_WAIT, seen, &relative);
       }
       header.sleepers.fetch_sub(1, std::memory_order_seq_cst);
     }
@@ -421,24 +522,31 @@ class ShmCommunicator final : public Communicator {
     return -1;
   }
 
-  void check_peers(std::uint32_t round) {
+  // Looks for peers that are gone while `round` is not published: those that have not
+  // entered it, or, once every rank has, any (the one combining may be the one that died).
+  // Returns true when the round turns out to be published after all.
+  bool check_peers(std::uint32_t round) {
+    const bool all_in = first_missing(round) < 0;
     for (int r = 0; r < size(); ++r) {
+      if (r == rank()) continue;
       const RankState& peer = rank_state(r);
-      if (static_cast<std::int32_t>(peer.round.load(std::memory_order_acquire) - round) >= 0) {
-        continue;
-      }
+      if (!all_in && entered(peer, round)) continue;
       const std::int32_t pid = peer.pid.load(std::memory_order_acquire);
       if (pid == 0) continue;  // not joined yet: only the deadline applies
       if (pid > 0 && process_alive(pid)) continue;
-      // It may have entered the round, finished it and left or exited since its round was
-      // read; a process that is gone moves no more, so a second read settles it.
-      if (static_cast<std::int32_t>(peer.round.load(std::memory_order_acquire) - round) >= 0) {
-        continue;
-      }
+      // It may have seen the round published and left or exited since the word was read; a
+      // process that is gone moves no more, so a second read settles it.
+      if (done(header().completed.load(std::memory_order_acquire), round)) return true;
+      if (!all_in && entered(peer, round)) continue;
       report(kPeerDied, r);
       if (pid < 0) fail<IoError>("rank ", r, " left the group (its communicator was destroyed)");
       fail<IoError>("rank ", r, " (pid ", pid, ") died");
     }
+    return false;
+  }
+
+  static bool entered(const RankState& peer, std::uint32_t round) {
+    return static_cast<std::int32_t>(peer.round.load(std::memory_order_acquire) - round) >= 0;
   }
 
   // Tells every rank of the group that it is broken, once, and wakes the sleepers.

@@ -355,8 +355,8 @@ void add_bench_runtime(CLI::App& bench) {
       cmd->add_option("--expert-bytes", args->expert_bytes, "(threads: 4096)")
           ->capture_default_str(),
       [args] { args->expert_bytes = 4096; });
-  threads_default(cmd->add_option("--steps", args->steps, "(threads: 500)")->capture_default_str(),
-                  [args] { args->steps = 500; });
+  threads_default(cmd->add_option("--steps", args->steps, "(threads: 600)")->capture_default_str(),
+                  [args] { args->steps = 600; });
   cmd->add_option("--interval", args->interval, "Steps between rebalance triggers")
       ->capture_default_str();
   cmd->add_option("--window", args->window)->capture_default_str();

@@ -23,6 +23,8 @@
 // and transport live and die on its thread; TimedCommunicator's samples are written by the
 // Rebalancer's control thread and read after shutdown() has joined it.
 
+#include <sys/resource.h>
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -57,6 +59,16 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+// CPU seconds this process has used, all its threads.
+double cpu_seconds() {
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  const auto seconds = [](const timeval& t) {
+    return static_cast<double>(t.tv_sec) + static_cast<double>(t.tv_usec) / 1e6;
+  };
+  return seconds(usage.ru_utime) + seconds(usage.ru_stime);
+}
+
 double ms_since(Clock::time_point start) {
   return std::chrono::duration<double, std::milli>(Clock::now() - start).count();
 }
@@ -75,9 +87,7 @@ class TimedCommunicator final : public control::Communicator {
   const std::vector<double>& agreement_ms() const { return agreement_ms_; }
 
  protected:
-  void do_barrier(control::Clock::time_point deadline) override {
-    inner_->barrier(left(deadline));
-  }
+  void do_barrier(control::Clock::time_point deadline) override { inner_->barrier(left(deadline)); }
   void do_all_reduce(std::span<std::int64_t> values, control::ReduceOp op,
                      control::Clock::time_point deadline) override {
     const auto start = Clock::now();
@@ -155,8 +165,8 @@ struct Failures {
 
 // What one rank thread leaves for the main thread.
 struct Ranked {
-  std::vector<double> stall_ms;          // [steps] time inside step_end
-  std::vector<char> rebalancing;         // [steps] a rebalance was open at that step_end
+  std::vector<double> stall_ms;   // [steps] time inside step_end
+  std::vector<char> rebalancing;  // [steps] a rebalance was open at that step_end
   std::vector<std::pair<int64_t, int64_t>> switches;  // (step, layer) placement changes
   std::vector<runtime::RebalanceRecord> history;
   std::vector<double> agreement_ms;
@@ -185,8 +195,8 @@ struct LayerCheck {
 };
 
 // The checks of one rank after one step_end; `step` is rb.step().
-void check_step(RunState& run, runtime::Rebalancer& rb, std::vector<LayerCheck>& layers,
-                Ranked& me, int64_t step) {
+void check_step(RunState& run, runtime::Rebalancer& rb, std::vector<LayerCheck>& layers, Ranked& me,
+                int64_t step) {
   const BenchRuntimeArgs& args = run.args;
   const int rank = rb.rank();
   const int64_t spr = args.slots_per_rank;
@@ -342,7 +352,9 @@ struct RunFigures {
   int ranks = 0;
   std::string mode;
   double seconds = 0;
-  double step_ms = 0;  // wall time per step
+  double cpu_seconds = 0;   // of the whole process: every rank shares this machine's cores
+  double step_ms = 0;       // wall time per step
+  double placement_ms = 0;  // mean of the completed records', every rank
   double p50 = 0, p99 = 0, all_p50 = 0, all_p99 = 0, max = 0;
   double agreement_p50 = 0, agreement_p99 = 0, agreement_max = 0;
   int64_t agreements = 0;
@@ -370,6 +382,7 @@ RunFigures run_threads(const BenchRuntimeArgs& args, int ranks, runtime::Mode mo
                .table_hash = std::vector<uint64_t>(static_cast<size_t>(args.steps + 1) * ranks),
                .ranked = std::vector<Ranked>(static_cast<size_t>(ranks))};
   const auto start = Clock::now();
+  const double cpu_start = cpu_seconds();
   {
     std::vector<std::jthread> threads;
     threads.reserve(static_cast<size_t>(ranks));
@@ -387,15 +400,18 @@ RunFigures run_threads(const BenchRuntimeArgs& args, int ranks, runtime::Mode mo
   f.ranks = ranks;
   f.mode = std::string(runtime::mode_name(mode));
   f.seconds = ms_since(start) / 1000.0;
+  f.cpu_seconds = cpu_seconds() - cpu_start;
   f.step_ms = f.seconds * 1000.0 / static_cast<double>(args.steps);
   for (int r = 0; r < ranks; ++r) {
     const std::string& error = run.ranked[static_cast<size_t>(r)].error;
-    if (!error.empty()) fail<IoError>("bench runtime --threads: rank ", r, " of ", ranks, ": ", error);
+    if (!error.empty())
+      fail<IoError>("bench runtime --threads: rank ", r, " of ", ranks, ": ", error);
   }
 
   // Across ranks, against rank 0: the tables at every step, the switch steps, the records.
   const Ranked& first = run.ranked.front();
   std::vector<double> rebalancing_ms, all_ms, agreement_ms;
+  int64_t placements = 0;
   for (int r = 0; r < ranks; ++r) {
     const Ranked& me = run.ranked[static_cast<size_t>(r)];
     f.failures.tables += me.failures.tables;
@@ -420,9 +436,15 @@ RunFigures run_threads(const BenchRuntimeArgs& args, int ranks, runtime::Mode mo
       if (me.rebalancing[s]) rebalancing_ms.push_back(me.stall_ms[s]);
     }
     agreement_ms.insert(agreement_ms.end(), me.agreement_ms.begin(), me.agreement_ms.end());
+    for (const runtime::RebalanceRecord& x : me.history) {
+      if (x.outcome != runtime::Outcome::kCompleted) continue;
+      f.placement_ms += x.placement_ms;
+      ++placements;
+    }
     f.host_bytes = std::max(f.host_bytes, me.host_bytes);
     f.bytes_held = std::max(f.bytes_held, me.bytes_held);
   }
+  if (placements > 0) f.placement_ms /= static_cast<double>(placements);
   f.p50 = percentile(rebalancing_ms, 0.50);
   f.p99 = percentile(rebalancing_ms, 0.99);
   f.all_p50 = percentile(all_ms, 0.50);
@@ -464,7 +486,9 @@ nlohmann::json to_json(const BenchRuntimeArgs& args, const RunFigures& f) {
           {"expert_bytes", args.expert_bytes},
           {"steps", args.steps},
           {"seconds", f.seconds},
+          {"cpu_seconds", f.cpu_seconds},
           {"step_ms", f.step_ms},
+          {"placement_ms", f.placement_ms},
           {"rebalances_completed", f.completed},
           {"rebalances_failed", f.failed},
           {"rebalances_skipped", f.skipped},
@@ -504,11 +528,14 @@ void run_bench_runtime_threads(const BenchRuntimeArgs& args) {
       runs.push_back(run_threads(args, ranks, runtime::parse_mode(mode), index++));
     }
   }
-  const auto failures = [&] {
-    int64_t n = 0;
-    for (const RunFigures& f : runs) n += f.failures.total();
-    return n;
-  }();
+  Failures all;
+  for (const RunFigures& f : runs) {
+    all.tables += f.failures.tables;
+    all.weights += f.failures.weights;
+    all.switches += f.failures.switches;
+    all.records += f.failures.records;
+  }
+  const int64_t failures = all.total();
   if (args.json) {
     nlohmann::json out;
     if (runs.size() == 1) {
@@ -521,27 +548,31 @@ void run_bench_runtime_threads(const BenchRuntimeArgs& args) {
     }
     fmt::print("{}\n", out.dump());
   } else {
-    fmt::print("runtime protocol, ranks as threads: {} layers x {} slots per rank, {} B per "
-               "expert, {} steps of {} ms + up to {} us of random delay, rebalance every {} "
-               "steps, lag {} (inproc control and transport, weights {})\n",
-               args.layers, args.slots_per_rank, args.expert_bytes, args.steps, args.forward_ms,
-               args.max_delay_us, args.interval, args.lag,
-               args.weights == "engine" ? "the ranks' own, registered" : "in the runtime's arena");
+    fmt::print(
+        "runtime protocol, ranks as threads: {} layers x {} slots per rank, {} B per "
+        "expert, {} steps of {} ms + up to {} us of random delay, rebalance every {} "
+        "steps, lag {} (inproc control and transport, weights {})\n",
+        args.layers, args.slots_per_rank, args.expert_bytes, args.steps, args.forward_ms,
+        args.max_delay_us, args.interval, args.lag,
+        args.weights == "engine" ? "the ranks' own, registered" : "in the runtime's arena");
     fmt::print("  {:>5} {:5} {:>10} {:>9}  {:>23}  {:>9}  {:>19}  {:>8}  {:>11}  {:>7}\n", "ranks",
                "mode", "rebalances", "failures", "step_end p50/p99 (reb.)", "all p99",
                "agreement p50/p99", "step", "host B/rank", "seconds");
     for (const RunFigures& f : runs) {
-      fmt::print("  {:>5} {:5} {:>10} {:>9}  {:>11.3f}/{:>8.3f} ms  {:>6.3f} ms  {:>7.3f}/{:>7.3f} ms"
-                 "  {:>5.2f} ms  {:>11}  {:>7.1f}\n",
-                 f.ranks, f.mode, f.completed, f.failures.total(), f.p50, f.p99, f.all_p99,
-                 f.agreement_p50, f.agreement_p99, f.step_ms, f.host_bytes, f.seconds);
+      fmt::print(
+          "  {:>5} {:5} {:>10} {:>9}  {:>11.3f}/{:>8.3f} ms  {:>6.3f} ms  {:>7.3f}/{:>7.3f} ms"
+          "  {:>5.2f} ms  {:>11}  {:>7.1f}\n",
+          f.ranks, f.mode, f.completed, f.failures.total(), f.p50, f.p99, f.all_p99,
+          f.agreement_p50, f.agreement_p99, f.step_ms, f.host_bytes, f.seconds);
     }
-    fmt::print("  failures: invariant checks failed (tables, weights, switch steps, records); "
-               "agreement: from a rank's contribution to its result\n");
+    fmt::print(
+        "  failures: invariant checks failed (tables, weights, switch steps, records); "
+        "agreement: from a rank's contribution to its result\n");
   }
   if (failures > 0) {
-    fail<IoError>("bench runtime --threads: ", failures, " invariant check(s) failed (see the "
-                  "figures above)");
+    fail<IoError>("bench runtime --threads: ", failures, " invariant check(s) failed: ", all.tables,
+                  " tables, ", all.weights, " weights, ", all.switches, " switch steps, ",
+                  all.records, " records");
   }
   for (const RunFigures& f : runs) {
     if (f.failed > 0) {

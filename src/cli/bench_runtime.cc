@@ -355,16 +355,16 @@ void add_bench_runtime(CLI::App& bench) {
       cmd->add_option("--expert-bytes", args->expert_bytes, "(threads: 4096)")
           ->capture_default_str(),
       [args] { args->expert_bytes = 4096; });
-  threads_default(cmd->add_option("--steps", args->steps, "(threads: 600)")->capture_default_str(),
-                  [args] { args->steps = 600; });
+  threads_default(cmd->add_option("--steps", args->steps, "(threads: 800)")->capture_default_str(),
+                  [args] { args->steps = 800; });
   cmd->add_option("--interval", args->interval, "Steps between rebalance triggers")
       ->capture_default_str();
   cmd->add_option("--window", args->window)->capture_default_str();
   cmd->add_option("--lag", args->lag)->capture_default_str();
   threads_default(cmd->add_option("--forward-ms", args->forward_ms,
-                                  "Duration of the fake forward pass (threads: 0)")
+                                  "Duration of the fake forward pass (threads: 1)")
                       ->capture_default_str(),
-                  [args] { args->forward_ms = 0; });
+                  [args] { args->forward_ms = 1; });
   threads_default(
       cmd->add_option("--mode", args->mode, "async, sync or both (threads: async)")
           ->capture_default_str(),

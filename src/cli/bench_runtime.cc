@@ -2,8 +2,10 @@
 // rebalance, async against sync, in the same run. Ranks are forked processes (shm control
 // plane, shm transport) running a fixed-duration fake forward pass; the load alternates
 // between two very different skews after every rebalance, so every rebalance moves many
-// experts of every layer.
+// experts of every layer. With --threads the ranks are threads of this process instead
+// (bench_runtime_threads.cc), which takes 64-256 ranks on one machine.
 
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -11,6 +13,7 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <functional>
 #include <fstream>
 #include <memory>
 #include <string>
@@ -21,6 +24,7 @@
 #include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
 
+#include "cli/bench_runtime.h"
 #include "cli/commands.h"
 #include "eplb/control/communicator.h"
 #include "eplb/control/launch.h"
@@ -32,41 +36,12 @@
 #include "eplb/transport/transport.h"
 
 namespace eplb::cli {
-namespace {
 
-using Clock = std::chrono::steady_clock;
+int64_t experts_for(const BenchRuntimeArgs& args, int ranks) {
+  return args.experts != 0 ? args.experts : ranks * (args.slots_per_rank - 1);
+}
 
-struct BenchRuntimeArgs {
-  int ranks = 4;
-  int64_t layers = 58;
-  int64_t slots_per_rank = 9;
-  int64_t experts = 0;  // 0: one redundant slot per rank
-  int64_t expert_bytes = 1 << 20;
-  int64_t steps = 400;
-  int64_t interval = 20;
-  int64_t window = 10;
-  int64_t lag = 2;
-  double forward_ms = 5;
-  std::string mode = "both";
-  std::string transport = "shm";
-  std::string policy = "balanced";
-  // arena: the runtime allocates them (what the protocol's own stall is measured on); engine:
-  // each rank allocates them and the runtime registers them (installs then copy).
-  std::string weights = "arena";
-  int64_t timeout_ms = 60'000;
-  bool json = false;
-  bool verbose = false;
-};
-
-struct ModeFigures {
-  double p50 = 0, p99 = 0, max = 0, total_per_rebalance = 0;
-  int64_t rebalances = 0;
-  double steps_per_rebalance = 0;
-  int64_t slots_per_rebalance = 0;
-};
-
-// Two very different skews: hot experts at the low ids, then at the high ids (shifted per
-// layer so that layers differ).
+// Hot experts at the low ids, then at the high ids (shifted per layer so that layers differ).
 void record_load(runtime::Rebalancer& rb, int64_t layers, int64_t experts, int64_t phase) {
   std::vector<int64_t> counts(static_cast<size_t>(experts));
   for (int64_t l = 0; l < layers; ++l) {
@@ -79,12 +54,30 @@ void record_load(runtime::Rebalancer& rb, int64_t layers, int64_t experts, int64
   }
 }
 
+double percentile(std::vector<double> values, double q) {
+  if (values.empty()) return 0;
+  std::sort(values.begin(), values.end());
+  const auto index = static_cast<size_t>(q * static_cast<double>(values.size() - 1) + 0.5);
+  return values[std::min(index, values.size() - 1)];
+}
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+struct ModeFigures {
+  double p50 = 0, p99 = 0, max = 0, total_per_rebalance = 0;
+  int64_t rebalances = 0;
+  double steps_per_rebalance = 0;
+  int64_t slots_per_rebalance = 0;
+};
+
 // One rank's run; writes its step_end times and completed rebalances to `out`.
 int run_rank(const BenchRuntimeArgs& args, runtime::Mode mode, const std::string& rendezvous,
              int rank, const std::string& out) {
   control::Options options;
   options.rank = rank;
-  options.size = args.ranks;
+  options.size = args.ranks.front();
   options.rendezvous = rendezvous;
   options.timeout = std::chrono::milliseconds(args.timeout_ms);
   std::unique_ptr<control::Communicator> comm = control::connect("shm", options);
@@ -98,8 +91,8 @@ int run_rank(const BenchRuntimeArgs& args, runtime::Mode mode, const std::string
 
   runtime::Config config;
   config.layout = Layout{.experts = args.experts,
-                         .physical = args.ranks * args.slots_per_rank,
-                         .ranks = args.ranks,
+                         .physical = args.ranks.front() * args.slots_per_rank,
+                         .ranks = args.ranks.front(),
                          .nodes = 1,
                          .groups = 1};
   config.interval = args.interval;
@@ -151,13 +144,6 @@ int run_rank(const BenchRuntimeArgs& args, runtime::Mode mode, const std::string
   return 0;
 }
 
-double percentile(std::vector<double> values, double q) {
-  if (values.empty()) return 0;
-  std::sort(values.begin(), values.end());
-  const auto index = static_cast<size_t>(q * static_cast<double>(values.size() - 1) + 0.5);
-  return values[std::min(index, values.size() - 1)];
-}
-
 ModeFigures run_mode(const BenchRuntimeArgs& args, runtime::Mode mode) {
   const control::ScratchFolder scratch("eplb-bench-runtime");
   const std::string& dir = scratch.path();
@@ -167,7 +153,7 @@ ModeFigures run_mode(const BenchRuntimeArgs& args, runtime::Mode mode) {
   fork_options.timeout = std::chrono::milliseconds(
       static_cast<int64_t>(static_cast<double>(args.steps) * args.forward_ms) + 600'000);
   const auto exits = control::fork_ranks(
-      args.ranks,
+      args.ranks.front(),
       [&](int rank) {
         return run_rank(args, mode, rendezvous, rank, fmt::format("{}/rank{}.json", dir, rank));
       },
@@ -180,7 +166,7 @@ ModeFigures run_mode(const BenchRuntimeArgs& args, runtime::Mode mode) {
   double steps = 0;
   int64_t records = 0;
   int64_t slots = 0;
-  for (int rank = 0; rank < args.ranks; ++rank) {
+  for (int rank = 0; rank < args.ranks.front(); ++rank) {
     std::ifstream in(fmt::format("{}/rank{}.json", dir, rank));
     const nlohmann::json result = nlohmann::json::parse(in);
     for (const double ms : result["stall_ms"]) all_steps.push_back(ms);
@@ -204,34 +190,59 @@ ModeFigures run_mode(const BenchRuntimeArgs& args, runtime::Mode mode) {
   return figures;
 }
 
-void run_bench_runtime(BenchRuntimeArgs args) {
-  if (args.ranks < 2 || args.ranks > control::max_local_ranks()) {
-    fail("--ranks ", args.ranks, " is outside [2, ", control::max_local_ranks(),
-         "] (rank processes this machine takes)");
+// The most thread ranks one process takes: each runs four threads (forward, control, worker,
+// monitor), and the process limit (ulimit -u) counts threads.
+int max_thread_ranks() {
+  constexpr long kMaxThreadRanks = 1024;
+  long most = kMaxThreadRanks;
+  rlimit limit{};
+  if (getrlimit(RLIMIT_NPROC, &limit) == 0 && limit.rlim_cur != RLIM_INFINITY) {
+    most = std::min<long>(most, static_cast<long>(limit.rlim_cur / 5));
   }
-  if (args.layers < 1 || args.layers > kMaxLayers) {
-    fail("--layers ", args.layers, " is outside [1, ", kMaxLayers, "]");
+  return static_cast<int>(std::max(2L, most));
+}
+
+// What every rank count of the run must satisfy; `threads` says what the ranks are.
+void check_shape(const BenchRuntimeArgs& args, int ranks) {
+  const int most = args.threads ? max_thread_ranks() : control::max_local_ranks();
+  if (ranks < 2 || ranks > most) {
+    fail("--ranks ", ranks, " is outside [2, ", most, "] (",
+         args.threads ? "rank threads one process takes: 4 threads each, within ulimit -u"
+                      : "rank processes this machine takes",
+         ")");
   }
-  if (args.slots_per_rank < 2 || args.slots_per_rank > kMaxPhysical / args.ranks) {
-    fail("--slots-per-rank ", args.slots_per_rank, " is outside [2, ", kMaxPhysical / args.ranks,
-         "] (at most ", kMaxPhysical, " physical slots per layer)");
+  if (args.slots_per_rank < 2 || args.slots_per_rank > kMaxPhysical / ranks) {
+    fail("--slots-per-rank ", args.slots_per_rank, " is outside [2, ", kMaxPhysical / ranks,
+         "] with --ranks ", ranks, " (at most ", kMaxPhysical, " physical slots per layer)");
   }
-  if (args.expert_bytes < 1) fail("--expert-bytes ", args.expert_bytes, " must be at least 1");
   // Every rank holds its slots of every layer and one staging layer.
   const int64_t rank_bytes = checked_mul(
       checked_mul(args.layers + 1, args.slots_per_rank, "--layers x --slots-per-rank"),
       args.expert_bytes, "the weights of one rank (--layers x --slots-per-rank x --expert-bytes)");
-  check_fits_in_memory(checked_mul(rank_bytes, args.ranks, "the weights of all ranks"),
-                       detail::concat("the weights of ", args.ranks, " ranks"),
+  check_fits_in_memory(checked_mul(rank_bytes, ranks, "the weights of all ranks"),
+                       detail::concat("the weights of ", ranks, " ranks"),
                        "lower --layers, --slots-per-rank or --expert-bytes");
+  const int64_t experts = experts_for(args, ranks);
+  if (experts < args.slots_per_rank || experts > ranks * args.slots_per_rank) {
+    fail("--experts ", experts, " must be in [--slots-per-rank, --ranks x --slots-per-rank] = [",
+         args.slots_per_rank, ", ", ranks * args.slots_per_rank, "] with --ranks ", ranks);
+  }
+}
+
+void run_bench_runtime(BenchRuntimeArgs args) {
+  if (args.ranks.empty()) fail("--ranks needs at least one rank count");
+  if (!args.threads && args.ranks.size() > 1) {
+    fail("--ranks takes one count without --threads (got ", args.ranks.size(),
+         "); a list such as 8,32,128,256 runs one after the other with --threads");
+  }
+  if (args.layers < 1 || args.layers > kMaxLayers) {
+    fail("--layers ", args.layers, " is outside [1, ", kMaxLayers, "]");
+  }
+  if (args.expert_bytes < 1) fail("--expert-bytes ", args.expert_bytes, " must be at least 1");
+  for (const int ranks : args.ranks) check_shape(args, ranks);
   if (args.steps < 1) fail("--steps ", args.steps, " must be at least 1");
   if (!(std::isfinite(args.forward_ms) && args.forward_ms >= 0 && args.forward_ms <= 60'000)) {
     fail("--forward-ms ", args.forward_ms, " must be a number in [0, 60000] (milliseconds)");
-  }
-  if (args.experts == 0) args.experts = args.ranks * (args.slots_per_rank - 1);
-  if (args.experts < args.slots_per_rank || args.experts > args.ranks * args.slots_per_rank) {
-    fail("--experts ", args.experts, " must be in [--slots-per-rank, --ranks x --slots-per-rank] = [",
-         args.slots_per_rank, ", ", args.ranks * args.slots_per_rank, "]");
   }
   if (args.mode != "async" && args.mode != "sync" && args.mode != "both") {
     fail("--mode '", args.mode, "' is not one of async, sync, both");
@@ -239,10 +250,28 @@ void run_bench_runtime(BenchRuntimeArgs args) {
   if (!transport::has_backend(args.transport)) {
     fail("--transport '", args.transport, "' is not built in");
   }
+  if (args.threads && args.transport != "inproc") {
+    fail("--transport '", args.transport, "' does not take --threads: thread ranks share one "
+         "process and read each other's weights with the inproc transport (drop --transport or "
+         "pass inproc)");
+  }
+  if (!args.threads && args.transport == "inproc") {
+    fail("--transport inproc needs --threads: it reads between threads of one process, and "
+         "without --threads the ranks are processes (use shm or ucx)");
+  }
   if (args.weights != "engine" && args.weights != "arena") {
     fail("--weights '", args.weights, "' is not engine (each rank allocates its weights, the "
          "runtime registers them) or arena (the runtime allocates them)");
   }
+  if (args.max_delay_us < 0 || args.max_delay_us > 1'000'000) {
+    fail("--max-delay-us ", args.max_delay_us, " must be in [0, 1000000] (microseconds)");
+  }
+  if (args.threads) {
+    if (!args.verbose) spdlog::set_level(spdlog::level::warn);
+    run_bench_runtime_threads(args);
+    return;
+  }
+  args.experts = experts_for(args, args.ranks.front());
   if (!args.verbose) spdlog::set_level(spdlog::level::warn);
 
   std::vector<std::pair<std::string, ModeFigures>> results;
@@ -275,7 +304,7 @@ void run_bench_runtime(BenchRuntimeArgs args) {
   }
   fmt::print("runtime stall: {} ranks, {} layers x {} slots per rank, {} B per expert, {} steps "
              "of {} ms, rebalance every {} steps ({} transport, weights {})\n",
-             args.ranks, args.layers, args.slots_per_rank, args.expert_bytes, args.steps,
+             args.ranks.front(), args.layers, args.slots_per_rank, args.expert_bytes, args.steps,
              args.forward_ms, args.interval, args.transport,
              args.weights == "engine" ? "the ranks' own, registered" : "in the runtime's arena");
   for (const auto& [mode, f] : results) {
@@ -297,32 +326,78 @@ void run_bench_runtime(BenchRuntimeArgs args) {
 void add_bench_runtime(CLI::App& bench) {
   auto args = std::make_shared<BenchRuntimeArgs>();
   CLI::App* cmd = bench.add_subcommand(
-      "runtime", "Forward-thread stall of rebalances, async against sync (forked ranks)");
-  cmd->add_option("--ranks", args->ranks)->capture_default_str();
-  cmd->add_option("--layers", args->layers)->capture_default_str();
-  cmd->add_option("--slots-per-rank", args->slots_per_rank)->capture_default_str();
+      "runtime", "Forward-thread stall of rebalances, async against sync (forked ranks; with "
+                 "--threads, 64-256 thread ranks with every invariant checked at every step)");
+  // With --threads an option left out takes the default of small experts and many steps.
+  struct ThreadDefault {
+    CLI::Option* option;
+    std::function<void()> apply;
+  };
+  auto defaults = std::make_shared<std::vector<ThreadDefault>>();
+  const auto threads_default = [&](CLI::Option* option, std::function<void()> apply) {
+    defaults->push_back({option, std::move(apply)});
+  };
+  threads_default(cmd->add_option("--ranks", args->ranks,
+                                  "Ranks; with --threads a comma-separated list runs one after "
+                                  "the other (threads: 8,32,128,256)")
+                      ->delimiter(',')
+                      ->capture_default_str(),
+                  [args] { args->ranks = {8, 32, 128, 256}; });
+  threads_default(cmd->add_option("--layers", args->layers, "(threads: 4)")->capture_default_str(),
+                  [args] { args->layers = 4; });
+  threads_default(
+      cmd->add_option("--slots-per-rank", args->slots_per_rank, "(threads: 2)")
+          ->capture_default_str(),
+      [args] { args->slots_per_rank = 2; });
   cmd->add_option("--experts", args->experts, "Logical experts (0: one redundant slot per rank)")
       ->capture_default_str();
-  cmd->add_option("--expert-bytes", args->expert_bytes)->capture_default_str();
-  cmd->add_option("--steps", args->steps)->capture_default_str();
+  threads_default(
+      cmd->add_option("--expert-bytes", args->expert_bytes, "(threads: 4096)")
+          ->capture_default_str(),
+      [args] { args->expert_bytes = 4096; });
+  threads_default(cmd->add_option("--steps", args->steps, "(threads: 800)")->capture_default_str(),
+                  [args] { args->steps = 800; });
   cmd->add_option("--interval", args->interval, "Steps between rebalance triggers")
       ->capture_default_str();
   cmd->add_option("--window", args->window)->capture_default_str();
   cmd->add_option("--lag", args->lag)->capture_default_str();
-  cmd->add_option("--forward-ms", args->forward_ms, "Duration of the fake forward pass")
-      ->capture_default_str();
-  cmd->add_option("--mode", args->mode, "async, sync or both")->capture_default_str();
+  threads_default(cmd->add_option("--forward-ms", args->forward_ms,
+                                  "Duration of the fake forward pass (threads: 1)")
+                      ->capture_default_str(),
+                  [args] { args->forward_ms = 1; });
+  threads_default(
+      cmd->add_option("--mode", args->mode, "async, sync or both (threads: async)")
+          ->capture_default_str(),
+      [args] { args->mode = "async"; });
   cmd->add_option("--weights", args->weights,
                   "engine (each rank allocates its weights, the runtime registers them) or "
                   "arena (the runtime allocates them)")
       ->capture_default_str();
-  cmd->add_option("--transport", args->transport, "shm or ucx (ranks are processes)")
-      ->capture_default_str();
+  threads_default(cmd->add_option("--transport", args->transport,
+                                  "shm or ucx (ranks are processes); inproc with --threads")
+                      ->capture_default_str(),
+                  [args] { args->transport = "inproc"; });
   cmd->add_option("--policy", args->policy, "deepseek, balanced or sticky")->capture_default_str();
   cmd->add_option("--timeout-ms", args->timeout_ms)->capture_default_str();
+  cmd->add_flag("--threads", args->threads,
+                "Ranks are threads of this process (inproc control and transport): every "
+                "invariant checked at every step, random delays");
+  cmd->add_option("--seed", args->seed, "--threads: seed of the random delays")
+      ->capture_default_str();
+  cmd->add_option("--max-delay-us", args->max_delay_us,
+                  "--threads: longest random delay (fake forward, before step_end, runtime "
+                  "threads); 0: none")
+      ->capture_default_str();
   cmd->add_flag("--json", args->json, "Print one JSON object");
   cmd->add_flag("--verbose", args->verbose, "Log every rebalance");
-  cmd->callback([args] { run_bench_runtime(*args); });
+  cmd->callback([args, defaults] {
+    if (args->threads) {
+      for (const ThreadDefault& d : *defaults) {
+        if (d.option->count() == 0) d.apply();
+      }
+    }
+    run_bench_runtime(*args);
+  });
 }
 
 }  // namespace eplb::cli

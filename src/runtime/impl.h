@@ -122,6 +122,7 @@ class Rebalancer::Impl {
   int64_t installed_layers() const;
   bool control_broken() const;
   int64_t bytes_held() const;
+  int64_t host_bytes() const;
   std::vector<RebalanceRecord> history() const;
   std::shared_ptr<prometheus::Registry> registry() const;
   std::vector<prometheus::MetricFamily> collect_metrics() const;

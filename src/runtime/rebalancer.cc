@@ -15,6 +15,7 @@
 #include <optional>
 #include <thread>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 
 #include "eplb/control/communicator.h"
@@ -443,6 +444,21 @@ bool Rebalancer::Impl::control_broken() const {
 
 int64_t Rebalancer::Impl::bytes_held() const { return bytes_held_.load(std::memory_order_acquire); }
 
+int64_t Rebalancer::Impl::host_bytes() const {
+  EPLB_CHECK(connected_, "host_bytes() needs connect() first (it allocates the arena)");
+  const auto of = [](const auto& v) {
+    return static_cast<int64_t>(v.size() * sizeof(typename std::decay_t<decltype(v)>::value_type));
+  };
+  int64_t bytes = transport_.capabilities().device_memory ? 0 : bytes_held();
+  bytes += stats::LoadRecorder::bytes_for(recorder_.layers(), recorder_.experts(),
+                                          recorder_.window());
+  bytes += of(phy2log_);
+  for (const routing::DispatchTables& t : tables_) {
+    bytes += of(t.log2phy) + of(t.replica_count) + of(t.static_slot) + of(t.cumulative_share);
+  }
+  return bytes;
+}
+
 std::vector<RebalanceRecord> Rebalancer::Impl::history() const {
   std::lock_guard<std::mutex> lock(history_mu_);
   return history_;
@@ -656,6 +672,7 @@ void Rebalancer::agreement_result(int64_t step, int64_t min_value) {
   impl_->agreement_result(step, min_value);
 }
 int64_t Rebalancer::bytes_held() const { return impl_->bytes_held(); }
+int64_t Rebalancer::host_bytes() const { return impl_->host_bytes(); }
 std::vector<RebalanceRecord> Rebalancer::history() const { return impl_->history(); }
 std::shared_ptr<prometheus::Registry> Rebalancer::registry() const { return impl_->registry(); }
 std::vector<prometheus::MetricFamily> Rebalancer::collect_metrics() const {

@@ -314,6 +314,13 @@ class Rebalancer {
   bool control_broken() const;         // a collective (or an external agreement) failed: no
                                        // rebalance will trigger again
   int64_t bytes_held() const;          // any thread, after connect()
+  // Host memory eplb holds on this rank now, in bytes: the arena or staging layer (bytes_held(),
+  // unless the transport keeps it in device memory), the load window
+  // (stats::LoadRecorder::bytes_for), the placement in force and every layer's dispatch tables.
+  // Not counted: the engine's own weights, a rebalance in flight's plan (the new placement and
+  // tables of the layers it moves, freed when it ends), the threads' stacks, the backends'
+  // buffers. Forward thread, after connect().
+  int64_t host_bytes() const;
   // The metrics now (any thread): the registry they live in, its families, and their text
   // exposition (what a /metrics endpoint serves). The in-flight figures (age, phase) are
   // brought up to date first.

@@ -32,6 +32,7 @@
 #include "eplb/core/memory.h"
 #include "eplb/core/types.h"
 #include "eplb/runtime/rebalancer.h"
+#include "eplb/stats/recorder.h"
 #include "eplb/transport/registry.h"
 #include "eplb/transport/transport.h"
 
@@ -211,8 +212,8 @@ void check_shape(const BenchRuntimeArgs& args, int ranks) {
                       : "rank processes this machine takes",
          ")");
   }
-  if (args.slots_per_rank < 2 || args.slots_per_rank > kMaxPhysical / ranks) {
-    fail("--slots-per-rank ", args.slots_per_rank, " is outside [2, ", kMaxPhysical / ranks,
+  if (args.slots_per_rank < 1 || args.slots_per_rank > kMaxPhysical / ranks) {
+    fail("--slots-per-rank ", args.slots_per_rank, " is outside [1, ", kMaxPhysical / ranks,
          "] with --ranks ", ranks, " (at most ", kMaxPhysical, " physical slots per layer)");
   }
   // Every rank holds its slots of every layer and one staging layer.
@@ -222,7 +223,24 @@ void check_shape(const BenchRuntimeArgs& args, int ranks) {
   check_fits_in_memory(checked_mul(rank_bytes, ranks, "the weights of all ranks"),
                        detail::concat("the weights of ", ranks, " ranks"),
                        "lower --layers, --slots-per-rank or --expert-bytes");
+  // Thread ranks share this process's memory: each holds its own load window and dispatch
+  // tables ([ranks][experts] int32 per layer, twice while a rebalance builds new ones).
+  if (args.threads) {
+    const int64_t experts = std::max<int64_t>(experts_for(args, ranks), 1);
+    const int64_t window = stats::LoadRecorder::bytes_for(args.layers, experts, args.window);
+    const int64_t tables = checked_mul(
+        checked_mul(args.layers, ranks, "--layers x --ranks"), 8 * experts, "the tables");
+    const int64_t per_rank = window + tables;
+    check_fits_in_memory(checked_mul(per_rank, ranks, "the memory of all ranks"),
+                         detail::concat("the load windows and tables of ", ranks,
+                                        " thread ranks (", per_rank, " bytes each)"),
+                         "lower --ranks, --window or --layers");
+  }
   const int64_t experts = experts_for(args, ranks);
+  if (args.experts == 0 && args.slots_per_rank == 1) {
+    fail("with one slot per rank there is no redundant slot, so --experts has no default: say "
+         "--experts N with N <= --ranks (", ranks, ")");
+  }
   if (experts < args.slots_per_rank || experts > ranks * args.slots_per_rank) {
     fail("--experts ", experts, " must be in [--slots-per-rank, --ranks x --slots-per-rank] = [",
          args.slots_per_rank, ", ", ranks * args.slots_per_rank, "] with --ranks ", ranks);

@@ -63,6 +63,13 @@ if run "both modes" --ranks 4,8 --mode both --weights engine --layers 3 --slots-
   [ -z "$problems" ] || fail "both modes: $problems"
 fi
 
+# One slot per rank (DeepSeek-V3's widest decode shape): fewer experts than ranks.
+if run "one slot per rank" --ranks 16 --slots-per-rank 1 --experts 12 --layers 3 --steps 120 \
+  --interval 20 --window 10; then
+  problems=$(judge 16 1)
+  [ -z "$problems" ] || fail "one slot per rank: $problems"
+fi
+
 refuse() {  # name, expected text, eplb bench runtime args...
   local name=$1 text=$2
   shift 2
@@ -77,6 +84,10 @@ refuse "too many ranks" "--ranks 100000 is outside" --threads --ranks 100000
 refuse "a list without threads" "--ranks takes one count without --threads" --ranks 4,8
 refuse "inproc without threads" "--transport inproc needs --threads" --ranks 2 \
   --transport inproc
+refuse "one slot, no experts given" "--experts has no default" --threads --ranks 8 \
+  --slots-per-rank 1
+refuse "more than memory" "thread ranks" --threads --ranks 64 --layers 4000 --window 100000 \
+  --expert-bytes 8
 refuse "negative delay" "--max-delay-us -1" --threads --ranks 8 --max-delay-us -1
 
 if [ $failures -ne 0 ]; then

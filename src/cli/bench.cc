@@ -90,8 +90,13 @@ PlacementRow measure_placement(const BenchPlacementArgs& args, const Layout& lay
     options.previous = &previous;
   }
 
-  PlacementRow row{.shape = args.shape, .policy = policy, .layers = load.layers,
-                   .experts = load.experts, .physical = layout.physical, .ranks = layout.ranks};
+  PlacementRow row;
+  row.shape = args.shape;
+  row.policy = policy;
+  row.layers = load.layers;
+  row.experts = load.experts;
+  row.physical = layout.physical;
+  row.ranks = layout.ranks;
   Placement result;
   for (int i = 0; i < args.repeat; ++i) {
     const auto start = std::chrono::steady_clock::now();

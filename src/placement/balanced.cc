@@ -5,6 +5,8 @@
 //   Step 3: pack the replicas (load w_e / r_e each) into ranks of P/G slots, never two replicas
 //           of one expert on a rank: longest-processing-time first, then local search (swaps off
 //           the most loaded rank) until no swap lowers it or it is within 0.1% of the bound.
+//   With two slots per rank, Steps 2-3 are two_slots::place: counts searched together with
+//   their sorted pairing.
 //   Step 4: keep deepseek's layer instead where it is better and follows the same rules
 //           (happens only on tiny shapes; only layers left above the bound are compared).
 // Every rank is full after Step 3, so a "move" of a replica off the most loaded rank is always a
@@ -23,6 +25,7 @@
 #include "eplb/core/error.h"
 #include "eplb/placement/deepseek.h"
 #include "eplb/placement/metrics.h"
+#include "placement/two_slots.h"
 
 namespace eplb::placement {
 namespace {
@@ -224,6 +227,17 @@ Packing pack_balanced(std::span<const double> weight, std::span<const int32_t> c
   return pack;
 }
 
+// Two slots per rank: writes two_slots::place's pairs (local ids) as global ids, each rank's
+// two in ascending order.
+void write_pairs(std::span<const int32_t> paired, std::span<const int32_t> experts,
+                 int64_t first_slot, std::span<int32_t> phy2log) {
+  for (size_t k = 0; k + 1 < paired.size(); k += 2) {
+    const int32_t a = experts[paired[k]], b = experts[paired[k + 1]];
+    phy2log[first_slot + k] = std::min(a, b);
+    phy2log[first_slot + k + 1] = std::max(a, b);
+  }
+}
+
 // Steps 2 and 3 for one set of experts on one set of ranks. `experts` lists the global ids;
 // writes phy2log[first_slot .. first_slot + ranks * slots_per_rank), each rank's experts in
 // ascending id order.
@@ -232,6 +246,15 @@ void place_experts(std::span<const double> w, std::span<const int32_t> experts, 
   const int64_t n = static_cast<int64_t>(experts.size());
   std::vector<double> local(static_cast<size_t>(n));
   for (int64_t i = 0; i < n; ++i) local[i] = w[experts[i]];
+  std::vector<int32_t> paired;  // two slots per rank: two_slots.h's placement
+  double paired_top = 0;
+  if (slots_per_rank == 2) {
+    paired.resize(static_cast<size_t>(2 * ranks));
+    bool traded = false;
+    paired_top = two_slots::place(local, ranks, paired, traded);
+    // Unless a pair had to trade a replica (tiny layers), it beats any packing below.
+    if (!traded) return write_pairs(paired, experts, first_slot, phy2log);
+  }
   const std::vector<int32_t> count = replica_counts(local, ranks * slots_per_rank, ranks);
 
   // One item per replica: weight w_e / r_e, class e (local index).
@@ -246,6 +269,9 @@ void place_experts(std::span<const double> w, std::span<const int32_t> experts, 
     }
   }
   const Packing pack = pack_balanced(weight, cls, n, ranks, slots_per_rank);
+  if (!paired.empty() && paired_top <= *std::max_element(pack.load.begin(), pack.load.end())) {
+    return write_pairs(paired, experts, first_slot, phy2log);
+  }
   std::vector<int32_t> rank_experts(static_cast<size_t>(slots_per_rank));
   for (int64_t r = 0; r < ranks; ++r) {
     for (int64_t k = 0; k < slots_per_rank; ++k) {
@@ -343,8 +369,10 @@ Placement balanced(const LoadMatrix& load, const Layout& layout, bool hierarchic
   // deepseek runs only on the layers the search left more than kCloseEnough above the lower
   // bound: on the others it could gain that much at most, and computing it cost as much as
   // the rest of the policy at 256 ranks.
+  // With two slots per rank the sorted pairing is the best packing of any counts, deepseek's
+  // included, and the counts only improve on deepseek's (the same greedy ones) from there.
   std::vector<int64_t> open_layers;
-  for (int64_t l = 0; l < load.layers; ++l) {
+  for (int64_t l = 0; l < load.layers && spr != 2; ++l) {
     const std::vector<double> ranks = rank_loads(load.row(l), out.layer_phy2log(l), layout);
     const double most = *std::max_element(ranks.begin(), ranks.end());
     if (most > layer_lower_bound(load.row(l), layout) * (1 + kCloseEnough)) open_layers.push_back(l);

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "eplb/core/error.h"
+#include "placement/two_slots.h"
 
 namespace eplb::placement {
 namespace {
@@ -108,7 +109,10 @@ double layer_lower_bound(std::span<const double> load, const Layout& layout) {
   }
   const double per_replica = heap.top().first;
   // Step 2: no rank can carry less than the mean.
-  return std::max(total / static_cast<double>(layout.ranks), per_replica);
+  const double bound = std::max(total / static_cast<double>(layout.ranks), per_replica);
+  // Step 3: with two slots per rank every replica also needs a partner (two_slots.h).
+  if (layout.slots_per_rank() == 2) return std::max(bound, two_slots::bound(load, layout.ranks));
+  return bound;
 }
 
 int64_t moved_slots(const Placement& before, const Placement& after) {

@@ -1,0 +1,323 @@
+// Two slots per rank: the placement (replica counts searched with their sorted pairing) and
+// the lower bound (bisection on the pairing condition, one level at a time). two_slots.h says
+// why; the steps:
+//   place: 1. counts minimising the largest replica (each extra replica to the largest w/r);
+//          2. the sorted pairing of the replicas, and its largest pair;
+//          3. move one replica from a donor (an expert with 2+) to one of the two experts of
+//             the largest pair, the move that lowers the largest pair most, while one does;
+//          4. ranks are the pairs; a pair holding one expert twice trades its light replica
+//             with another pair.
+//   bound: bisection on T between the old bound and the greedy counts' pairing; T is out of
+//          reach when, at some level y (the heights of the heaviest replicas), even the
+//          cheapest choice of counts in the Lagrangian of "replicas y above T/2 <= replicas y
+//          below it" needs more than 2 * ranks slots.
+
+#include "placement/two_slots.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <functional>
+#include <limits>
+#include <numeric>
+#include <utility>
+#include <vector>
+
+#include "eplb/core/error.h"
+
+namespace eplb::placement::two_slots {
+namespace {
+
+// Relative margin a move must lower the largest pair by (keeps the search off rounding noise).
+constexpr double kMinGain = 1e-12;
+// Donors tried per receiver: those whose replicas stay lightest after giving one up.
+constexpr size_t kDonors = 8;
+// Levels the bound tests per T (the heights of the heaviest replicas: where pairing binds).
+constexpr size_t kLevels = 12;
+constexpr int kBisections = 30;
+// The bisection stops when the range is this narrow (relative).
+constexpr double kPrecision = 1e-5;
+constexpr int kLambdaSteps = 24;
+
+// Each extra replica to the expert with the largest load per replica (lowest index on a tie),
+// at most `cap` replicas each. [experts]
+std::vector<int32_t> greedy_counts(std::span<const double> w, int64_t slots, int64_t cap) {
+  std::vector<int32_t> count(w.size(), 1);
+  std::vector<std::pair<double, int32_t>> heap;  // (load per replica, -expert)
+  for (size_t e = 0; e < w.size(); ++e) {
+    if (cap > 1) heap.emplace_back(w[e], -static_cast<int32_t>(e));
+  }
+  std::make_heap(heap.begin(), heap.end());
+  for (int64_t extra = slots - static_cast<int64_t>(w.size()); extra > 0; --extra) {
+    EPLB_CHECK(!heap.empty(), "no expert can take another replica");
+    std::pop_heap(heap.begin(), heap.end());
+    const int32_t e = -heap.back().second;
+    heap.pop_back();
+    if (++count[e] < cap) {
+      heap.emplace_back(w[e] / count[e], -e);
+      std::push_heap(heap.begin(), heap.end());
+    }
+  }
+  return count;
+}
+
+// The experts ordered by load per replica, heaviest first (lowest index on a tie), and the
+// sorted pairing of their replicas.
+struct Pairing {
+  std::vector<int32_t> order;  // [experts]
+  double top = 0;              // largest pair
+  int32_t top_heavy = -1, top_light = -1;  // its two experts
+};
+
+bool heavier(std::span<const double> w, std::span<const int32_t> r, int32_t a, int32_t b) {
+  const double va = w[a] / r[a], vb = w[b] / r[b];
+  return va > vb || (va == vb && a < b);
+}
+
+// The largest pair of the sorted pairing of `order` (heaviest first) with counts r: the k-th
+// heaviest replica with the k-th lightest. Sets top and its experts; stops early once a pair
+// reaches `limit` (top is then at least that).
+void pair_up(std::span<const double> w, std::span<const int32_t> r, int64_t ranks, Pairing& p,
+             double limit = std::numeric_limits<double>::infinity()) {
+  size_t i = 0, j = p.order.size() - 1;
+  int32_t left_i = r[p.order[i]], left_j = r[p.order[j]];
+  p.top = -1;
+  for (int64_t k = 0; k < ranks; ++k) {
+    const int32_t a = p.order[i], b = p.order[j];
+    const double sum = w[a] / r[a] + w[b] / r[b];
+    if (sum > p.top) {
+      p.top = sum;
+      p.top_heavy = a;
+      p.top_light = b;
+      if (sum >= limit) return;
+    }
+    if (--left_i == 0 && i + 1 < p.order.size()) left_i = r[p.order[++i]];
+    if (--left_j == 0 && j > 0) left_j = r[p.order[--j]];
+  }
+}
+
+// `order` with experts a and b moved to their places under counts r (the rest still sorted).
+void reorder(std::span<const double> w, std::span<const int32_t> r, std::vector<int32_t>& order,
+             int32_t a, int32_t b) {
+  for (const int32_t x : {a, b}) {
+    auto at = std::find(order.begin(), order.end(), x);
+    order.erase(at);
+    order.insert(std::lower_bound(order.begin(), order.end(), x,
+                                  [&](int32_t u, int32_t v) { return heavier(w, r, u, v); }),
+                 x);
+  }
+}
+
+// Step 3.
+void search_counts(std::span<const double> w, int64_t ranks, std::vector<int32_t>& r,
+                   Pairing& p) {
+  const int64_t experts = static_cast<int64_t>(w.size());
+  Pairing trial;
+  std::vector<int32_t> donors;
+  for (int64_t round = 0; round < 4 * experts; ++round) {
+    double best = p.top - kMinGain * p.top;
+    int32_t best_to = -1, best_from = -1;
+    donors.clear();
+    for (int32_t d = 0; d < experts; ++d) {
+      if (r[d] >= 2) donors.push_back(d);
+    }
+    // The donors whose replicas stay lightest after giving one up.
+    auto after = [&](int32_t d) { return w[d] / (r[d] - 1); };
+    if (donors.size() > kDonors) {
+      std::nth_element(donors.begin(), donors.begin() + kDonors, donors.end(),
+                       [&](int32_t a, int32_t b) {
+                         return after(a) < after(b) || (after(a) == after(b) && a < b);
+                       });
+      donors.resize(kDonors);
+      std::sort(donors.begin(), donors.end());
+    }
+    for (const int32_t to : {p.top_heavy, p.top_light}) {
+      if (r[to] >= ranks) continue;
+      for (const int32_t from : donors) {
+        if (from == to) continue;
+        ++r[to];
+        --r[from];
+        trial.order = p.order;
+        reorder(w, r, trial.order, to, from);
+        pair_up(w, r, ranks, trial, best);
+        if (trial.top < best) {
+          best = trial.top;
+          best_to = to;
+          best_from = from;
+        }
+        --r[to];
+        ++r[from];
+      }
+      if (p.top_light == p.top_heavy) break;
+    }
+    if (best_to < 0) return;
+    ++r[best_to];
+    --r[best_from];
+    reorder(w, r, p.order, best_to, best_from);
+    pair_up(w, r, ranks, p);
+  }
+}
+
+// Step 4: the pairs, [ranks][2]; a pair of one expert twice trades its light replica with the
+// pair where the trade raises the larger of the two new pairs least.
+std::vector<int32_t> make_pairs(std::span<const double> w, std::span<const int32_t> r,
+                                int64_t ranks, const Pairing& p, bool& traded) {
+  traded = false;
+  std::vector<int32_t> heavy(static_cast<size_t>(ranks)), light(static_cast<size_t>(ranks));
+  size_t i = 0, j = p.order.size() - 1;
+  int32_t left_i = r[p.order[i]], left_j = r[p.order[j]];
+  for (int64_t k = 0; k < ranks; ++k) {
+    heavy[k] = p.order[i];
+    light[k] = p.order[j];
+    if (--left_i == 0 && i + 1 < p.order.size()) left_i = r[p.order[++i]];
+    if (--left_j == 0 && j > 0) left_j = r[p.order[--j]];
+  }
+  auto share = [&](int32_t e) { return w[e] / r[e]; };
+  for (int64_t k = 0; k < ranks; ++k) {
+    if (heavy[k] != light[k]) continue;
+    const int32_t x = heavy[k];
+    int64_t best = -1;
+    double best_peak = 0;
+    for (int64_t q = 0; q < ranks; ++q) {
+      if (q == k || heavy[q] == x || light[q] == x) continue;
+      const double peak =
+          std::max(share(x) + share(light[q]), share(heavy[q]) + share(x));
+      if (best < 0 || peak < best_peak) {
+        best = q;
+        best_peak = peak;
+      }
+    }
+    EPLB_CHECK(best >= 0, "no pair can take a replica of expert ", x);
+    std::swap(light[k], light[best]);
+    traded = true;
+  }
+  std::vector<int32_t> out(static_cast<size_t>(2 * ranks));
+  for (int64_t k = 0; k < ranks; ++k) {
+    out[2 * k] = std::min(heavy[k], light[k]);
+    out[2 * k + 1] = std::max(heavy[k], light[k]);
+  }
+  return out;
+}
+
+double largest_rank(std::span<const double> w, std::span<const int32_t> r,
+                    std::span<const int32_t> slots) {
+  double most = 0;
+  for (size_t k = 0; k + 1 < slots.size(); k += 2) {
+    most = std::max(most, w[slots[k]] / r[slots[k]] + w[slots[k + 1]] / r[slots[k + 1]]);
+  }
+  return most;
+}
+
+// The bound's test of one T: true when no counts can reach it. It holds for any placement,
+// two replicas of an expert on one rank included (deepseek's may), so no count is capped.
+bool out_of_reach(std::span<const double> w, int64_t ranks, double T) {
+  const int64_t slots = 2 * ranks;
+  const double half = T / 2;
+  std::vector<double> least(w.size());  // fewest replicas with none above T, as doubles
+  double needed = 0;
+  std::vector<double> heights;
+  for (size_t e = 0; e < w.size(); ++e) {
+    least[e] = std::max(1.0, std::ceil(w[e] / T));
+    needed += least[e];
+    const double h = w[e] / least[e] - half;
+    if (h > 0) heights.push_back(h);
+  }
+  if (needed > static_cast<double>(slots)) return true;
+  std::sort(heights.begin(), heights.end(), std::greater<>());
+  heights.erase(std::unique(heights.begin(), heights.end()), heights.end());
+  if (heights.size() > kLevels) heights.resize(kLevels);
+  // At level y every expert takes one of: the fewest replicas, heavy by y or more (m, counted
+  // against the level); the fewest that are not (r_mid, neutral); the fewest at least y below
+  // T/2 (r_l, counted for it). Relaxed with lambda in [0, 1]: min(m (1 + l), r_mid, r_l (1 - l)),
+  // summed over experts: concave in lambda, maximised by ternary search.
+  std::vector<double> m(w.size()), mid(w.size()), low(w.size());
+  for (const double y : heights) {
+    for (size_t e = 0; e < w.size(); ++e) {
+      const double above = w[e] / (half + y);  // heavy by y or more iff r <= above
+      m[e] = least[e] <= above ? least[e] : -1;
+      const double r_mid = std::max(least[e], std::floor(above) + 1);
+      mid[e] = w[e] / r_mid > half - y ? r_mid : -1;
+      low[e] = half - y > 0 ? std::max(least[e], std::ceil(w[e] / (half - y))) : -1;
+      // An expert with no load is as light as can be with one replica.
+      if (w[e] == 0) low[e] = 1;
+    }
+    auto dual = [&](double l) {
+      double total = 0;
+      for (size_t e = 0; e < w.size(); ++e) {
+        double c = std::numeric_limits<double>::infinity();
+        if (m[e] > 0) c = m[e] * (1 + l);
+        if (mid[e] > 0) c = std::min(c, mid[e]);
+        if (low[e] > 0) c = std::min(c, low[e] * (1 - l));
+        total += c;
+      }
+      return total;
+    };
+    double a = 0, b = 1, best = std::max(dual(0), dual(1));
+    for (int step = 0; step < kLambdaSteps && best <= static_cast<double>(slots); ++step) {
+      const double l1 = a + (b - a) / 3, l2 = b - (b - a) / 3;
+      const double d1 = dual(l1), d2 = dual(l2);
+      best = std::max({best, d1, d2});
+      if (d1 < d2) {
+        a = l1;
+      } else {
+        b = l2;
+      }
+    }
+    // A margin against rounding: the bound claims only what holds with it.
+    if (best > static_cast<double>(slots) * (1 + 1e-9)) return true;
+  }
+  return false;
+}
+
+}  // namespace
+
+double place(std::span<const double> w, int64_t ranks, std::span<int32_t> phy2log,
+             bool& traded) {
+  const int64_t experts = static_cast<int64_t>(w.size());
+  EPLB_CHECK(experts >= 2 && experts <= 2 * ranks && phy2log.size() == static_cast<size_t>(2 * ranks),
+             "two slots per rank: ", experts, " experts, ", ranks, " ranks, ", phy2log.size(),
+             " slots");
+  std::vector<int32_t> r = greedy_counts(w, 2 * ranks, ranks);
+  Pairing p;
+  p.order.resize(w.size());
+  std::iota(p.order.begin(), p.order.end(), 0);
+  std::sort(p.order.begin(), p.order.end(),
+            [&](int32_t a, int32_t b) { return heavier(w, r, a, b); });
+  pair_up(w, r, ranks, p);
+  search_counts(w, ranks, r, p);
+  const std::vector<int32_t> slots = make_pairs(w, r, ranks, p, traded);
+  std::copy(slots.begin(), slots.end(), phy2log.begin());
+  return largest_rank(w, r, slots);
+}
+
+double bound(std::span<const double> w, int64_t ranks) {
+  const int64_t experts = static_cast<int64_t>(w.size());
+  if (experts < 1 || experts > 2 * ranks) return 0;
+  std::vector<int32_t> r = greedy_counts(w, 2 * ranks, 2 * ranks);
+  double total = 0, largest = 0;
+  for (int64_t e = 0; e < experts; ++e) {
+    total += w[e];
+    largest = std::max(largest, w[e] / r[e]);
+  }
+  double lo = std::max(total / static_cast<double>(ranks), largest);
+  if (experts < 2) return lo;
+  Pairing p;
+  p.order.resize(w.size());
+  std::iota(p.order.begin(), p.order.end(), 0);
+  std::sort(p.order.begin(), p.order.end(),
+            [&](int32_t a, int32_t b) { return heavier(w, r, a, b); });
+  pair_up(w, r, ranks, p);
+  double hi = p.top;  // reachable
+  // lo stays out of reach (or the old bound); the bound is the last T shown out of reach.
+  for (int i = 0; i < kBisections && hi > lo * (1 + kPrecision); ++i) {
+    const double mid = 0.5 * (lo + hi);
+    if (out_of_reach(w, ranks, mid)) {
+      lo = mid;
+    } else {
+      hi = mid;
+    }
+  }
+  return lo;
+}
+
+}  // namespace eplb::placement::two_slots

@@ -1,0 +1,148 @@
+// Two slots per rank (DeepSeek-V3's decode shapes): balanced's counts and pairing, and the
+// bound, against exhaustive search on small layers and on lognormal loads at 144 ranks.
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <functional>
+#include <limits>
+#include <random>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "eplb/placement/balanced.h"
+#include "eplb/placement/deepseek.h"
+#include "eplb/placement/metrics.h"
+
+namespace eplb::placement {
+namespace {
+
+Layout two_slots(int64_t experts, int64_t ranks) {
+  Layout layout;
+  layout.experts = experts;
+  layout.physical = 2 * ranks;
+  layout.ranks = ranks;
+  return layout;
+}
+
+// The best largest pair of `items` (weight, expert) paired two by two, never one expert twice
+// on a rank: every perfect matching.
+double best_pairing(std::vector<std::pair<double, int32_t>>& items, size_t from) {
+  if (from == items.size()) return 0;
+  double best = std::numeric_limits<double>::infinity();
+  for (size_t j = from + 1; j < items.size(); ++j) {
+    if (items[j].second == items[from].second) continue;
+    std::swap(items[from + 1], items[j]);
+    const double here = items[from].first + items[from + 1].first;
+    if (here < best) best = std::min(best, std::max(here, best_pairing(items, from + 2)));
+    std::swap(items[from + 1], items[j]);
+  }
+  return best;
+}
+
+// The optimum over every count vector (1 <= r_e <= G, sum 2G) and every pairing.
+double optimum(const std::vector<double>& w, int64_t ranks) {
+  const size_t n = w.size();
+  std::vector<int32_t> count(n, 1);
+  double best = std::numeric_limits<double>::infinity();
+  std::function<void(size_t, int64_t)> walk = [&](size_t e, int64_t left) {
+    if (e == n - 1) {
+      if (left < 1 || left > ranks) return;
+      count[e] = static_cast<int32_t>(left);
+      std::vector<std::pair<double, int32_t>> items;
+      for (size_t i = 0; i < n; ++i) {
+        for (int32_t r = 0; r < count[i]; ++r) {
+          items.emplace_back(w[i] / count[i], static_cast<int32_t>(i));
+        }
+      }
+      best = std::min(best, best_pairing(items, 0));
+      return;
+    }
+    for (int64_t r = 1; r <= std::min<int64_t>(ranks, left - static_cast<int64_t>(n - 1 - e));
+         ++r) {
+      count[e] = static_cast<int32_t>(r);
+      walk(e + 1, left - r);
+    }
+  };
+  walk(0, 2 * ranks);
+  return best;
+}
+
+double largest_rank(const LoadMatrix& load, const Placement& p, const Layout& layout) {
+  const std::vector<double> ranks = rank_loads(load.row(0), p.layer_phy2log(0), layout);
+  return *std::max_element(ranks.begin(), ranks.end());
+}
+
+int64_t duplicates(const Placement& p, const Layout& layout) {
+  int64_t out = 0;
+  for (int64_t l = 0; l < p.layers; ++l) {
+    const auto slots = p.layer_phy2log(l);
+    for (int64_t r = 0; r < layout.ranks; ++r) out += slots[2 * r] == slots[2 * r + 1];
+  }
+  return out;
+}
+
+TEST(TwoSlots, AgainstExhaustiveSearch) {
+  // The bound never exceeds the optimum and never falls below the old one; balanced follows
+  // the rules and reaches the optimum on nearly every layer.
+  std::mt19937_64 rng(17);
+  int cases = 0, optimal = 0;
+  double worst = 1;
+  for (int trial = 0; trial < 400; ++trial) {
+    const int64_t ranks = 2 + static_cast<int64_t>(rng() % 3);
+    const int64_t experts = 2 + static_cast<int64_t>(rng() % (2 * ranks - 1));
+    LoadMatrix load(1, experts);
+    const int kind = trial % 4;
+    for (double& v : load.values) {
+      v = static_cast<double>(kind == 1 ? 4 + rng() % 3 : rng() % 20);
+      if (kind == 2 && rng() % 2 == 0) v = 0;
+    }
+    if (kind == 3) load.values[0] = 60 + static_cast<double>(rng() % 20);
+    const Layout layout = two_slots(experts, ranks);
+    SCOPED_TRACE("trial " + std::to_string(trial) + ": " + std::to_string(experts) +
+                 " experts on " + std::to_string(ranks) + " ranks");
+    const double best = optimum(load.values, ranks);
+    const double bound = layer_lower_bound(load.row(0), layout);
+    EXPECT_LE(bound, best * (1 + 1e-9));
+    double total = 0;
+    for (const double v : load.values) total += v;
+    EXPECT_GE(bound, total / static_cast<double>(ranks) * (1 - 1e-12));
+    const Placement out = balanced(load, layout, false);
+    ASSERT_NO_THROW(out.validate());
+    EXPECT_EQ(duplicates(out, layout), 0);
+    const double got = largest_rank(load, out, layout);
+    EXPECT_GE(got, best * (1 - 1e-9));
+    ++cases;
+    optimal += got <= best * (1 + 1e-9);
+    if (best > 0) worst = std::max(worst, got / best);
+  }
+  // Moving one replica at a time can stop short on tiny layers where the rule against two
+  // replicas on a rank binds (a few experts, zeros, one dominant): about 9 in 10 are optimal, the
+  // worst up to 1.7x the optimum. At production sizes the rule almost never binds (next test).
+  EXPECT_GE(optimal, cases * 8 / 10) << optimal << " of " << cases << " layers optimal, worst "
+                                     << worst << "x";
+}
+
+TEST(TwoSlots, LognormalAt144RanksIsCloseToTheBound) {
+  // DeepSeek-V3 decode's shape: 256 experts on 144 ranks of two slots. The old bound sat 0.013
+  // above balanced; the pairing bound is within 0.005 of it, and balanced is at least deepseek.
+  std::mt19937_64 rng(4);
+  std::lognormal_distribution<double> dist(0.0, 1.0);
+  LoadMatrix load(12, 256);
+  for (double& v : load.values) v = std::round(dist(rng) * 1000.0);
+  Layout layout = two_slots(256, 144);
+  layout.nodes = 18;
+  layout.groups = 8;
+  const PlacementMetrics ours = evaluate(load, balanced(load, layout, false), layout);
+  const PlacementMetrics theirs = evaluate(load, deepseek(load, layout), layout);
+  EXPECT_LE(ours.lower_bound_mean - ours.balancedness_mean, 0.005);
+  EXPECT_GE(ours.balancedness_mean, theirs.balancedness_mean);
+  for (int64_t l = 0; l < load.layers; ++l) {
+    EXPECT_LE(ours.balancedness[l], ours.lower_bound_balancedness[l] + 1e-12) << "layer " << l;
+  }
+}
+
+}  // namespace
+}  // namespace eplb::placement

@@ -5,8 +5,8 @@
 //   Step 3: pack the replicas (load w_e / r_e each) into ranks of P/G slots, never two replicas
 //           of one expert on a rank: longest-processing-time first, then local search (swaps off
 //           the most loaded rank) until no swap lowers it or it is within 0.1% of the bound.
-//   With two slots per rank, Steps 2-3 are two_slots::place: counts searched together with
-//   their sorted pairing.
+//   With one slot per rank Step 2 alone is optimal; with two, Steps 2-3 are two_slots::place:
+//   counts searched together with their sorted pairing.
 //   Step 4: keep deepseek's layer instead where it is better and follows the same rules
 //           (happens only on tiny shapes; only layers left above the bound are compared).
 // Every rank is full after Step 3, so a "move" of a replica off the most loaded rank is always a
@@ -256,6 +256,14 @@ void place_experts(std::span<const double> w, std::span<const int32_t> experts, 
     if (!traded) return write_pairs(paired, experts, first_slot, phy2log);
   }
   const std::vector<int32_t> count = replica_counts(local, ranks * slots_per_rank, ranks);
+  if (slots_per_rank == 1) {
+    // One slot per rank: a rank's load is its replica's, so the counts alone are optimal.
+    int64_t slot = first_slot;
+    for (int64_t i = 0; i < n; ++i) {
+      for (int32_t k = 0; k < count[i]; ++k) phy2log[slot++] = experts[i];
+    }
+    return;
+  }
 
   // One item per replica: weight w_e / r_e, class e (local index).
   std::vector<double> weight;
@@ -369,10 +377,11 @@ Placement balanced(const LoadMatrix& load, const Layout& layout, bool hierarchic
   // deepseek runs only on the layers the search left more than kCloseEnough above the lower
   // bound: on the others it could gain that much at most, and computing it cost as much as
   // the rest of the policy at 256 ranks.
-  // With two slots per rank the sorted pairing is the best packing of any counts, deepseek's
-  // included, and the counts only improve on deepseek's (the same greedy ones) from there.
+  // With one slot per rank the counts are optimal; with two the sorted pairing is the best
+  // packing of any counts, deepseek's included, and the counts only improve on deepseek's (the
+  // same greedy ones) from there.
   std::vector<int64_t> open_layers;
-  for (int64_t l = 0; l < load.layers && spr != 2; ++l) {
+  for (int64_t l = 0; l < load.layers && spr > 2; ++l) {
     const std::vector<double> ranks = rank_loads(load.row(l), out.layer_phy2log(l), layout);
     const double most = *std::max_element(ranks.begin(), ranks.end());
     if (most > layer_lower_bound(load.row(l), layout) * (1 + kCloseEnough)) open_layers.push_back(l);

@@ -325,6 +325,8 @@ bool one_replica_per_rank(std::span<const int32_t> phy2log, int64_t slots_per_ra
   return true;
 }
 
+}  // namespace
+
 void check_balanced_inputs(const LoadMatrix& load, const Layout& layout, bool hierarchical) {
   layout.validate();
   load.validate();
@@ -344,8 +346,6 @@ void check_balanced_inputs(const LoadMatrix& load, const Layout& layout, bool hi
          experts, ")");
   }
 }
-
-}  // namespace
 
 Placement balanced(const LoadMatrix& load, const Layout& layout, bool hierarchical) {
   check_balanced_inputs(load, layout, hierarchical);

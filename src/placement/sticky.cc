@@ -19,6 +19,8 @@
 //   Step 4: keep the candidate that reaches the target with the fewest moved slots. Step 3 runs
 //           first with a small budget (1/8 of the slots); only when that fails are Step 2 and
 //           the rest of Step 3 (budget: the fallback's moves) run.
+//   Step 0, with 3+ slots per rank: Step 3 first against the lower bound's target (at least
+//           balanced's); when that is reached in the small budget, balanced is not computed.
 // The tolerance is per layer: every layer's balancedness is at least balanced's minus it, so
 // the mean over layers and the step-weighted figure are too.
 
@@ -27,6 +29,7 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
+#include <functional>
 #include <limits>
 #include <numeric>
 #include <optional>
@@ -845,28 +848,39 @@ struct Candidate {
   int64_t moved = 0;
 };
 
-// Steps 1-4 for one layer.
+// Steps 1-4 for one layer. `fresh` computes balanced's placement of the layer when needed.
 std::vector<int32_t> place_layer(std::span<const double> w, std::span<const int32_t> prev,
-                                 std::span<const int32_t> fresh, const Layout& layout,
-                                 double tolerance, bool hierarchical) {
-  // Step 1.
-  const double target = layer_balancedness(w, fresh, layout) - tolerance;
+                                 const std::function<std::vector<int32_t>()>& fresh_of,
+                                 const Layout& layout, double tolerance, bool hierarchical) {
   double total = 0;
   for (const double v : w) total += v;
   const double mean = total / static_cast<double>(layout.ranks);
-  const double cap = target > 0 ? mean / target : kInf;
-  auto good = [&](std::span<const int32_t> slots) {
-    return layer_balancedness(w, slots, layout) >= target;
+  auto cap_for = [&](double target) { return target > 0 ? mean / target : kInf; };
+  const int64_t slots = static_cast<int64_t>(prev.size());
+  // Step 0, past two slots per rank (where the bound is cheap and balanced within 0.1% of it):
+  // the target from the lower bound instead, which is at least balanced's; reaching it with a
+  // small budget needs no fresh placement at all.
+  std::optional<Incremental> early;
+  if (layout.slots_per_rank() > 2 && !hierarchical && total > 0) {
+    const double cap = cap_for(mean / layer_lower_bound(w, layout) - tolerance);
+    early.emplace(w, prev, layout, std::span<const int32_t>{});
+    if (early->run(cap, slots / kFewMoved)) return {early->slots().begin(), early->slots().end()};
+  }
+  // Step 1.
+  const std::vector<int32_t> fresh = fresh_of();
+  const double target = layer_balancedness(w, fresh, layout) - tolerance;
+  const double cap = cap_for(target);
+  auto good = [&](std::span<const int32_t> placed) {
+    return layer_balancedness(w, placed, layout) >= target;
   };
 
-  const int64_t slots = static_cast<int64_t>(prev.size());
   // Step 3, groups on the nodes that hold most of their slots now; a small budget first.
   const std::vector<int32_t> kept_nodes =
       hierarchical ? expert_nodes(groups_to_nodes(prev, layout), layout) : std::vector<int32_t>{};
   const bool reachable = !hierarchical || nodes_can_reach(w, kept_nodes, layout, cap);
-  std::optional<Incremental> search;
+  std::optional<Incremental> search = std::move(early);
+  if (reachable && !search) search.emplace(w, prev, layout, kept_nodes);
   if (reachable) {
-    search.emplace(w, prev, layout, kept_nodes);
     if (search->run(cap, slots / kFewMoved) && good(search->slots())) {
       return {search->slots().begin(), search->slots().end()};
     }
@@ -911,13 +925,18 @@ Placement sticky(const LoadMatrix& load, const Layout& layout, const Placement& 
          ", ", layout.experts, ", ", layout.physical);
   }
   previous.validate();
-  // balanced checks the layout, the load and the hierarchical rule.
-  const Placement fresh = balanced(load, layout, hierarchical);
+  check_balanced_inputs(load, layout, hierarchical);
   Placement out(load.layers, layout.experts, layout.physical);
   for (int64_t l = 0; l < load.layers; ++l) {
+    // balanced's placement of this one layer, only when Step 0 does not suffice.
+    auto fresh_of = [&] {
+      LoadMatrix one(1, load.experts);
+      std::copy_n(load.row(l).begin(), load.experts, one.row(0).begin());
+      const Placement fresh = balanced(one, layout, hierarchical);
+      return std::vector<int32_t>(fresh.layer_phy2log(0).begin(), fresh.layer_phy2log(0).end());
+    };
     const std::vector<int32_t> slots = place_layer(load.row(l), previous.layer_phy2log(l),
-                                                   fresh.layer_phy2log(l), layout, tolerance,
-                                                   hierarchical);
+                                                   fresh_of, layout, tolerance, hierarchical);
     std::copy(slots.begin(), slots.end(), out.layer_phy2log(l).begin());
   }
   out.derive_from_phy2log();

@@ -9,4 +9,8 @@ namespace eplb::placement {
 
 Placement balanced(const LoadMatrix& load, const Layout& layout, bool hierarchical);
 
+// The checks balanced makes of its inputs (InvalidArgument naming the value and the rule): the
+// layout, the load, and that a rank never needs two replicas of one expert.
+void check_balanced_inputs(const LoadMatrix& load, const Layout& layout, bool hierarchical);
+
 }  // namespace eplb::placement

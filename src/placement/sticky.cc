@@ -19,6 +19,8 @@
 //   Step 4: keep the candidate that reaches the target with the fewest moved slots. Step 3 runs
 //           first with a small budget (1/8 of the slots); only when that fails are Step 2 and
 //           the rest of Step 3 (budget: the fallback's moves) run.
+//   Step 2b, with two slots per rank: the previous pairs moved to balanced's counts
+//           (two_slots::repair), a second fallback that usually keeps far more.
 //   Step 0, with 3+ slots per rank: Step 3 first against the lower bound's target (at least
 //           balanced's); when that is reached in the small budget, balanced is not computed.
 // The tolerance is per layer: every layer's balancedness is at least balanced's minus it, so
@@ -40,6 +42,7 @@
 #include "eplb/core/error.h"
 #include "eplb/placement/balanced.h"
 #include "eplb/placement/metrics.h"
+#include "placement/two_slots.h"
 
 namespace eplb::placement {
 namespace {
@@ -898,6 +901,17 @@ std::vector<int32_t> place_layer(std::span<const double> w, std::span<const int3
       best = {std::vector<int32_t>(s.slots().begin(), s.slots().end()), s.moved()};
     }
   };
+  // Two slots per rank: the previous pairs moved to balanced's counts (two_slots.h), which
+  // keeps far more than relabelling balanced's pairs.
+  if (layout.slots_per_rank() == 2 && !hierarchical) {
+    std::vector<int32_t> counts(static_cast<size_t>(layout.experts), 0);
+    for (const int32_t e : fresh) ++counts[e];
+    std::vector<int32_t> repaired(prev.size());
+    if (two_slots::repair(w, prev, counts, layout.ranks, cap, repaired) && good(repaired)) {
+      const int64_t moved = count_moved(prev, repaired);
+      if (moved < best.moved) best = {std::move(repaired), moved};
+    }
+  }
   // Step 3 goes on with the budget the fallback leaves.
   if (search) consider(*search);
   // In hierarchical mode, also with the groups on balanced's nodes (relabelled).

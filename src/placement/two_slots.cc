@@ -320,4 +320,76 @@ double bound(std::span<const double> w, int64_t ranks) {
   return lo;
 }
 
+bool repair(std::span<const double> w, std::span<const int32_t> prev,
+            std::span<const int32_t> counts, int64_t ranks, double cap, std::span<int32_t> out) {
+  const int64_t experts = static_cast<int64_t>(w.size());
+  const int64_t slots = 2 * ranks;
+  EPLB_CHECK(static_cast<int64_t>(prev.size()) == slots && out.size() == prev.size() &&
+                 static_cast<int64_t>(counts.size()) == experts,
+             "two_slots::repair: shapes");
+  auto share = [&](int32_t e) { return w[e] / counts[e]; };
+  auto mate = [](int64_t p) { return p ^ 1; };
+  std::copy(prev.begin(), prev.end(), out.begin());
+  // The previous load of each rank under the new shares, to free the slots of the most loaded.
+  std::vector<double> old_load(static_cast<size_t>(ranks), 0.0);
+  for (int64_t p = 0; p < slots; ++p) old_load[p / 2] += share(prev[p]);
+  std::vector<std::vector<int64_t>> held(static_cast<size_t>(experts));
+  for (int64_t p = 0; p < slots; ++p) held[prev[p]].push_back(p);
+  std::vector<char> free_slot(static_cast<size_t>(slots), 0);
+  std::vector<std::pair<double, int32_t>> incoming;  // (-share, expert), one per new replica
+  for (int32_t e = 0; e < experts; ++e) {
+    std::vector<int64_t>& mine = held[e];
+    const int64_t extra = static_cast<int64_t>(mine.size()) - counts[e];
+    if (extra > 0) {
+      std::sort(mine.begin(), mine.end(), [&](int64_t a, int64_t b) {
+        return old_load[a / 2] > old_load[b / 2] || (old_load[a / 2] == old_load[b / 2] && a < b);
+      });
+      for (int64_t k = 0; k < extra; ++k) {
+        free_slot[mine[k]] = 1;
+        out[mine[k]] = -1;
+      }
+    }
+    for (int64_t k = extra; k < 0; ++k) incoming.emplace_back(-share(e), e);
+  }
+  std::sort(incoming.begin(), incoming.end());
+  // The new replicas, heaviest first, beside the lightest partner that is not the same expert.
+  auto load_of = [&](int64_t p) { return out[p] < 0 ? 0.0 : share(out[p]); };
+  for (const auto& [unused, e] : incoming) {
+    int64_t best = -1;
+    for (int64_t p = 0; p < slots; ++p) {
+      if (!free_slot[p] || out[p] >= 0 || out[mate(p)] == e) continue;
+      if (best < 0 || load_of(mate(p)) < load_of(mate(best))) best = p;
+    }
+    if (best < 0) return false;
+    out[best] = e;
+  }
+  // Ranks above the cap trade their lighter replica for a lighter one elsewhere.
+  std::vector<double> load(static_cast<size_t>(ranks));
+  for (int64_t g = 0; g < ranks; ++g) load[g] = share(out[2 * g]) + share(out[2 * g + 1]);
+  for (int64_t round = 0; round < 2 * ranks; ++round) {
+    const int64_t g = std::max_element(load.begin(), load.end()) - load.begin();
+    if (load[g] <= cap) return true;
+    const int64_t light = share(out[2 * g]) <= share(out[2 * g + 1]) ? 2 * g : 2 * g + 1;
+    const int32_t x = out[mate(light)], y = out[light];
+    int64_t best = -1;
+    double best_peak = load[g];
+    for (int64_t q = 0; q < slots; ++q) {
+      const int64_t h = q / 2;
+      if (h == g) continue;
+      const int32_t z = out[mate(q)], v = out[q];
+      if (v == x || z == y || v == y) continue;
+      const double peak = std::max(share(x) + share(v), share(z) + share(y));
+      if (peak < best_peak) {
+        best = q;
+        best_peak = peak;
+      }
+    }
+    if (best < 0) return false;
+    std::swap(out[light], out[best]);
+    load[g] = share(out[2 * g]) + share(out[2 * g + 1]);
+    load[best / 2] = share(out[best & ~int64_t{1}]) + share(out[best | 1]);
+  }
+  return *std::max_element(load.begin(), load.end()) <= cap;
+}
+
 }  // namespace eplb::placement::two_slots

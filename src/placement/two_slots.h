@@ -40,4 +40,13 @@ double place(std::span<const double> w, int64_t ranks, std::span<int32_t> phy2lo
 // is out of reach. The weights are improved by projected subgradient steps.
 double bound(std::span<const double> w, int64_t ranks);
 
+// sticky at two slots per rank: the previous placement `prev` [2 * ranks] moved to the replica
+// counts `counts` [experts] (balanced's) with every rank at most `cap`, keeping slots where it
+// can. Each expert keeps as many of its old slots as it still has replicas (giving up those on
+// the most loaded ranks); the new replicas go, heaviest first, to the freed slots beside the
+// lightest partners; then each rank above the cap trades its lighter replica with a lighter one
+// of a rank that can take it. Writes `out` and returns true when every rank is at most the cap.
+bool repair(std::span<const double> w, std::span<const int32_t> prev,
+            std::span<const int32_t> counts, int64_t ranks, double cap, std::span<int32_t> out);
+
 }  // namespace eplb::placement::two_slots

@@ -465,6 +465,12 @@ class Rebalancer:
         self._rt.agreement_result(_as_int(step, "step"), _as_int(min_value, "min_value"))
 
     # ------------------------------------------------------------------ observability
+    def host_bytes(self):
+        """The host memory eplb holds on this rank, in bytes: the arena or staging layer
+        (unless it is in device memory), the load window, the placement and the dispatch
+        tables. Not the engine's weights, nor a rebalance's plan in flight."""
+        return self._rt.host_bytes()
+
     def history(self):
         """One dict per rebalance so far: index, trigger_step, end_step, outcome ("completed",
         "skipped", "failed", "cancelled"), error, placement_ms, balancedness_before/after,

@@ -560,6 +560,9 @@ void bind_runtime(py::module_& m) {
              py::gil_scoped_release release;
              rb.shutdown();
            })
+      .def("host_bytes", [](Runtime& r) { return r.rb().host_bytes(); },
+           "The host memory eplb holds on this rank, in bytes: arena or staging (unless in device "
+           "memory), load window, placement and dispatch tables; not the engine's weights.")
       .def("agreement_contribution", [](Runtime& r) { return r.rb().agreement_contribution(); })
       .def("agreement_result", [](Runtime& r, int64_t step,
                                   int64_t min_value) { r.rb().agreement_result(step, min_value); })

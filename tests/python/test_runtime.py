@@ -89,6 +89,8 @@ def test_single_rank_api(tmp_path):
         held = rb.connect()
         assert held == (LAYERS + 1) * PHYSICAL * (24 + 10)
         assert rb.bytes_held == held
+        # The arena, the load window, the placement and the tables: more than the arena alone.
+        assert rb.host_bytes() > held
 
         w = rb.weights(0, "w13")
         assert w.dtype == np.float32 and w.shape == (PHYSICAL, 2, 3)

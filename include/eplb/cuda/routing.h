@@ -70,9 +70,10 @@ class DeviceDispatchTables {
   cudaEvent_t staging_free_ = nullptr;  // recorded after the copy that last read staging_
 };
 
-// A device ring of per-step load counts, the device side of stats::LoadRecorder's ring. int64
-// like the recorder: a closed step goes into record_counts() as it is, and a step left open
-// however long cannot overflow.
+// A device ring of per-step load counts, the device side of stats::LoadRecorder's ring. int64,
+// like the recorder's open step: a step left open however long cannot overflow, and a closed
+// step goes into record_counts() as it is (which refuses one expert above 2^31 - 1 tokens in
+// one layer in one step, the recorder's per-step limit).
 struct LoadRingView {
   int64_t* counts = nullptr;       // device [window][layers][experts]
   int32_t* window_slot = nullptr;  // device: the ring step being counted, in [0, window)

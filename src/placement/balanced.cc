@@ -184,9 +184,10 @@ void improve_by_swaps(Packing& pack, std::span<const double> weight,
         for (int64_t pb = h * cap; pb < (h + 1) * cap; ++pb) {
           const int32_t ib = pack.item[pb];
           const double delta = wa - weight[ib];
-          if (delta <= 0 || holds[g * classes + cls[ib]]) continue;
+          if (delta <= 0) continue;
           const double peak = std::max(top - delta, lh + delta);
-          if (peak < best) {
+          // The rule is looked up last: most candidates already fail on the loads.
+          if (peak < best && !holds[g * classes + cls[ib]]) {
             best = peak;
             best_a = pa;
             best_b = pb;

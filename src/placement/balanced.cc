@@ -242,7 +242,9 @@ void write_pairs(std::span<const int32_t> paired, std::span<const int32_t> exper
 // Steps 2 and 3 for one set of experts on one set of ranks. `experts` lists the global ids;
 // writes phy2log[first_slot .. first_slot + ranks * slots_per_rank), each rank's experts in
 // ascending id order.
-void place_experts(std::span<const double> w, std::span<const int32_t> experts, int64_t ranks,
+// Returns false where the result may be beaten by another packing (two slots per rank, where a
+// pair had to trade a replica): Step 4 then compares it with deepseek's.
+bool place_experts(std::span<const double> w, std::span<const int32_t> experts, int64_t ranks,
                    int64_t slots_per_rank, int64_t first_slot, std::span<int32_t> phy2log) {
   const int64_t n = static_cast<int64_t>(experts.size());
   std::vector<double> local(static_cast<size_t>(n));
@@ -254,7 +256,10 @@ void place_experts(std::span<const double> w, std::span<const int32_t> experts, 
     bool traded = false;
     paired_top = two_slots::place(local, ranks, paired, traded);
     // Unless a pair had to trade a replica (tiny layers), it beats any packing below.
-    if (!traded) return write_pairs(paired, experts, first_slot, phy2log);
+    if (!traded) {
+      write_pairs(paired, experts, first_slot, phy2log);
+      return true;
+    }
   }
   const std::vector<int32_t> count = replica_counts(local, ranks * slots_per_rank, ranks);
   if (slots_per_rank == 1) {
@@ -263,7 +268,7 @@ void place_experts(std::span<const double> w, std::span<const int32_t> experts, 
     for (int64_t i = 0; i < n; ++i) {
       for (int32_t k = 0; k < count[i]; ++k) phy2log[slot++] = experts[i];
     }
-    return;
+    return true;
   }
 
   // One item per replica: weight w_e / r_e, class e (local index).
@@ -279,7 +284,8 @@ void place_experts(std::span<const double> w, std::span<const int32_t> experts, 
   }
   const Packing pack = pack_balanced(weight, cls, n, ranks, slots_per_rank);
   if (!paired.empty() && paired_top <= *std::max_element(pack.load.begin(), pack.load.end())) {
-    return write_pairs(paired, experts, first_slot, phy2log);
+    write_pairs(paired, experts, first_slot, phy2log);
+    return false;
   }
   std::vector<int32_t> rank_experts(static_cast<size_t>(slots_per_rank));
   for (int64_t r = 0; r < ranks; ++r) {
@@ -290,6 +296,7 @@ void place_experts(std::span<const double> w, std::span<const int32_t> experts, 
     std::copy(rank_experts.begin(), rank_experts.end(),
               phy2log.begin() + first_slot + r * slots_per_rank);
   }
+  return slots_per_rank > 2;
 }
 
 // Step 1: the experts of each node, [nodes][E/N], ordered by (position of the group in the
@@ -354,11 +361,13 @@ Placement balanced(const LoadMatrix& load, const Layout& layout, bool hierarchic
   const int64_t spr = layout.slots_per_rank();
   std::vector<int32_t> all(static_cast<size_t>(layout.experts));
   std::iota(all.begin(), all.end(), 0);
+  // Layers where one or two slots per rank did not give the best packing of any counts.
+  std::vector<char> compare(static_cast<size_t>(load.layers), 0);
   for (int64_t l = 0; l < load.layers; ++l) {
     const std::span<const double> w = load.row(l);
     const std::span<int32_t> phy2log = out.layer_phy2log(l);
     if (!hierarchical) {
-      place_experts(w, all, layout.ranks, spr, 0, phy2log);
+      compare[l] = !place_experts(w, all, layout.ranks, spr, 0, phy2log);
       continue;
     }
     const std::vector<int32_t> node_experts = experts_by_node(w, layout);
@@ -368,6 +377,8 @@ Placement balanced(const LoadMatrix& load, const Layout& layout, bool hierarchic
       place_experts(w, std::span<const int32_t>(node_experts).subspan(n * per_node, per_node), rpn,
                     spr, n * rpn * spr, phy2log);
     }
+    // balanced's nodes are its own packing of the groups; deepseek's may be better.
+    compare[l] = spr <= 2;
   }
   // Step 4: on small shapes (2-3 slots per rank) the local search can stop above deepseek's
   // packing; where deepseek's layer is better and keeps the rules, take it (each rank's experts
@@ -378,11 +389,16 @@ Placement balanced(const LoadMatrix& load, const Layout& layout, bool hierarchic
   // deepseek runs only on the layers the search left more than kCloseEnough above the lower
   // bound: on the others it could gain that much at most, and computing it cost as much as
   // the rest of the policy at 256 ranks.
-  // With one slot per rank the counts are optimal; with two the sorted pairing is the best
-  // packing of any counts, deepseek's included, and the counts only improve on deepseek's (the
-  // same greedy ones) from there.
+  // With one or two slots per rank and all experts on all ranks, the layer is already the best
+  // packing of counts that only improve on deepseek's greedy ones (with one slot the counts
+  // are optimal; with two the sorted pairing is the best packing of any counts), unless a
+  // pair had to trade a replica; those layers, and hierarchical ones, are compared.
   std::vector<int64_t> open_layers;
-  for (int64_t l = 0; l < load.layers && spr > 2; ++l) {
+  for (int64_t l = 0; l < load.layers; ++l) {
+    if (spr <= 2) {
+      if (compare[l]) open_layers.push_back(l);
+      continue;
+    }
     const std::vector<double> ranks = rank_loads(load.row(l), out.layer_phy2log(l), layout);
     const double most = *std::max_element(ranks.begin(), ranks.end());
     if (most > layer_lower_bound(load.row(l), layout) * (1 + kCloseEnough)) open_layers.push_back(l);

@@ -129,7 +129,7 @@ int64_t moved_slots(const Placement& before, const Placement& after) {
 }
 
 PlacementMetrics evaluate(const LoadMatrix& load, const Placement& placement, const Layout& layout,
-                          const Placement* previous) {
+                          const Placement* previous, bool with_bound) {
   layout.validate();
   load.validate();
   if (load.experts != layout.experts) {
@@ -168,7 +168,8 @@ PlacementMetrics evaluate(const LoadMatrix& load, const Placement& placement, co
     m.mean_rank_load[l] = mean;
     m.max_rank_load[l] = most;
     m.balancedness[l] = ratio_or_one(mean, most);
-    m.lower_bound_balancedness[l] = ratio_or_one(mean, layer_lower_bound(w, layout));
+    m.lower_bound_balancedness[l] =
+        with_bound ? ratio_or_one(mean, layer_lower_bound(w, layout)) : 1.0;
     if (!(total > 0)) {
       m.dense[l] = 1;
       continue;

@@ -118,8 +118,8 @@ constexpr int64_t kExactMatching = 64;
 // over take the free columns in ascending order. Pairs of full overlap (a new rank holding
 // exactly an old rank's experts) come first, and taking one never costs the exact optimum
 // anything (|A n B'| + |A' n A| <= |A| + |A' n B'| when A = B). The overlap is sparse (a rank
-// shares experts with a handful of old ranks), so the pairs are few.
-// overlap: [n][n]. Returns match[row] = column.
+// shares experts with a handful of old ranks), so the pairs are few. pairs: (-overlap,
+// row * n + column) for the pairs of positive overlap. Returns match[row] = column.
 std::vector<int64_t> greedy_max_matching(std::vector<std::pair<int64_t, int64_t>> pairs,
                                          int64_t n) {
   std::sort(pairs.begin(), pairs.end());
@@ -863,11 +863,14 @@ std::vector<int32_t> place_layer(std::span<const double> w, std::span<const int3
   // Step 0, past two slots per rank (where the bound is cheap and balanced within 0.1% of it):
   // the target from the lower bound instead, which is at least balanced's; reaching it with a
   // small budget needs no fresh placement at all.
-  std::optional<Incremental> early;
   if (layout.slots_per_rank() > 2 && !hierarchical && total > 0) {
-    const double cap = cap_for(mean / layer_lower_bound(w, layout) - tolerance);
-    early.emplace(w, prev, layout, std::span<const int32_t>{});
-    if (early->run(cap, slots / kFewMoved)) return {early->slots().begin(), early->slots().end()};
+    const double bound_target = mean / layer_lower_bound(w, layout) - tolerance;
+    Incremental early(w, prev, layout, std::span<const int32_t>{});
+    if (early.run(cap_for(bound_target), slots / kFewMoved) &&
+        layer_balancedness(w, early.slots(), layout) >= bound_target) {
+      return {early.slots().begin(), early.slots().end()};
+    }
+    // Not met: Step 3 starts again from the previous placement, against balanced's target.
   }
   // Step 1.
   const std::vector<int32_t> fresh = fresh_of();
@@ -881,9 +884,9 @@ std::vector<int32_t> place_layer(std::span<const double> w, std::span<const int3
   const std::vector<int32_t> kept_nodes =
       hierarchical ? expert_nodes(groups_to_nodes(prev, layout), layout) : std::vector<int32_t>{};
   const bool reachable = !hierarchical || nodes_can_reach(w, kept_nodes, layout, cap);
-  std::optional<Incremental> search = std::move(early);
-  if (reachable && !search) search.emplace(w, prev, layout, kept_nodes);
+  std::optional<Incremental> search;
   if (reachable) {
+    search.emplace(w, prev, layout, kept_nodes);
     if (search->run(cap, slots / kFewMoved) && good(search->slots())) {
       return {search->slots().begin(), search->slots().end()};
     }

@@ -99,9 +99,9 @@ void pair_up(std::span<const double> w, std::span<const int32_t> r, int64_t rank
 // `order` with experts a and b moved to their places under counts r (the rest still sorted).
 void reorder(std::span<const double> w, std::span<const int32_t> r, std::vector<int32_t>& order,
              int32_t a, int32_t b) {
+  // Both leave before either comes back: the rest must be sorted for the binary search.
+  for (const int32_t x : {a, b}) order.erase(std::find(order.begin(), order.end(), x));
   for (const int32_t x : {a, b}) {
-    auto at = std::find(order.begin(), order.end(), x);
-    order.erase(at);
     order.insert(std::lower_bound(order.begin(), order.end(), x,
                                   [&](int32_t u, int32_t v) { return heavier(w, r, u, v); }),
                  x);
@@ -252,7 +252,34 @@ bool out_of_reach(std::span<const double> w, int64_t ranks, double T) {
       }
       return total;
     };
-    double a = 0, b = 1, best = std::max(dual(0), dual(1));
+    // The dual is concave, so it lies under its tangents at 0 and 1: when even where those
+    // meet it stays within the slots, this level shows nothing and the search is skipped.
+    double f0 = 0, s0 = 0, f1 = 0, s1 = 0;
+    for (size_t e = 0; e < w.size(); ++e) {
+      // (value, slope) of each piece at 0 and at 1; the right slope at 0 is the least among the
+      // lowest pieces, the left slope at 1 the largest.
+      std::pair<double, double> at0{std::numeric_limits<double>::infinity(), 0};
+      std::pair<double, double> at1{std::numeric_limits<double>::infinity(), 0};
+      auto piece = [&](double value0, double slope) {
+        const double value1 = value0 + slope;
+        if (value0 < at0.first || (value0 == at0.first && slope < at0.second)) at0 = {value0, slope};
+        if (value1 < at1.first || (value1 == at1.first && slope > at1.second)) at1 = {value1, slope};
+      };
+      if (m[e] > 0) piece(m[e], m[e]);
+      if (mid[e] > 0) piece(mid[e], 0);
+      if (low[e] > 0) piece(low[e], -low[e]);
+      f0 += at0.first;
+      s0 += at0.second;
+      f1 += at1.first;
+      s1 += at1.second;
+    }
+    double ceiling = std::max(f0, f1);
+    if (s0 > 0 && s1 < 0) {
+      const double l = (f1 - s1 - f0) / (s0 - s1);
+      ceiling = f0 + s0 * std::clamp(l, 0.0, 1.0);
+    }
+    if (ceiling <= static_cast<double>(slots) * (1 + 1e-9)) continue;
+    double a = 0, b = 1, best = std::max(f0, f1);
     for (int step = 0; step < kLambdaSteps && best <= static_cast<double>(slots); ++step) {
       const double l1 = a + (b - a) / 3, l2 = b - (b - a) / 3;
       const double d1 = dual(l1), d2 = dual(l2);
@@ -327,15 +354,33 @@ bool repair(std::span<const double> w, std::span<const int32_t> prev,
   EPLB_CHECK(static_cast<int64_t>(prev.size()) == slots && out.size() == prev.size() &&
                  static_cast<int64_t>(counts.size()) == experts,
              "two_slots::repair: shapes");
+  int64_t total = 0;
+  for (const int32_t c : counts) {
+    EPLB_CHECK(c >= 1 && c <= ranks, "two_slots::repair: a count of ", c, " with ", ranks,
+               " ranks");
+    total += c;
+  }
+  EPLB_CHECK(total == slots, "two_slots::repair: counts sum to ", total, ", not ", slots);
+  for (const int32_t e : prev) {
+    EPLB_CHECK(e >= 0 && e < experts, "two_slots::repair: previous expert ", e);
+  }
   auto share = [&](int32_t e) { return w[e] / counts[e]; };
   auto mate = [](int64_t p) { return p ^ 1; };
   std::copy(prev.begin(), prev.end(), out.begin());
   // The previous load of each rank under the new shares, to free the slots of the most loaded.
   std::vector<double> old_load(static_cast<size_t>(ranks), 0.0);
   for (int64_t p = 0; p < slots; ++p) old_load[p / 2] += share(prev[p]);
+  // A rank holding one expert twice (deepseek's placements may) keeps only the first.
   std::vector<std::vector<int64_t>> held(static_cast<size_t>(experts));
-  for (int64_t p = 0; p < slots; ++p) held[prev[p]].push_back(p);
   std::vector<char> free_slot(static_cast<size_t>(slots), 0);
+  for (int64_t p = 0; p < slots; ++p) {
+    if (p % 2 == 1 && prev[p] == prev[p - 1]) {
+      free_slot[p] = 1;
+      out[p] = -1;
+    } else {
+      held[prev[p]].push_back(p);
+    }
+  }
   std::vector<std::pair<double, int32_t>> incoming;  // (-share, expert), one per new replica
   for (int32_t e = 0; e < experts; ++e) {
     std::vector<int64_t>& mine = held[e];

@@ -198,7 +198,8 @@ void Monitor::measure_now(Job& job) {
   Placement placement(layers, layout_.experts, layout_.physical);
   placement.phy2log = std::move(job.phy2log);
   placement.derive_from_phy2log();
-  const placement::PlacementMetrics m = placement::evaluate(load, placement, layout_);
+  const placement::PlacementMetrics m =
+      placement::evaluate(load, placement, layout_, nullptr, /*with_bound=*/false);
   if (m.moe_layers == 0) return;  // nothing recorded yet: no figure rather than a perfect one
   metrics_.set_recorded_balancedness(m.balancedness_mean);
   if (rank_ == 0) {

@@ -91,8 +91,10 @@ RebalancePlan make_plan(std::span<const int64_t> window, std::span<const int32_t
   options.tolerance = config.tolerance;
   options.previous = &before;
   const Placement after = placement::place(load, layout, options);
-  plan.balancedness_before = placement::evaluate(load, before, layout).balancedness_mean;
-  plan.balancedness_after = placement::evaluate(load, after, layout).balancedness_mean;
+  plan.balancedness_before =
+      placement::evaluate(load, before, layout, nullptr, false).balancedness_mean;
+  plan.balancedness_after =
+      placement::evaluate(load, after, layout, nullptr, false).balancedness_mean;
   const double gain = plan.balancedness_after - plan.balancedness_before;
   if (gain < config.min_gain) {
     plan.skipped = true;

@@ -167,11 +167,12 @@ std::vector<double> slot_shares(const Placement& placement) {
 }
 
 // placement::layer_lower_bound, with a shortcut for the common case where the mean rank load
-// is reachable: when replica counts r_e = max(1, ceil(w_e / mean)) fit in the slots and give
+// is reachable (past two slots per rank): when replica counts r_e = max(1, ceil(w_e / mean)) fit in the slots and give
 // every replica at most the mean, the bound is the mean (no count vector does better than
 // total / G, and the optimal one does at least as well as these). O(E) instead of a heap.
 double lower_bound(std::span<const double> w, double mean, const Layout& layout) {
-  if (mean > 0) {
+  // Not with two slots per rank: there every replica's partner counts too (two_slots.h).
+  if (mean > 0 && layout.slots_per_rank() != 2) {
     int64_t slots = 0;
     bool fits = true;
     for (const double v : w) {

@@ -147,6 +147,12 @@ TEST(Sticky, TwoSlotsPerRankDriftMovesFewSlots) {
               0.15);
     previous = out;
   }
+  // From deepseek's placement, which may put two replicas of an expert on one rank: the result
+  // never does.
+  const Placement from_deepseek = sticky(load, layout, deepseek(load, layout), 0.01, false);
+  ASSERT_NO_THROW(from_deepseek.validate());
+  EXPECT_EQ(duplicates_on_ranks(from_deepseek, layout), 0);
+  expect_within_tolerance(load, layout, from_deepseek, 0.01, false);
 }
 
 TEST(Sticky, HierarchicalDriftKeepsGroupsOnOneNode) {

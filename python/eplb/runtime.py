@@ -468,7 +468,8 @@ class Rebalancer:
     def host_bytes(self):
         """The host memory eplb holds on this rank, in bytes: the arena or staging layer
         (unless it is in device memory), the load window, the placement and the dispatch
-        tables. Not the engine's weights, nor a rebalance's plan in flight."""
+        tables. Not the engine's weights, nor a rebalance's plan in flight. Call it from the
+        forward thread (it reads the tables that installs swap)."""
         return self._rt.host_bytes()
 
     def history(self):

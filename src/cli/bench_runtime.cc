@@ -257,6 +257,11 @@ void run_bench_runtime(BenchRuntimeArgs args) {
     fail("--layers ", args.layers, " is outside [1, ", kMaxLayers, "]");
   }
   if (args.expert_bytes < 1) fail("--expert-bytes ", args.expert_bytes, " must be at least 1");
+  // Before the shape checks, which size the load windows from it.
+  for (const auto& [flag, value] : {std::pair<const char*, int64_t>{"--window", args.window},
+                                    {"--interval", args.interval}}) {
+    if (value < 1 || value > kMaxSteps) fail(flag, " ", value, " is outside [1, ", kMaxSteps, "]");
+  }
   for (const int ranks : args.ranks) check_shape(args, ranks);
   if (args.steps < 1) fail("--steps ", args.steps, " must be at least 1");
   if (!(std::isfinite(args.forward_ms) && args.forward_ms >= 0 && args.forward_ms <= 60'000)) {

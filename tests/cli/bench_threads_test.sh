@@ -15,8 +15,10 @@ fail() { echo "FAIL: $*"; failures=$((failures + 1)); }
 run() {  # name, eplb bench runtime args...
   local name=$1
   shift
-  if ! "$eplb" bench runtime --threads "$@" --json >"$tmp/out" 2>"$tmp/err"; then
-    fail "$name exited $?: $(tail -c 400 "$tmp/err")"
+  "$eplb" bench runtime --threads "$@" --json >"$tmp/out" 2>"$tmp/err"
+  local rc=$?
+  if [ $rc -ne 0 ]; then
+    fail "$name exited $rc: $(tail -c 400 "$tmp/err")"
     return 1
   fi
 }

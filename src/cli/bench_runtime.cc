@@ -42,6 +42,19 @@ int64_t experts_for(const BenchRuntimeArgs& args, int ranks) {
   return args.experts != 0 ? args.experts : ranks * (args.slots_per_rank - 1);
 }
 
+runtime::WeightSpec weight_spec(const BenchRuntimeArgs& args,
+                                std::vector<std::vector<std::byte>>& own) {
+  runtime::WeightSpec spec{.layers = args.layers, .tensors = {{"w", args.expert_bytes}}};
+  if (args.weights == "engine") {
+    own.reserve(static_cast<size_t>(args.layers));  // the bases stay where they are
+    for (int64_t l = 0; l < args.layers; ++l) {
+      own.emplace_back(static_cast<size_t>(args.slots_per_rank * args.expert_bytes));
+      spec.engine.push_back({.base = own.back().data(), .stride = 0});
+    }
+  }
+  return spec;
+}
+
 // Hot experts at the low ids, then at the high ids (shifted per layer so that layers differ).
 void record_load(runtime::Rebalancer& rb, int64_t layers, int64_t experts, int64_t phase) {
   std::vector<int64_t> counts(static_cast<size_t>(experts));
@@ -103,14 +116,8 @@ int run_rank(const BenchRuntimeArgs& args, runtime::Mode mode, const std::string
   config.policy = placement::parse_policy(args.policy);
   config.min_gain = -1;  // forced: every trigger rebalances
   config.timeout = std::chrono::milliseconds(args.timeout_ms);
-  runtime::WeightSpec spec{.layers = args.layers, .tensors = {{"w", args.expert_bytes}}};
   std::vector<std::vector<std::byte>> own;  // --weights engine: [layers], this rank's slots
-  if (args.weights == "engine") {
-    for (int64_t l = 0; l < args.layers; ++l) {
-      own.emplace_back(static_cast<size_t>(args.slots_per_rank * args.expert_bytes));
-      spec.engine.push_back({.base = own.back().data(), .stride = 0});
-    }
-  }
+  const runtime::WeightSpec spec = weight_spec(args, own);
   runtime::Rebalancer rb(config, *comm, *transport, spec,
                          trivial_placement(args.layers, args.experts, config.layout.physical));
   rb.connect();

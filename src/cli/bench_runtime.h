@@ -4,13 +4,12 @@
 // transport; bench_runtime_threads.cc). bench_runtime.cc parses and validates the arguments;
 // the runners take them as they are.
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
 #include <vector>
 
-namespace eplb::runtime {
-class Rebalancer;
-}
+#include "eplb/runtime/rebalancer.h"
 
 namespace eplb::cli {
 
@@ -45,6 +44,10 @@ struct BenchRuntimeArgs {
 
 // The logical experts of a run with `ranks` ranks (--experts, or one redundant slot per rank).
 int64_t experts_for(const BenchRuntimeArgs& args, int ranks);
+
+// The weights of one rank: one tensor "w" of --expert-bytes per slot; with --weights engine
+// the rank's own buffers (`own`, [layers], kept alive by the caller) registered with the runtime.
+runtime::WeightSpec weight_spec(const BenchRuntimeArgs& args, std::vector<std::vector<std::byte>>& own);
 
 // This step's load: two very different skews, flipped by `phase` (the rebalances so far, the
 // same on every rank at every step), so that every rebalance moves many experts of every layer.

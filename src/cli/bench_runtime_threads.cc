@@ -299,14 +299,8 @@ void run_rank(RunState& run, int rank) {
     const auto delay = draw_delay(seed, rank, 8 + where, n, max_us);
     if (delay.count() > 0) std::this_thread::sleep_for(delay);
   };
-  runtime::WeightSpec spec{.layers = args.layers, .tensors = {{"w", args.expert_bytes}}};
   std::vector<std::vector<std::byte>> own;  // --weights engine: [layers], this rank's slots
-  if (args.weights == "engine") {
-    for (int64_t l = 0; l < args.layers; ++l) {
-      own.emplace_back(static_cast<size_t>(args.slots_per_rank * args.expert_bytes));
-      spec.engine.push_back({.base = own.back().data(), .stride = 0});
-    }
-  }
+  const runtime::WeightSpec spec = weight_spec(args, own);
   runtime::Rebalancer rb(config, comm, *transport, spec,
                          trivial_placement(args.layers, run.experts, config.layout.physical));
   me.bytes_held = rb.connect();

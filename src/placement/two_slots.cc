@@ -108,6 +108,17 @@ void reorder(std::span<const double> w, std::span<const int32_t> r, std::vector<
   }
 }
 
+// Steps 1-2 from counts r: the experts in order, and their pairing's largest pair.
+Pairing sorted_pairing(std::span<const double> w, std::span<const int32_t> r, int64_t ranks) {
+  Pairing p;
+  p.order.resize(w.size());
+  std::iota(p.order.begin(), p.order.end(), 0);
+  std::sort(p.order.begin(), p.order.end(),
+            [&](int32_t a, int32_t b) { return heavier(w, r, a, b); });
+  pair_up(w, r, ranks, p);
+  return p;
+}
+
 // Step 3.
 void search_counts(std::span<const double> w, int64_t ranks, std::vector<int32_t>& r,
                    Pairing& p) {
@@ -305,12 +316,7 @@ double place(std::span<const double> w, int64_t ranks, std::span<int32_t> phy2lo
              "two slots per rank: ", experts, " experts, ", ranks, " ranks, ", phy2log.size(),
              " slots");
   std::vector<int32_t> r = greedy_counts(w, 2 * ranks, ranks);
-  Pairing p;
-  p.order.resize(w.size());
-  std::iota(p.order.begin(), p.order.end(), 0);
-  std::sort(p.order.begin(), p.order.end(),
-            [&](int32_t a, int32_t b) { return heavier(w, r, a, b); });
-  pair_up(w, r, ranks, p);
+  Pairing p = sorted_pairing(w, r, ranks);
   search_counts(w, ranks, r, p);
   const std::vector<int32_t> slots = make_pairs(w, r, ranks, p, traded);
   std::copy(slots.begin(), slots.end(), phy2log.begin());
@@ -328,12 +334,7 @@ double bound(std::span<const double> w, int64_t ranks) {
   }
   double lo = std::max(total / static_cast<double>(ranks), largest);
   if (experts < 2) return lo;
-  Pairing p;
-  p.order.resize(w.size());
-  std::iota(p.order.begin(), p.order.end(), 0);
-  std::sort(p.order.begin(), p.order.end(),
-            [&](int32_t a, int32_t b) { return heavier(w, r, a, b); });
-  pair_up(w, r, ranks, p);
+  Pairing p = sorted_pairing(w, r, ranks);
   double hi = p.top;  // reachable
   // lo stays out of reach (or the old bound); the bound is the last T shown out of reach.
   for (int i = 0; i < kBisections && hi > lo * (1 + kPrecision); ++i) {

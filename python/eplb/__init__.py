@@ -288,7 +288,8 @@ def plan_migration(old_phy2log, new_phy2log, num_gpus, num_nodes, expert_bytes,
         "layers": one dict per layer:
             "action": uint8 [num_physical], how each slot gets its new expert, an index into
                 eplb.ACTIONS ("unchanged", "local_copy", "free_ride", "read_same_node",
-                "read_other_node")
+                "read_other_node", "restore"; a restore, of an expert no live slot holds,
+                happens only in elastic serving, which this function does not plan)
             "expert", "src_rank", "src_slot": int64 [num_physical], the slot's new expert and
                 where it comes from (the slot itself when unchanged)
             "reads": dict of int64 [reads] columns "src_rank", "src_slot", "dst_rank",

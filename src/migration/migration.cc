@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <span>
 
 #include "eplb/core/error.h"
 
@@ -36,6 +37,34 @@ MigrationPlan plan_migration(const Placement& from, const Placement& to, const L
   if (options.schedule.peers_per_round < 1) {
     fail("peers per round ", options.schedule.peers_per_round, " must be at least 1");
   }
+  if (!options.usable.empty() &&
+      static_cast<int64_t>(options.usable.size()) != from.layers * from.physical) {
+    fail("usable has ", options.usable.size(), " entries, expected layers x physical = ",
+         from.layers, " x ", from.physical, " = ", from.layers * from.physical,
+         " (one per slot, or none: all valid)");
+  }
+  if (!options.members.empty() && static_cast<int64_t>(options.members.size()) != layout.ranks) {
+    fail("members has ", options.members.size(), " entries, expected ranks ", layout.ranks,
+         " (one per rank, or none: all take part)");
+  }
+  for (size_t e = 0; e < options.backup_holders.size(); ++e) {
+    for (const int32_t g : options.backup_holders[e]) {
+      if (g < 0 || g >= layout.ranks) {
+        fail("backup holders of expert ", e, ": rank ", g, " is outside ranks [0, ",
+             layout.ranks, ")");
+      }
+    }
+  }
+  if (!options.backup_holders.empty() &&
+      static_cast<int64_t>(options.backup_holders.size()) < to.experts) {
+    fail("backup holders has ", options.backup_holders.size(),
+         " entries, the new placement has ", to.experts,
+         " experts (one entry per expert, or none: no backups)");
+  }
+  PlanSources sources;
+  sources.members = options.members;
+  sources.backup_holders = options.backup_holders;
+  sources.loader = options.loader;
 
   MigrationPlan result;
   result.layers.reserve(static_cast<size_t>(from.layers));
@@ -45,8 +74,13 @@ MigrationPlan plan_migration(const Placement& from, const Placement& to, const L
   for (int64_t l = 0; l < from.layers; ++l) {
     LayerMigration layer;
     try {
-      layer.plan =
-          plan_layer(from.layer_phy2log(l), to.layer_phy2log(l), layout, options.expert_bytes);
+      if (!options.usable.empty()) {
+        sources.usable = std::span<const uint8_t>(options.usable)
+                             .subspan(static_cast<size_t>(l * from.physical),
+                                      static_cast<size_t>(from.physical));
+      }
+      layer.plan = plan_layer(from.layer_phy2log(l), to.layer_phy2log(l), layout,
+                              options.expert_bytes, sources);
     } catch (const InvalidArgument& e) {
       fail("layer ", l, ": ", e.what());
     }
@@ -58,6 +92,8 @@ MigrationPlan plan_migration(const Placement& from, const Placement& to, const L
     t.bytes_intra_node += p.bytes_intra_node;
     t.bytes_inter_node += p.bytes_inter_node;
     t.bytes_local_copy += p.bytes_local_copy;
+    t.bytes_restored += p.bytes_restored;
+    t.bytes_restored_remote += p.bytes_restored_remote;
     t.max_layer_rank_bytes_in = std::max(t.max_layer_rank_bytes_in, p.max_rank_bytes_in);
     t.max_layer_rank_bytes_out = std::max(t.max_layer_rank_bytes_out, p.max_rank_bytes_out);
     t.reads += static_cast<int64_t>(p.reads.size());

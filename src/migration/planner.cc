@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <ranges>
 
 #include "eplb/core/error.h"
 
@@ -14,6 +15,7 @@ std::string_view action_name(Action action) {
     case Action::kFreeRide: return "free_ride";
     case Action::kReadSameNode: return "read_same_node";
     case Action::kReadOtherNode: return "read_other_node";
+    case Action::kRestore: return "restore";
   }
   return "unknown";
 }
@@ -51,42 +53,101 @@ void check_inputs(std::span<const int32_t> old_phy2log, std::span<const int32_t>
   }
 }
 
-// The old holders of every expert, in slot order: holders[begin[e], begin[e + 1]).
-struct Holders {
+void check_sources(const PlanSources& sources, const Layout& layout) {
+  if (!sources.usable.empty() && static_cast<int64_t>(sources.usable.size()) != layout.physical) {
+    fail("usable has ", sources.usable.size(), " slots, expected physical ", layout.physical,
+         " (one per slot of the layer, or none: all valid)");
+  }
+  if (!sources.members.empty() && static_cast<int64_t>(sources.members.size()) != layout.ranks) {
+    fail("members has ", sources.members.size(), " ranks, expected ranks ", layout.ranks,
+         " (one per rank, or none: all take part)");
+  }
+  for (size_t e = 0; e < sources.backup_holders.size(); ++e) {
+    for (const int32_t g : sources.backup_holders[e]) {
+      if (g < 0 || g >= layout.ranks) {
+        fail("backup holders of expert ", e, ": rank ", g, " is outside ranks [0, ",
+             layout.ranks, ")");
+      }
+    }
+  }
+}
+
+// A list per expert, flattened: items[begin[e], begin[e + 1]).
+struct PerExpert {
   std::vector<int32_t> begin;  // [experts + 1]
-  std::vector<int32_t> slots;  // [physical]
+  std::vector<int32_t> items;
 
   std::span<const int32_t> of(int32_t expert) const {
     if (expert + 1 >= static_cast<int32_t>(begin.size())) return {};
-    return {slots.data() + begin[expert], static_cast<size_t>(begin[expert + 1] - begin[expert])};
+    return {items.data() + begin[expert], static_cast<size_t>(begin[expert + 1] - begin[expert])};
   }
 };
 
-Holders index_holders(std::span<const int32_t> phy2log, int32_t experts) {
-  Holders h;
+// The valid old holders of every expert, in slot order (hence by rank). `valid`: [physical].
+PerExpert index_holders(std::span<const int32_t> phy2log, std::span<const uint8_t> valid,
+                        int32_t experts) {
+  PerExpert h;
   h.begin.assign(static_cast<size_t>(experts) + 1, 0);
-  for (const int32_t e : phy2log) ++h.begin[e + 1];
+  for (size_t p = 0; p < phy2log.size(); ++p) {
+    if (valid[p]) ++h.begin[phy2log[p] + 1];
+  }
   for (int32_t e = 0; e < experts; ++e) h.begin[e + 1] += h.begin[e];
-  h.slots.resize(phy2log.size());
+  h.items.resize(static_cast<size_t>(h.begin.back()));
   std::vector<int32_t> fill(h.begin.begin(), h.begin.end() - 1);
   for (size_t p = 0; p < phy2log.size(); ++p) {
-    h.slots[fill[phy2log[p]]++] = static_cast<int32_t>(p);
+    if (valid[p]) h.items[fill[phy2log[p]]++] = static_cast<int32_t>(p);
   }
   return h;
 }
 
-// A slot that must be read from a peer, before a holder is chosen.
+// The member ranks that hold a host copy of every expert, ascending and distinct.
+PerExpert index_backups(std::span<const std::vector<int32_t>> holders,
+                        std::span<const uint8_t> member, int32_t experts) {
+  PerExpert b;
+  b.begin.assign(static_cast<size_t>(experts) + 1, 0);
+  for (int32_t e = 0; e < experts; ++e) {
+    const size_t first = b.items.size();
+    if (static_cast<size_t>(e) < holders.size()) {
+      for (const int32_t g : holders[e]) {
+        if (member[g]) b.items.push_back(g);
+      }
+    }
+    std::sort(b.items.begin() + first, b.items.end());
+    b.items.erase(std::unique(b.items.begin() + first, b.items.end()), b.items.end());
+    b.begin[e + 1] = static_cast<int32_t>(b.items.size());
+  }
+  return b;
+}
+
+// A slot that must fetch its expert from another rank (a read, or a restore from a peer's host
+// copy), before the source is chosen.
 struct Demand {
   int32_t dst_slot;
   int32_t expert;
-  int32_t candidates;  // distinct candidate holder ranks
+  int32_t candidates;  // distinct candidate source ranks
+  bool same_node;      // the candidates are the sources on the destination's node
 };
+
+// The demands, fewest candidates first, in their order otherwise (a stable counting sort).
+std::vector<Demand> most_constrained_first(const std::vector<Demand>& demands, int64_t ranks) {
+  std::vector<Demand> ordered(demands.size());
+  std::vector<int32_t> start(static_cast<size_t>(ranks) + 1, 0);
+  for (const Demand& d : demands) ++start[d.candidates];
+  for (int64_t c = 0, sum = 0; c <= ranks; ++c) {
+    const int32_t n = start[c];
+    start[c] = static_cast<int32_t>(sum);
+    sum += n;
+  }
+  for (const Demand& d : demands) ordered[start[d.candidates]++] = d;
+  return ordered;
+}
 
 }  // namespace
 
 LayerPlan plan_layer(std::span<const int32_t> old_phy2log, std::span<const int32_t> new_phy2log,
-                     const Layout& layout, int64_t expert_bytes) {
+                     const Layout& layout, int64_t expert_bytes, const PlanSources& sources) {
   check_inputs(old_phy2log, new_phy2log, layout, expert_bytes);
+  check_sources(sources, layout);
   const int64_t physical = layout.physical;
   const int64_t ranks = layout.ranks;
   const int64_t per_rank = layout.slots_per_rank();
@@ -100,8 +161,9 @@ LayerPlan plan_layer(std::span<const int32_t> old_phy2log, std::span<const int32
   plan.rank_bytes_in.assign(static_cast<size_t>(ranks), 0);
   plan.rank_bytes_out.assign(static_cast<size_t>(ranks), 0);
 
-  // Step 1: the old holders of every expert, by slot (hence by rank).
-  const Holders holders = index_holders(old_phy2log, experts);
+  // Step 1: which ranks take part and which slots are valid (a slot of a rank that does not
+  // take part never is), the valid old holders of every expert, by slot (hence by rank), and
+  // the member ranks with a host copy of it.
   std::vector<int32_t> slot_rank(static_cast<size_t>(physical));  // [physical]
   std::vector<int32_t> rank_node(static_cast<size_t>(ranks));     // [ranks]
   for (int64_t p = 0, g = 0; g < ranks; ++g) {
@@ -109,79 +171,110 @@ LayerPlan plan_layer(std::span<const int32_t> old_phy2log, std::span<const int32
   }
   for (int64_t g = 0; g < ranks; ++g) rank_node[g] = static_cast<int32_t>(layout.node_of_rank(g));
   auto rank_of = [&](int32_t slot) { return slot_rank[slot]; };
+  std::vector<uint8_t> member(static_cast<size_t>(ranks), 1);  // [ranks]
+  if (!sources.members.empty()) {
+    for (int64_t g = 0; g < ranks; ++g) member[g] = sources.members[g] != 0;
+  }
+  std::vector<uint8_t> valid(static_cast<size_t>(physical), 1);  // [physical]
+  for (int64_t p = 0; p < physical; ++p) {
+    valid[p] = member[slot_rank[p]] && (sources.usable.empty() || sources.usable[p] != 0);
+  }
+  const PerExpert holders = index_holders(old_phy2log, valid, experts);
+  const PerExpert backups = index_backups(sources.backup_holders, member, experts);
+  auto holds_backup = [&](int32_t g, int32_t e) {
+    const std::span<const int32_t> b = backups.of(e);
+    return std::binary_search(b.begin(), b.end(), g);
+  };
 
-  // Step 2: the same-rank actions, in slot order. `first_read[e]` is the first slot of the
-  // current rank that reads e, valid when `first_read_rank[e]` is that rank.
-  std::vector<int32_t> first_read(static_cast<size_t>(experts), -1);
-  std::vector<int32_t> first_read_rank(static_cast<size_t>(experts), -1);
-  std::vector<Demand> demands;
+  // Step 2: the same-rank actions, in slot order. `first_fetch[e]` is the first slot of the
+  // current rank that reads or restores e, valid when `first_fetch_rank[e]` is that rank.
+  std::vector<int32_t> first_fetch(static_cast<size_t>(experts), -1);
+  std::vector<int32_t> first_fetch_rank(static_cast<size_t>(experts), -1);
+  std::vector<Demand> reads, restores;
   for (int32_t g = 0; g < ranks; ++g) {
     for (int64_t p = g * per_rank; p < (g + 1) * per_rank; ++p) {
       const int32_t e = new_phy2log[p];
       SlotAction& a = plan.actions[p];
       a.expert = e;
       a.src_rank = g;
-      if (old_phy2log[p] == e) {
+      if (!member[g] || (valid[p] && old_phy2log[p] == e)) {
         a.action = Action::kUnchanged;
         a.src_slot = static_cast<int32_t>(p);
         continue;
       }
       const std::span<const int32_t> held = holders.of(e);
-      if (held.empty()) {
-        fail("expert ", e, " (new slot ", p,
-             ") is in no slot of the old placement: there is "
-             "nothing to read it from");
-      }
       const auto local = std::lower_bound(held.begin(), held.end(), g * per_rank);
       if (local != held.end() && rank_of(*local) == g) {
         a.action = Action::kLocalCopy;
         a.src_slot = *local;
         continue;
       }
-      if (first_read_rank[e] == g) {
+      if (first_fetch_rank[e] == g) {
         a.action = Action::kFreeRide;
-        a.src_slot = first_read[e];
+        a.src_slot = first_fetch[e];
         continue;
       }
-      first_read_rank[e] = g;
-      first_read[e] = static_cast<int32_t>(p);
-      // Candidates: the holder ranks on g's node if any, else all of them.
+      first_fetch_rank[e] = g;
+      first_fetch[e] = static_cast<int32_t>(p);
       const int32_t node = rank_node[g];
-      int32_t same_node = 0, all = 0, last = -1;
-      for (const int32_t s : held) {
-        const int32_t r = rank_of(s);
-        if (r == last) continue;
-        last = r;
-        ++all;
-        if (rank_node[r] == node) ++same_node;
+      // The distinct ranks among `sorted_ranks` (ascending, repeats allowed): on g's node, all.
+      auto count = [&](auto&& sorted_ranks, int32_t& same_node, int32_t& all) {
+        int32_t last = -1;
+        same_node = all = 0;
+        for (const int32_t r : sorted_ranks) {
+          if (r == last) continue;
+          last = r;
+          ++all;
+          if (rank_node[r] == node) ++same_node;
+        }
+      };
+      if (!held.empty()) {
+        // Candidates: the holder ranks on g's node if any, else all of them, unless g can
+        // restore from its own copy rather than cross nodes.
+        int32_t same_node = 0, all = 0;
+        count(held | std::views::transform(rank_of), same_node, all);
+        if (same_node == 0 && holds_backup(g, e)) {
+          a.action = Action::kRestore;
+          a.src_slot = -1;
+          continue;
+        }
+        a.action = same_node > 0 ? Action::kReadSameNode : Action::kReadOtherNode;
+        reads.push_back({static_cast<int32_t>(p), e, same_node > 0 ? same_node : all,
+                         same_node > 0});
+        continue;
       }
-      a.action = same_node > 0 ? Action::kReadSameNode : Action::kReadOtherNode;
-      demands.push_back({static_cast<int32_t>(p), e, same_node > 0 ? same_node : all});
+      // Nothing valid holds e: a restore, from g's own copy, a member's copy on g's node, one
+      // elsewhere, or the loader.
+      a.action = Action::kRestore;
+      a.src_slot = -1;
+      if (holds_backup(g, e)) continue;
+      int32_t same_node = 0, all = 0;
+      count(backups.of(e), same_node, all);
+      if (all > 0) {
+        restores.push_back({static_cast<int32_t>(p), e, same_node > 0 ? same_node : all,
+                            same_node > 0});
+      } else if (sources.loader) {
+        a.src_rank = -1;
+      } else {
+        fail("expert ", e,
+             " has no replica on a live rank and no backup (register a host backup or a "
+             "loader)");
+      }
     }
   }
 
-  // Step 3: holders for the reads. The most constrained demands go first, each to the
-  // candidate rank that has served the fewest reads so far (ties: lowest rank, lowest slot).
-  std::vector<Demand> ordered(demands.size());
-  {
-    std::vector<int32_t> start(static_cast<size_t>(ranks) + 1, 0);  // counting sort, stable
-    for (const Demand& d : demands) ++start[d.candidates];
-    for (int64_t c = 0, sum = 0; c <= ranks; ++c) {
-      const int32_t n = start[c];
-      start[c] = static_cast<int32_t>(sum);
-      sum += n;
-    }
-    for (const Demand& d : demands) ordered[start[d.candidates]++] = d;
-  }
+  // Step 3: sources for the reads and the restores from peers' copies. The most constrained
+  // demands go first, each to the candidate rank that has served the fewest so far (ties:
+  // lowest rank, lowest slot). Reads and restores are counted apart: they load different
+  // memory (live GPU slots, host copies) at different times (restores before reads).
   std::vector<int64_t> served(static_cast<size_t>(ranks), 0);
-  for (const Demand& d : ordered) {
+  for (const Demand& d : most_constrained_first(reads, ranks)) {
     SlotAction& a = plan.actions[d.dst_slot];
     const int32_t node = rank_node[rank_of(d.dst_slot)];
-    const bool same_node_only = a.action == Action::kReadSameNode;
     int32_t best_slot = -1, best_rank = -1;
     for (const int32_t s : holders.of(d.expert)) {
       const int32_t r = rank_of(s);
-      if (same_node_only && rank_node[r] != node) continue;
+      if (d.same_node && rank_node[r] != node) continue;
       if (best_rank < 0 || served[r] < served[best_rank]) {
         best_rank = r;
         best_slot = s;
@@ -191,10 +284,22 @@ LayerPlan plan_layer(std::span<const int32_t> old_phy2log, std::span<const int32
     a.src_rank = best_rank;
     a.src_slot = best_slot;
   }
+  std::fill(served.begin(), served.end(), 0);
+  for (const Demand& d : most_constrained_first(restores, ranks)) {
+    SlotAction& a = plan.actions[d.dst_slot];
+    const int32_t node = rank_node[rank_of(d.dst_slot)];
+    int32_t best_rank = -1;
+    for (const int32_t r : backups.of(d.expert)) {
+      if (d.same_node && rank_node[r] != node) continue;
+      if (best_rank < 0 || served[r] < served[best_rank]) best_rank = r;
+    }
+    ++served[best_rank];
+    a.src_rank = best_rank;
+  }
 
-  // Step 4: the reads in destination order, and the byte accounting.
+  // Step 4: the reads and restores in destination order, and the byte accounting.
   std::vector<int64_t> staged(static_cast<size_t>(ranks), 0);
-  plan.reads.reserve(demands.size());
+  plan.reads.reserve(reads.size());
   for (int64_t p = 0; p < physical; ++p) {
     const SlotAction& a = plan.actions[p];
     const int32_t g = rank_of(static_cast<int32_t>(p));
@@ -202,6 +307,11 @@ LayerPlan plan_layer(std::span<const int32_t> old_phy2log, std::span<const int32
     if (is_staged(a.action)) ++staged[g];
     if (a.action == Action::kLocalCopy || a.action == Action::kFreeRide) {
       plan.bytes_local_copy += expert_bytes;
+    }
+    if (a.action == Action::kRestore) {
+      plan.restores.push_back({a.src_rank, g, static_cast<int32_t>(p), a.expert});
+      plan.bytes_restored += expert_bytes;
+      if (a.src_rank >= 0 && a.src_rank != g) plan.bytes_restored_remote += expert_bytes;
     }
     if (!is_remote(a.action)) continue;
     plan.reads.push_back({a.src_rank, a.src_slot, g, static_cast<int32_t>(p), a.expert});

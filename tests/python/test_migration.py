@@ -73,7 +73,7 @@ def check_plan(old, new, plan, gpus, nodes, expert_bytes, k):
 
 def test_actions_are_named():
     assert eplb.ACTIONS == ("unchanged", "local_copy", "free_ride", "read_same_node",
-                            "read_other_node")
+                            "read_other_node", "restore")
 
 
 def test_same_placement_moves_nothing():

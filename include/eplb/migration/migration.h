@@ -16,6 +16,19 @@ namespace eplb::migration {
 struct MigrationOptions {
   int64_t expert_bytes = 0;  // bytes of one expert's weights in one layer, >= 1
   ScheduleOptions schedule;
+
+  // Elastic serving (planner.h's PlanSources, for every layer); all empty: a plain rebalance.
+  // Slots whose weights are valid now, [layers][physical] flattened (nonzero: valid); empty:
+  // all. Only a valid slot is a source (local copy, read) or stays kUnchanged.
+  std::vector<uint8_t> usable{};
+  // Ranks that take part, [ranks] (nonzero); empty: all. A rank that does not gets no action
+  // (its slots are kUnchanged whatever the new placement says, and it is never a source).
+  std::vector<uint8_t> members{};
+  // Backup copies: for each expert (the same in every layer), the ranks that hold a host copy
+  // of it and are members (a rank that is not is never used); empty: no copies. And whether
+  // every member can load any expert itself (a loader callback).
+  std::vector<std::vector<int32_t>> backup_holders{};  // [experts]
+  bool loader = false;
 };
 
 struct LayerMigration {
@@ -31,6 +44,8 @@ struct MigrationTotals {
   int64_t bytes_intra_node = 0;
   int64_t bytes_inter_node = 0;
   int64_t bytes_local_copy = 0;
+  int64_t bytes_restored = 0;         // all restores (not in bytes_total nor the rank maxima)
+  int64_t bytes_restored_remote = 0;  // restores from another rank's host copy
   int64_t max_rank_bytes_in = 0;
   int64_t max_rank_bytes_out = 0;
   int64_t max_layer_rank_bytes_in = 0;
@@ -51,7 +66,10 @@ struct MigrationPlan {
 
 // Plans and schedules every layer of from -> to. Both placements must have the same layers
 // and physical slots as each other and as the layout (whose ranks and nodes are used; their
-// expert counts may differ). Throws InvalidArgument naming the mismatch or bad option.
+// expert counts may differ). Throws InvalidArgument naming the mismatch or bad option, or
+// "layer L: expert E has no replica on a live rank and no backup (...)" when a member slot
+// needs an expert that nothing can provide. Restores (LayerPlan::restores) are not scheduled:
+// Schedule covers the reads alone.
 MigrationPlan plan_migration(const Placement& from, const Placement& to, const Layout& layout,
                              const MigrationOptions& options);
 

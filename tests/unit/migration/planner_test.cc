@@ -197,6 +197,9 @@ TEST(Planner, ActionNames) {
   EXPECT_EQ(action_name(A::kFreeRide), "free_ride");
   EXPECT_EQ(action_name(A::kReadSameNode), "read_same_node");
   EXPECT_EQ(action_name(A::kReadOtherNode), "read_other_node");
+  EXPECT_EQ(action_name(A::kRestore), "restore");
+  EXPECT_TRUE(is_staged(A::kRestore));
+  EXPECT_FALSE(is_remote(A::kRestore));
 }
 
 }  // namespace

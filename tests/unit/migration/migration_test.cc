@@ -3,7 +3,6 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
-#include <numeric>
 #include <random>
 #include <set>
 #include <string>
@@ -11,95 +10,16 @@
 #include <vector>
 
 #include "eplb/core/error.h"
+#include "unit/migration/plan_testing.h"
 
 namespace eplb::migration {
 namespace {
 
-// What a slot of the simulated memory holds: an expert's weights of one layer.
-struct Weights {
-  int32_t layer = -1;
-  int32_t expert = -1;
-  bool operator==(const Weights&) const = default;
-};
-
-// Executes one layer's plan on simulated memory, in the order planner.h documents (and the
-// runtime follows): 1. every rank stages its reads and local copies from OLD live content;
-// 2. each rank installs its staging; 3. each rank copies its free rides in slot order.
-// `live` is [physical]; a rank may only touch its own slots and its own staging.
-void execute(const LayerPlan& plan, const Layout& layout, std::vector<Weights>& live) {
-  const int64_t per_rank = layout.slots_per_rank();
-  std::vector<std::vector<std::pair<int64_t, Weights>>> staging(layout.ranks);
-  // Phase 1: no live slot changes on any rank.
-  const std::vector<Weights> before = live;
-  for (int64_t g = 0; g < layout.ranks; ++g) {
-    for (int64_t p = g * per_rank; p < (g + 1) * per_rank; ++p) {
-      const SlotAction& a = plan.actions[p];
-      if (!is_staged(a.action)) continue;
-      ASSERT_EQ(layout.rank_of_slot(a.src_slot), a.src_rank) << "slot " << p;
-      if (a.action == Action::kLocalCopy) {
-        ASSERT_EQ(a.src_rank, g) << "slot " << p;
-      }
-      if (is_remote(a.action)) {
-        ASSERT_NE(a.src_rank, g) << "slot " << p;
-      }
-      staging[g].emplace_back(p, live[a.src_slot]);
-    }
-    ASSERT_LE(static_cast<int64_t>(staging[g].size()), plan.staging_slots);
-  }
-  ASSERT_EQ(live, before);
-  // Phases 2 and 3, rank by rank (after the agreement every rank installs independently).
-  for (int64_t g = layout.ranks - 1; g >= 0; --g) {
-    for (const auto& [slot, weights] : staging[g]) live[slot] = weights;
-    for (int64_t p = g * per_rank; p < (g + 1) * per_rank; ++p) {
-      const SlotAction& a = plan.actions[p];
-      if (a.action != Action::kFreeRide) continue;
-      ASSERT_EQ(a.src_rank, g);
-      ASSERT_GE(a.src_slot, g * per_rank);
-      ASSERT_LT(a.src_slot, p);
-      ASSERT_TRUE(is_remote(plan.actions[a.src_slot].action)) << "free ride on slot " << p;
-      live[p] = live[a.src_slot];
-    }
-  }
-}
-
-// A random placement of `experts` experts over `physical` slots: every expert at least once,
-// the redundant slots drawn at random (duplicates), then shuffled.
-std::vector<int32_t> random_phy2log(std::mt19937& rng, int64_t experts, int64_t physical) {
-  std::vector<int32_t> slots(physical);
-  std::iota(slots.begin(), slots.begin() + experts, 0);
-  std::uniform_int_distribution<int32_t> pick(0, static_cast<int32_t>(experts - 1));
-  for (int64_t p = experts; p < physical; ++p) slots[p] = pick(rng);
-  std::shuffle(slots.begin(), slots.end(), rng);
-  return slots;
-}
-
-// `old` with a few slots changed, keeping every expert present (what a sticky policy makes).
-std::vector<int32_t> perturb(std::mt19937& rng, std::vector<int32_t> phy2log, int64_t experts) {
-  std::uniform_int_distribution<size_t> slot(0, phy2log.size() - 1);
-  std::uniform_int_distribution<int32_t> pick(0, static_cast<int32_t>(experts - 1));
-  const size_t changes = phy2log.size() / 4 + 1;
-  for (size_t i = 0; i < changes; ++i) {
-    if (i % 2 == 0) {
-      std::swap(phy2log[slot(rng)], phy2log[slot(rng)]);
-    } else {
-      const size_t s = slot(rng);
-      const int32_t previous = phy2log[s];
-      phy2log[s] = pick(rng);
-      if (std::count(phy2log.begin(), phy2log.end(), previous) == 0) phy2log[s] = previous;
-    }
-  }
-  return phy2log;
-}
-
-Placement placement_of(const std::vector<std::vector<int32_t>>& layers, int64_t experts) {
-  Placement p(static_cast<int64_t>(layers.size()), experts,
-              static_cast<int64_t>(layers.front().size()));
-  for (size_t l = 0; l < layers.size(); ++l) {
-    std::copy(layers[l].begin(), layers[l].end(), p.phy2log.begin() + l * p.physical);
-  }
-  p.derive_from_phy2log();
-  return p;
-}
+using testing::execute;
+using testing::perturb;
+using testing::placement_of;
+using testing::random_phy2log;
+using testing::Weights;
 
 // Checks every invariant of a plan and its execution; `label` names the case on failure.
 void check_layer(const std::vector<int32_t>& from, const std::vector<int32_t>& to,
@@ -111,7 +31,7 @@ void check_layer(const std::vector<int32_t>& from, const std::vector<int32_t>& t
   // The right expert in every slot after execution.
   std::vector<Weights> live(from.size());
   for (size_t p = 0; p < from.size(); ++p) live[p] = {layer, from[p]};
-  execute(plan, layout, live);
+  execute(plan, layout, layer, live);
   for (size_t p = 0; p < to.size(); ++p) {
     ASSERT_EQ(live[p], (Weights{layer, to[p]})) << "slot " << p;
   }
@@ -181,22 +101,13 @@ TEST(Migration, ExecutingAPlanAlwaysEndsWithTheRightExperts) {
   const Kind kinds[] = {Kind::kRandom, Kind::kIdentical, Kind::kPermutation, Kind::kPerturbed};
   for (uint32_t seed = 0; seed < 600; ++seed) {
     std::mt19937 rng(seed);
-    const int64_t ranks = std::uniform_int_distribution<int64_t>(1, 64)(rng);
-    std::vector<int64_t> node_counts;
-    for (int64_t n = 1; n <= 8; ++n) {
-      if (ranks % n == 0) node_counts.push_back(n);
-    }
-    const int64_t nodes = node_counts[rng() % node_counts.size()];
-    const int64_t per_rank = std::uniform_int_distribution<int64_t>(1, 9)(rng);
-    const int64_t physical = ranks * per_rank;
     const Kind kind = kinds[seed % 4];
-    const int64_t experts = kind == Kind::kPermutation
-                                ? physical
-                                : std::uniform_int_distribution<int64_t>(1, physical)(rng);
+    const Layout layout = testing::random_layout(rng, 64, 9, kind == Kind::kPermutation);
+    const int64_t physical = layout.physical;
+    const int64_t experts = layout.experts;
     const int64_t k = std::uniform_int_distribution<int64_t>(1, 3)(rng);
     const bool half_duplex = seed % 5 == 0;
     const int64_t bytes = std::uniform_int_distribution<int64_t>(1, 1 << 20)(rng);
-    const Layout layout{.experts = experts, .physical = physical, .ranks = ranks, .nodes = nodes};
 
     std::vector<std::vector<int32_t>> from, to;
     for (int layer = 0; layer < 3; ++layer) {

@@ -255,6 +255,10 @@ LayerPlan plan_layer(std::span<const int32_t> old_phy2log, std::span<const int32
                             same_node > 0});
       } else if (sources.loader) {
         a.src_rank = -1;
+      } else if (sources.usable.empty() && sources.members.empty()) {
+        // Nothing is lost: the new placement names an expert the old one never had.
+        fail("expert ", e, " (new slot ", p,
+             ") is in no slot of the old placement: there is nothing to read it from");
       } else {
         fail("expert ", e,
              " has no replica on a live rank and no backup (register a host backup or a "

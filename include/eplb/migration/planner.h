@@ -171,7 +171,9 @@ struct LayerPlan {
 // physical, ranks and nodes (experts and groups are not needed). Throws InvalidArgument on a
 // shape mismatch, a bad layout, expert_bytes <= 0, sources of the wrong size or naming a rank
 // outside the layout, or an expert that a member slot needs and that nothing can provide: no
-// valid slot of a member holds it, no member holds a host copy and there is no loader.
+// valid slot of a member holds it, no member holds a host copy and there is no loader ("expert
+// E has no replica on a live rank and no backup (...)"; with usable and members both empty,
+// nothing is lost and the message says the old placement has no slot of E).
 LayerPlan plan_layer(std::span<const int32_t> old_phy2log, std::span<const int32_t> new_phy2log,
                      const Layout& layout, int64_t expert_bytes, const PlanSources& sources = {});
 

@@ -192,6 +192,21 @@ TEST(Elastic, LoaderFallbackAndTheErrorWithoutIt) {
   EXPECT_EQ(loaded.layers[1].schedule.rounds, 0);
 }
 
+// With nothing lost, an expert the old placement never had is restored when a copy or the
+// loader provides it, and otherwise named as absent from the old placement.
+TEST(Elastic, ExpertNewToThePlacement) {
+  const std::vector<int32_t> from{0, 0, 1, 1};
+  const std::vector<int32_t> to{0, 2, 1, 1};
+  World world;
+  EXPECT_EQ(message_of(from, to, layout_of(4, 2, 1), world),
+            "expert 2 (new slot 1) is in no slot of the old placement: there is nothing to read "
+            "it from");
+  world.backup_holders = {{}, {}, {1}};
+  const LayerPlan plan = plan_and_run(from, to, layout_of(4, 2, 1), world);
+  EXPECT_EQ(plan.actions[1], (SlotAction{A::kRestore, 2, 1, -1}));
+  EXPECT_EQ(plan.bytes_restored_remote, 1);
+}
+
 // An unusable slot of a member whose expert stays the same is filled, never left unchanged:
 // from a valid slot of its rank, by a read, or by a restore (a rank that joined empty).
 TEST(Elastic, UnusableSlotWithTheSameExpertIsFilled) {

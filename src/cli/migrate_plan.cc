@@ -22,7 +22,7 @@
 namespace eplb::cli {
 
 nlohmann::json migration_summary_json(const migration::MigrationTotals& t) {
-  return {
+  nlohmann::json out = {
       {"slots_unchanged", t.count(migration::Action::kUnchanged)},
       {"slots_local_copy", t.count(migration::Action::kLocalCopy)},
       {"slots_free_ride", t.count(migration::Action::kFreeRide)},
@@ -42,6 +42,13 @@ nlohmann::json migration_summary_json(const migration::MigrationTotals& t) {
       {"max_layer_rounds", t.max_layer_rounds},
       {"staging_slots", t.staging_slots},
   };
+  // Only elastic plans restore; a plain plan's figures stay as they always were.
+  if (t.count(migration::Action::kRestore) > 0) {
+    out["slots_restore"] = t.count(migration::Action::kRestore);
+    out["bytes_restored"] = t.bytes_restored;
+    out["bytes_restored_remote"] = t.bytes_restored_remote;
+  }
+  return out;
 }
 
 namespace {
@@ -96,6 +103,8 @@ MigrationTotals layer_totals(const migration::LayerMigration& m) {
   t.bytes_intra_node = p.bytes_intra_node;
   t.bytes_inter_node = p.bytes_inter_node;
   t.bytes_local_copy = p.bytes_local_copy;
+  t.bytes_restored = p.bytes_restored;
+  t.bytes_restored_remote = p.bytes_restored_remote;
   t.max_rank_bytes_in = t.max_layer_rank_bytes_in = p.max_rank_bytes_in;
   t.max_rank_bytes_out = t.max_layer_rank_bytes_out = p.max_rank_bytes_out;
   t.rounds = t.max_layer_rounds = m.schedule.rounds;
@@ -135,20 +144,31 @@ nlohmann::json full_plan_json(const MigrationPlan& plan, const nlohmann::json& h
                        {"round", m.schedule.round_of_read[i]}});
     }
     layer["remote_reads"] = std::move(reads);
+    if (plan.totals.count(Action::kRestore) > 0) {
+      nlohmann::json restores = nlohmann::json::array();
+      for (const migration::Restore& r : m.plan.restores) {
+        restores.push_back({{"src_rank", r.src_rank},
+                            {"dst_rank", r.dst_rank},
+                            {"dst_slot", r.dst_slot},
+                            {"expert", r.expert}});
+      }
+      layer["restores"] = std::move(restores);  // src_rank -1: the loader
+    }
     layers.push_back(std::move(layer));
   }
   out["per_layer"] = std::move(layers);
   return out;
 }
 
-void print_row(const std::string& label, const MigrationTotals& t) {
-  fmt::print(
-      "{:>6} {:>9} {:>6} {:>5} {:>9} {:>10} {:>10.1f} {:>10.1f} {:>10.1f} {:>10.1f} {:>6} "
-      "{:>5}\n",
-      label, t.count(Action::kUnchanged), t.count(Action::kLocalCopy), t.count(Action::kFreeRide),
-      t.count(Action::kReadSameNode), t.count(Action::kReadOtherNode), mib(t.bytes_intra_node),
-      mib(t.bytes_inter_node), mib(t.max_rank_bytes_in), mib(t.max_rank_bytes_out), t.rounds,
-      t.rounds_lower_bound);
+// `restores`: a "restore" column after "other-node" (only elastic plans have one).
+void print_row(const std::string& label, const MigrationTotals& t, bool restores) {
+  fmt::print("{:>6} {:>9} {:>6} {:>5} {:>9} {:>10} ", label, t.count(Action::kUnchanged),
+             t.count(Action::kLocalCopy), t.count(Action::kFreeRide),
+             t.count(Action::kReadSameNode), t.count(Action::kReadOtherNode));
+  if (restores) fmt::print("{:>7} ", t.count(Action::kRestore));
+  fmt::print("{:>10.1f} {:>10.1f} {:>10.1f} {:>10.1f} {:>6} {:>5}\n", mib(t.bytes_intra_node),
+             mib(t.bytes_inter_node), mib(t.max_rank_bytes_in), mib(t.max_rank_bytes_out),
+             t.rounds, t.rounds_lower_bound);
 }
 
 void print_table(const MigratePlanArgs& args, const Layout& layout, const MigrationPlan& plan,
@@ -159,14 +179,17 @@ void print_table(const MigratePlanArgs& args, const Layout& layout, const Migrat
       plan.layers.size(), layout.physical, layout.ranks, layout.nodes, layout.nodes == 1 ? "" : "s",
       mib(args.expert_bytes), args.peers_per_round, args.peers_per_round == 1 ? "" : "s",
       args.half_duplex ? "half duplex" : "duplex", ms);
-  fmt::print("{:>6} {:>9} {:>6} {:>5} {:>9} {:>10} {:>10} {:>10} {:>10} {:>10} {:>6} {:>5}\n",
-             "layer", "unchanged", "local", "ride", "same-node", "other-node", "intra MiB",
-             "inter MiB", "max in MiB", "max out MiB", "rounds", "bound");
-  for (size_t l = 0; l < plan.layers.size(); ++l) {
-    print_row(std::to_string(l), layer_totals(plan.layers[l]));
-  }
-  print_row("total", plan.totals);
   const MigrationTotals& t = plan.totals;
+  const bool restores = t.count(Action::kRestore) > 0;
+  fmt::print("{:>6} {:>9} {:>6} {:>5} {:>9} {:>10} ", "layer", "unchanged", "local", "ride",
+             "same-node", "other-node");
+  if (restores) fmt::print("{:>7} ", "restore");
+  fmt::print("{:>10} {:>10} {:>10} {:>10} {:>6} {:>5}\n", "intra MiB", "inter MiB", "max in MiB",
+             "max out MiB", "rounds", "bound");
+  for (size_t l = 0; l < plan.layers.size(); ++l) {
+    print_row(std::to_string(l), layer_totals(plan.layers[l]), restores);
+  }
+  print_row("total", t, restores);
   fmt::print(
       "moved {:.1f} MiB by {} reads ({:.1f} MiB across nodes), {:.1f} MiB by same-rank "
       "copies; per layer at most {:.1f} MiB into and {:.1f} MiB out of one rank, {} "
@@ -174,6 +197,11 @@ void print_table(const MigratePlanArgs& args, const Layout& layout, const Migrat
       mib(t.bytes_total), t.reads, mib(t.bytes_inter_node), mib(t.bytes_local_copy),
       mib(t.max_layer_rank_bytes_in), mib(t.max_layer_rank_bytes_out), t.max_layer_rounds,
       t.staging_slots);
+  if (restores) {
+    fmt::print("restored {:.1f} MiB of experts no live slot holds ({:.1f} MiB from other ranks' "
+               "host copies), before the reads\n",
+               mib(t.bytes_restored), mib(t.bytes_restored_remote));
+  }
   if (args.half_duplex && t.rounds > t.rounds_lower_bound) {
     fmt::print("half duplex: {} rounds against a lower bound of {} (best effort)\n", t.rounds,
                t.rounds_lower_bound);

@@ -52,6 +52,10 @@ void print_migration(const PlanArgs& args, const migration::MigrationTotals& t) 
              t.count(migration::Action::kReadOtherNode), mib(t.bytes_total),
              mib(t.bytes_inter_node), mib(t.max_rank_bytes_in), mib(t.max_rank_bytes_out),
              t.rounds, t.rounds_lower_bound);
+  if (t.count(migration::Action::kRestore) > 0) {  // only elastic plans restore
+    fmt::print("and {} restores of experts no live slot holds ({:.1f} MiB)\n",
+               t.count(migration::Action::kRestore), mib(t.bytes_restored));
+  }
 }
 
 void print_table(const PlanArgs& args, const Layout& layout, const LoadMatrix& load,

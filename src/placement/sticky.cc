@@ -763,7 +763,16 @@ Placement sticky(const LoadMatrix& load, const Layout& layout, const Placement& 
          " experts, ", previous.physical, " physical slots; the new one needs ", load.layers,
          ", ", layout.experts, ", ", layout.physical);
   }
-  previous.validate();
+  // Only phy2log is read; an expert may have no slot in it (live ranks, policy.h): it gets one.
+  EPLB_CHECK_EQ(previous.phy2log.size(), static_cast<size_t>(previous.layers * previous.physical),
+                "the previous placement's phy2log is not [layers][physical]");
+  for (size_t i = 0; i < previous.phy2log.size(); ++i) {
+    if (previous.phy2log[i] < 0 || previous.phy2log[i] >= previous.experts) {
+      fail("the previous placement's slot ", i % previous.physical, " of layer ",
+           i / previous.physical, " holds expert ", previous.phy2log[i], ", outside [0, ",
+           previous.experts, ")");
+    }
+  }
   check_balanced_inputs(load, layout, hierarchical);
   Placement out(load.layers, layout.experts, layout.physical);
   for (int64_t l = 0; l < load.layers; ++l) {

@@ -60,7 +60,8 @@ __host__ __device__ inline uint32_t device_dispatch_hash(uint64_t token_index, u
 }
 
 // routing::choose_slot for kHash: replica (hash * count) >> 32 of the expert's replicas, a
-// multiply-shift that is always < count. Invalid ids and counts give -1 instead of a read.
+// multiply-shift that is always < count. Invalid ids and counts give -1 instead of a read, and
+// so does count 0 (no usable replica), as routing::choose_slot does.
 __host__ __device__ inline int32_t device_choose_slot(const int32_t* log2phy,
                                                       const int32_t* replica_count, int32_t experts,
                                                       int32_t max_replicas, int32_t expert,
@@ -75,7 +76,8 @@ __host__ __device__ inline int32_t device_choose_slot(const int32_t* log2phy,
 
 // The choice of split (shares == nullptr) or adaptive for the entry with ordinal `ordinal`
 // among the batch's entries of `expert`: routing::split_replica or routing::adaptive_replica,
-// the functions the CPU routes with. Invalid ids and counts give -1 instead of a read.
+// the functions the CPU routes with. Invalid ids and counts give -1 instead of a read, and so
+// does count 0 (no usable replica), as routing::route and route_adaptive do.
 __host__ __device__ inline int32_t device_ordered_slot(
     const int32_t* log2phy, const int32_t* replica_count, int32_t experts, int32_t max_replicas,
     int32_t expert, int64_t ordinal, uint32_t rank, const int64_t* shares, const int64_t* prefix) {
@@ -381,10 +383,11 @@ void DeviceDispatchTables::upload(const routing::DispatchTables& tables, cudaStr
                  static_cast<int64_t>(tables.replica_count.size()) == experts_,
              "upload: log2phy has ", tables.log2phy.size(), " entries and replica_count ",
              tables.replica_count.size(), ", expected ", experts_ * width, " and ", experts_);
+  // A count of 0 is an expert without a usable replica (dispatch.h): the kernels route it to -1.
   for (int64_t e = 0; e < experts_; ++e) {
     const int32_t count = tables.replica_count[static_cast<size_t>(e)];
-    if (count < 1 || count > width) {
-      fail("upload: expert ", e, " has ", count, " replicas, expected 1 to ", width);
+    if (count < 0 || count > width) {
+      fail("upload: expert ", e, " has ", count, " replicas, expected 0 to ", width);
     }
     for (int64_t i = 0; i < count; ++i) {
       const int32_t slot = tables.log2phy[static_cast<size_t>(e * width + i)];

@@ -41,13 +41,15 @@ namespace {
 
 // Step 2 of the tables: the static choice of every (rank, expert). A rank with a replica
 // uses it; ranks without one use a replica of their node, spread round-robin over that node's
-// replicas; ranks whose node has none are spread round-robin over all replicas.
+// replicas; ranks whose node has none are spread round-robin over all replicas. An expert
+// without a replica keeps -1 on every rank.
 void fill_static(DispatchTables& t, const Layout& layout) {
   const int64_t G = layout.ranks;
   t.static_slot.assign(static_cast<size_t>(G * t.experts), -1);
   std::vector<int32_t> on_node;
   for (int64_t e = 0; e < t.experts; ++e) {
     const std::span<const int32_t> reps = t.replicas(e);
+    if (reps.empty()) continue;
     int64_t far_ranks = 0;
     for (int64_t n = 0; n < layout.nodes; ++n) {
       on_node.clear();
@@ -111,7 +113,8 @@ inline uint64_t next_random(uint64_t& state) {  // xorshift64*
 }  // namespace
 
 DispatchTables build_dispatch_tables(const Placement& placement, int64_t layer,
-                                     const Layout& layout, std::span<const double> replica_share) {
+                                     const Layout& layout, std::span<const double> replica_share,
+                                     std::span<const uint8_t> usable) {
   layout.validate();
   EPLB_CHECK(layer >= 0 && layer < placement.layers, "layer ", layer, " is outside [0, ",
              placement.layers, ")");
@@ -124,8 +127,12 @@ DispatchTables build_dispatch_tables(const Placement& placement, int64_t layer,
   for (double s : replica_share) {
     if (!(s >= 0) || !std::isfinite(s)) fail("replica share ", s, " must be finite and >= 0");
   }
+  EPLB_CHECK(usable.empty() || static_cast<int64_t>(usable.size()) == layout.physical,
+             "usable has ", usable.size(), " entries, expected one per slot (", layout.physical,
+             ")");
 
-  // Step 1: log2phy and counts of this layer, replicas in the placement's order.
+  // Step 1: log2phy and counts of this layer, replicas in the placement's order; with `usable`,
+  // the usable replicas only, closed up to the front of the row.
   DispatchTables t;
   t.experts = placement.experts;
   t.ranks = layout.ranks;
@@ -136,14 +143,36 @@ DispatchTables build_dispatch_tables(const Placement& placement, int64_t layer,
   const size_t width = static_cast<size_t>(t.experts * t.max_replicas);
   t.log2phy.assign(placement.log2phy.begin() + static_cast<std::ptrdiff_t>(layer * width),
                    placement.log2phy.begin() + static_cast<std::ptrdiff_t>((layer + 1) * width));
+  if (!usable.empty()) {
+    for (int64_t e = 0; e < t.experts; ++e) {
+      int32_t* row = t.log2phy.data() + e * t.max_replicas;
+      int32_t kept = 0;
+      for (int32_t i = 0; i < t.replica_count[e]; ++i) {
+        if (usable[static_cast<size_t>(row[i])] != 0) row[kept++] = row[i];
+      }
+      std::fill(row + kept, row + t.max_replicas, -1);
+      t.replica_count[e] = kept;
+    }
+  }
 
   fill_static(t, layout);
   fill_weighted(t, replica_share);
   return t;
 }
 
+std::vector<int32_t> unavailable_experts(const DispatchTables& tables) {
+  std::vector<int32_t> out;
+  for (int64_t e = 0; e < tables.experts; ++e) {
+    if (tables.replica_count[e] == 0) out.push_back(static_cast<int32_t>(e));
+  }
+  return out;
+}
+
 int32_t choose_slot(const DispatchTables& t, DispatchPolicy policy, int32_t expert,
                     uint64_t token_index, int64_t rank, uint64_t& random_state) {
+  // No usable replica: the token goes nowhere (the engine drops this expert's contribution).
+  // Adaptive still throws below: that is a wrong call, whatever the expert.
+  if (t.replica_count[expert] == 0 && policy != DispatchPolicy::kAdaptive) return -1;
   switch (policy) {
     case DispatchPolicy::kStatic:
       return t.static_slot[rank * t.experts + expert];
@@ -229,7 +258,7 @@ void adaptive_shares(const DispatchTables& tables, std::span<const int64_t> glob
                                      out.work.data());
   EPLB_CHECK(out.max_rank_load >= 0, "adaptive_shares: the dispatch tables of ", tables.experts,
              " experts on ", tables.ranks, " ranks of ", tables.slots_per_rank,
-             " slots are inconsistent (a replica count outside [1, ", tables.max_replicas,
+             " slots are inconsistent (a replica count outside [0, ", tables.max_replicas,
              "] or a slot outside [0, ", tables.ranks * tables.slots_per_rank,
              ")): build them with build_dispatch_tables");
 }
@@ -287,7 +316,7 @@ void route_adaptive(const DispatchTables& tables, const AdaptiveShares& shares,
     }
     const int32_t replica =
         adaptive_replica(shares.share.data() + e * R, tables.replica_count[e], ordinal[e]++);
-    slots[i] = tables.log2phy[e * R + replica];
+    slots[i] = replica < 0 ? -1 : tables.log2phy[e * R + replica];
   }
 }
 

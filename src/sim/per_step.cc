@@ -249,6 +249,8 @@ PerStepResult score_per_step(const stats::LoadHistory& history, const SimOptions
     const int64_t end =
         k + 1 < replay.rebalance_steps.size() ? replay.rebalance_steps[k + 1] : replay.steps;
     for (PolicyRun& run : runs) {
+      // Every slot usable: a replay never loses a rank, so every expert has a replica (the
+      // scoring below reads replica_count >= 1; no slot is -1).
       run.tables.clear();
       for (int64_t l = 0; l < L; ++l) {
         const std::vector<Placement>& served = run.replay->placements;

@@ -109,6 +109,32 @@ TEST(CudaRoutingHost, KernelChooseSlotMatchesChooseSlot) {
   }
 }
 
+// Tables without one rank's slots: experts left without a usable replica get -1 on the device
+// as on the CPU.
+TEST(CudaRoutingHost, KernelChooseSlotMatchesChooseSlotWithoutARank) {
+  const Shape shapes[] = {{256, 288, 32, 4, 8}, {8, 12, 4, 2, 2}, {16, 64, 4, 1, 4},
+                          {1, 4, 1, 1, 1}};
+  for (uint64_t seed : {1u, 2u, 3u}) {
+    std::mt19937_64 rng(seed);
+    for (const Shape& shape : shapes) {
+      const DispatchTables t = random_tables_without_a_rank(shape, rng);
+      const DispatchTablesView host{t.log2phy.data(), t.replica_count.data(),
+                                    static_cast<int32_t>(t.experts),
+                                    static_cast<int32_t>(t.max_replicas)};
+      uint64_t state = 1;
+      for (int32_t e = 0; e < t.experts; ++e) {
+        for (uint64_t token = 0; token < 64; ++token) {
+          const auto rank = static_cast<uint32_t>(token % static_cast<uint64_t>(shape.ranks));
+          const int32_t slot = kernel_choose_slot(host, e, token, rank);
+          ASSERT_EQ(slot, routing::choose_slot(t, DispatchPolicy::kHash, e, token, rank, state))
+              << "seed " << seed << " experts " << shape.experts << " expert " << e;
+          if (t.replica_count[e] == 0) ASSERT_EQ(slot, -1);
+        }
+      }
+    }
+  }
+}
+
 // The launch checks run on the host before anything touches the device: a bad argument is an
 // InvalidArgument, never a launch. The pointers are host memory the kernel would never get.
 TEST(CudaRoutingHost, LaunchesRejectBadArgumentsBeforeLaunching) {
@@ -267,6 +293,20 @@ TEST_F(CudaRouting, InvalidIdsGetSlotMinusOneAndAreNotCounted) {
   run_and_check(stream_, t, ids, 8, 77, 3, 250, 2, 1, 2, 1, "invalid ids");
 }
 
+// Tables without one rank's slots (count 0 for the experts that lived only there) upload, and
+// those experts' tokens get -1 and are still counted.
+TEST_F(CudaRouting, TablesWithoutARankRouteToMinusOneAndStillCount) {
+  const Shape shapes[] = {{256, 288, 32, 4, 8}, {8, 12, 4, 2, 2}, {1, 4, 1, 1, 1}};
+  std::mt19937_64 rng(15);
+  for (const Shape& shape : shapes) {
+    const DispatchTables t = random_tables_without_a_rank(shape, rng);
+    const std::vector<int32_t> ids = random_ids(300 * shape.top_k, shape.experts, rng);
+    run_and_check(stream_, t, ids, shape.top_k, 9, 0, 280, 2, 1, 2, 1,
+                  "without a rank, experts " + std::to_string(shape.experts));
+    if (HasFatalFailure()) return;
+  }
+}
+
 TEST_F(CudaRouting, CountsManyExpertsWithoutTheSharedHistogram) {
   // 13000 experts' int32 bins do not fit 48 KiB of shared memory: the kernel adds to the ring
   // directly.
@@ -324,7 +364,7 @@ TEST_F(CudaRouting, UploadRejectsTablesThatDoNotFitAndKeepsTheAddress) {
   EXPECT_EQ(tables.view().log2phy, before.log2phy);
   EXPECT_EQ(tables.view().replica_count, before.replica_count);
   DispatchTables broken = other;
-  broken.replica_count[3] = 0;
+  broken.replica_count[3] = -1;
   EXPECT_THROW(tables.upload(broken, stream_), InvalidArgument);
   broken = other;
   broken.log2phy[0] = -1;

@@ -85,6 +85,23 @@ DispatchTables random_tables(const Shape& shape, std::mt19937_64& rng) {
   return routing::build_dispatch_tables(random_placement(shape, rng), 0, layout);
 }
 
+// random_tables with the slots of one random rank unusable (elastic serving: a lost rank), so
+// the experts that lived only there have replica_count 0 and are routed to -1.
+DispatchTables random_tables_without_a_rank(const Shape& shape, std::mt19937_64& rng) {
+  const Layout layout{.experts = shape.experts,
+                      .physical = shape.physical,
+                      .ranks = shape.ranks,
+                      .nodes = shape.nodes,
+                      .groups = 1};
+  const Placement p = random_placement(shape, rng);
+  const int64_t lost = static_cast<int64_t>(rng() % static_cast<uint64_t>(shape.ranks));
+  std::vector<uint8_t> usable(static_cast<size_t>(shape.physical), 1);
+  for (int64_t s = 0; s < shape.physical; ++s) {
+    if (layout.rank_of_slot(s) == lost) usable[static_cast<size_t>(s)] = 0;
+  }
+  return routing::build_dispatch_tables(p, 0, layout, {}, usable);
+}
+
 std::vector<int32_t> random_ids(int64_t entries, int64_t experts, std::mt19937_64& rng) {
   std::vector<int32_t> ids(static_cast<size_t>(entries));
   for (auto& e : ids) e = static_cast<int32_t>(rng() % static_cast<uint64_t>(experts));

@@ -50,10 +50,12 @@ Step random_step(const Shape& shape, int64_t tokens, std::mt19937_64& rng) {
 }
 
 TEST(CudaSplitRoutingHost, KernelChoicesMatchTheCpuRouters) {
-  for (uint64_t seed : {1u, 2u}) {
+  for (uint64_t seed : {1u, 2u, 3u, 4u}) {
     std::mt19937_64 rng(seed);
     for (const Shape& shape : kShapes) {
-      const DispatchTables t = random_tables(shape, rng);
+      // Odd seeds: one rank's slots unusable, its lone experts routed to -1.
+      const DispatchTables t =
+          seed % 2 == 1 ? random_tables_without_a_rank(shape, rng) : random_tables(shape, rng);
       const Step step = random_step(shape, 1 + static_cast<int64_t>(rng() % 300), rng);
       routing::AdaptiveShares shares;
       routing::adaptive_shares(t, step.global, shares);
@@ -108,10 +110,12 @@ TEST(CudaSplitRoutingHost, LaunchesRejectBadArgumentsBeforeLaunching) {
 class CudaSplitRouting : public CudaRouting {};
 
 TEST_F(CudaSplitRouting, KernelsMatchTheCpuAndTheSharesAreTheCpus) {
-  for (uint64_t seed : {21u, 22u}) {
+  for (uint64_t seed : {21u, 22u, 23u}) {
     std::mt19937_64 rng(seed);
     for (const Shape& shape : kShapes) {
-      const DispatchTables t = random_tables(shape, rng);
+      // Seed 23: one rank's slots unusable, its lone experts routed to -1.
+      const DispatchTables t =
+          seed == 23 ? random_tables_without_a_rank(shape, rng) : random_tables(shape, rng);
       const int64_t tokens = 1 + static_cast<int64_t>(rng() % 500);
       const Step step = random_step(shape, tokens, rng);
       routing::AdaptiveShares cpu;

@@ -17,6 +17,11 @@
 // Errors: bad arguments throw InvalidArgument before anything is enqueued; a failed CUDA call
 // throws eplb::Error naming the call and the CUDA error.
 //
+// Unusable slots (dispatch.h): tables built with `usable` may give an expert replica_count 0;
+// every kernel routes its tokens to slot -1 (and still counts them, by expert), padding rows
+// included, so an engine's expert kernels must skip slot -1 (drop that expert's contribution)
+// once it serves with such tables.
+//
 // This header is plain C++: it is included by .cc files compiled by the host compiler.
 
 #include <cuda_runtime_api.h>
@@ -32,7 +37,7 @@ namespace eplb::cuda {
 // DeviceDispatchTables, or by an engine over tables it already keeps on the device.
 struct DispatchTablesView {
   const int32_t* log2phy = nullptr;        // device [experts][max_replicas], padded with -1
-  const int32_t* replica_count = nullptr;  // device [experts], each in [1, max_replicas]
+  const int32_t* replica_count = nullptr;  // device [experts], each in [0, max_replicas]
   int32_t experts = 0;
   int32_t max_replicas = 0;  // the row stride of log2phy
 };
@@ -52,10 +57,11 @@ class DeviceDispatchTables {
   DeviceDispatchTables(const DeviceDispatchTables&) = delete;
   DeviceDispatchTables& operator=(const DeviceDispatchTables&) = delete;
 
-  // Copies `tables` (same experts, at most max_replicas replicas each, every count >= 1) into
-  // the staging buffer and enqueues one cudaMemcpyAsync on `stream`. Blocks the host only if
-  // the previous upload's copy has not yet left the staging buffer. InvalidArgument for tables
-  // that do not fit or when `stream` is capturing.
+  // Copies `tables` (same experts, at most max_replicas replicas each; a count of 0 is an
+  // expert without a usable replica, routed to -1) into the staging buffer and enqueues one
+  // cudaMemcpyAsync on `stream`. Blocks the host only if the previous upload's copy has not yet
+  // left the staging buffer. InvalidArgument for tables that do not fit or when `stream` is
+  // capturing.
   void upload(const routing::DispatchTables& tables, cudaStream_t stream);
 
   DispatchTablesView view() const;
@@ -149,8 +155,9 @@ struct RouteBatch {
 //                 engine's expert kernels run padding rows; a -1 there would be an
 //                 out-of-bounds slot for them), they are only not counted.
 //   counts[*window_slot][layer][e] += 1 when t < *valid_tokens and e is in [0, experts).
-// Nothing is counted when *window_slot is outside [0, window). A replica count outside
-// [1, max_replicas] in the tables gives slot -1 (never an out-of-bounds read). Counting uses
+// Nothing is counted when *window_slot is outside [0, window). A replica count of 0 (no usable
+// replica) or outside [0, max_replicas] in the tables gives slot -1 (never an out-of-bounds
+// read). Counting uses
 // atomics: any number of launches (layers, streams) may add to the same step concurrently.
 // Host checks only (InvalidArgument); no synchronization, no allocation: capturable.
 void route_and_record(const DispatchTablesView& tables, const RouteBatch& batch,

@@ -8,9 +8,26 @@
 //             replicas of an expert on one rank, then local search off the most loaded rank
 //   sticky    migration-aware: within `tolerance` of balanced's balancedness, keep as many slots
 //             as possible holding what they hold in `previous`
+//
+// Live ranks (elastic serving: a rank is lost, the survivors keep serving, later it rejoins):
+// the layout stays the same, and place() puts every expert on the live ranks only. It does so
+// once for every policy: the live ranks form a compact layout (ranks = the live ones, in
+// order; physical = their slots; experts and groups as before; nodes = the nodes that have
+// live ranks when each has the same number of them and groups % nodes == 0, else 1) and the
+// previous placement shrinks to their slots, in which an expert that lived only on the ranks
+// that are gone has no slot (each policy gives it one). The policy places on the compact
+// layout, and the result is expanded back: live rank i is live_ranks[i]; the slots of the other
+// ranks keep the expert they hold in `previous` (slot p mod experts without one). Hierarchical
+// placement asked for on live ranks that cannot form such nodes (a node that lost some of its
+// ranks but not all) is placed non-hierarchically instead of failing: serving goes on, with
+// groups spread over nodes until the lost ranks rejoin. In the expanded placement's log2phy
+// each expert's replicas on live ranks come first, in the policy's order, then the kept slots
+// of the other ranks, by slot; routing must not send anything to those (routing's `usable`).
 
+#include <cstdint>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "eplb/core/types.h"
 
@@ -31,10 +48,16 @@ struct PolicyOptions {
   // sticky: required, the placement in force now (same layers, experts, physical). balanced
   // reads it only for its dense layers (no load), which keep it.
   const Placement* previous = nullptr;
+  // Ranks that may hold experts, ascending, each in [0, layout.ranks); empty: every rank. The
+  // placement puts every expert on these ranks only (each expert gets at least one replica on
+  // one of them); the slots of the other ranks keep the expert they have in `previous` (slot p
+  // mod experts without one), and nothing should be routed to them (routing's `usable`).
+  std::vector<int32_t> live_ranks = {};
 };
 
 // Places every layer of `load` on `layout`. Validates layout, load and options first
-// (InvalidArgument naming the bad value).
+// (InvalidArgument naming the bad value; for live_ranks also when their slots are fewer than
+// the experts). Every rank live, listed or not, gives the same placement as no list.
 Placement place(const LoadMatrix& load, const Layout& layout, const PolicyOptions& options);
 
 }  // namespace eplb::placement

@@ -1,7 +1,8 @@
 #pragma once
 // `sticky`: migration-aware placement. Finds a placement whose balancedness is within
 // `tolerance` of balanced's on the same load while keeping as many slots as possible holding
-// the expert they hold in `previous`.
+// the expert they hold in `previous`. `previous` must have every slot hold an expert in
+// [0, experts); an expert may have no slot in it (it lived on ranks that are gone): it gets one.
 
 #include "eplb/core/types.h"
 

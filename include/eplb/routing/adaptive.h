@@ -12,7 +12,8 @@
 // tokens are all full, every token of the experts that reach them must land on them, so
 // T' = ceil((those experts' counts + those ranks' fixed loads) / number of those ranks) is a
 // lower bound on the optimum and above T; raise the capacities to T' and go on from the flow
-// found. The last T is the optimum, and the flow at it is the split.
+// found. The last T is the optimum, and the flow at it is the split. An expert without a
+// usable replica (replica_count 0, dispatch.h) takes no part: its tokens go nowhere.
 //
 // Deterministic: integer arithmetic only, a fixed visiting order, no allocation (the caller
 // passes the workspace). The CUDA routing library runs this very function on the device
@@ -32,7 +33,7 @@ namespace eplb::routing {
 // One layer's placement as the solver reads it: the dispatch tables' arrays.
 struct AdaptiveLayer {
   const int32_t* log2phy = nullptr;        // [experts][max_replicas], padded with -1
-  const int32_t* replica_count = nullptr;  // [experts], each in [1, max_replicas]
+  const int32_t* replica_count = nullptr;  // [experts], each in [0, max_replicas]
   int32_t experts = 0;
   int32_t max_replicas = 0;
   int32_t ranks = 0;
@@ -58,9 +59,10 @@ EPLB_HOST_DEVICE inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b -
 // Writes `share` ([experts][max_replicas], aligned with log2phy; 0 in the padding): replica i of
 // expert e receives share[e][i] of counts[e] tokens, summing to counts[e] (a negative count
 // counts as 0). Replicas of one expert on the same rank share its part there evenly, the first
-// ones one token more. Returns the busiest rank's load under `share` (the optimum), or -1 when
-// the tables are inconsistent (a replica count outside [1, max_replicas], a slot outside the
-// ranks, or more replicas than slots), with `share` then all 0. `work` holds
+// ones one token more. An expert with no replica (count 0) gets no share: its tokens are not
+// routed and count on no rank. Returns the busiest rank's load under `share` (the optimum), or
+// -1 when the tables are inconsistent (a replica count outside [0, max_replicas], a slot outside
+// the ranks, or more replicas than slots), with `share` then all 0. `work` holds
 // adaptive_workspace_words(experts, ranks, ranks * slots_per_rank) int64 words.
 EPLB_HOST_DEVICE inline int64_t adaptive_split(const AdaptiveLayer& t, const int64_t* counts,
                                                int64_t* share, int64_t* work) {
@@ -87,13 +89,13 @@ EPLB_HOST_DEVICE inline int64_t adaptive_split(const AdaptiveLayer& t, const int
   int64_t flex = 0, edges = 0, total = 0;
   for (int64_t e = 0; e < E; ++e) {
     const int64_t r = t.replica_count[e];
-    if (r < 1 || r > R || edges + r > edges_cap) return -1;
+    if (r < 0 || r > R || edges + r > edges_cap) return -1;
     for (int64_t i = 0; i < r; ++i) {
       const int64_t slot = t.log2phy[e * R + i];
       if (slot < 0 || slot / t.slots_per_rank >= G) return -1;
     }
     const int64_t w = counts[e] > 0 ? counts[e] : 0;
-    if (w == 0) continue;
+    if (w == 0 || r == 0) continue;  // r == 0: no usable replica, the tokens go nowhere
     total += w;
     const int64_t first = edges;
     for (int64_t i = 0; i < r; ++i) {
@@ -225,9 +227,9 @@ EPLB_HOST_DEVICE inline int64_t adaptive_split(const AdaptiveLayer& t, const int
   for (int64_t f = 0; f < flex; ++f) flex_of[flex_expert[f]] = f;
   for (int64_t e = 0; e < E; ++e) {
     const int64_t w = counts[e] > 0 ? counts[e] : 0;
-    if (w == 0) continue;
-    const int64_t f = flex_of[e];
     const int64_t r = t.replica_count[e];
+    if (w == 0 || r == 0) continue;
+    const int64_t f = flex_of[e];
     for (int64_t i = 0; i < r; ++i) {
       const int64_t g = t.log2phy[e * R + i] / t.slots_per_rank;
       bool earlier = false;  // rank g's part was shared out at an earlier replica
@@ -263,7 +265,9 @@ EPLB_HOST_DEVICE inline int64_t adaptive_split(const AdaptiveLayer& t, const int
 // The replica a token with global ordinal `q` of its expert goes to under `share` (one
 // expert's row): the i with share[0] + ... + share[i-1] <= q < share[0] + ... + share[i]. An
 // ordinal past the shares' sum (counts that do not cover the token) falls back to q mod count.
+// -1 when count < 1 (no replica): the caller routes the token to slot -1.
 EPLB_HOST_DEVICE inline int32_t adaptive_replica(const int64_t* share, int32_t count, int64_t q) {
+  if (count < 1) return -1;
   int64_t cumulative = 0;
   for (int32_t i = 0; i < count; ++i) {
     cumulative += share[i];
@@ -275,9 +279,10 @@ EPLB_HOST_DEVICE inline int32_t adaptive_replica(const int64_t* share, int32_t c
 // The replica of dispatch `split`: rank g's k-th token of expert e (k counted from 0 in token
 // order) goes to replica (k + g + e) mod count. The offset g + e spreads the ranks' remainders
 // over the replicas: with one token each, consecutive ranks start on consecutive replicas, and
-// no replica index is favoured across experts.
+// no replica index is favoured across experts. -1 when count < 1 (no replica).
 EPLB_HOST_DEVICE inline int32_t split_replica(int64_t ordinal, int64_t rank, int32_t expert,
                                               int32_t count) {
+  if (count < 1) return -1;
   return static_cast<int32_t>((static_cast<uint64_t>(ordinal) + static_cast<uint64_t>(rank) +
                                static_cast<uint64_t>(expert)) %
                               static_cast<uint64_t>(count));

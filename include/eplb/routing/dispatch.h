@@ -21,6 +21,14 @@
 //
 // The tables of one layer are built once per placement change (off the forward thread) and
 // read by the router; they are plain arrays an engine can upload to a device as they are.
+//
+// Unusable slots (elastic serving: the slots of a rank that is gone): the tables list only the
+// slots that may receive tokens (build_dispatch_tables' `usable`), so no policy ever routes to
+// another. An expert with no usable slot has replica_count 0, a log2phy row of -1 and
+// static_slot -1: a token whose expert has no usable replica is routed to -1 under every policy
+// (adaptive included). The engine drops that expert's contribution, as if the gate had not
+// chosen it; unavailable_experts() lists such experts. Tables built without `usable` never hold
+// a count of 0.
 
 #include <cstdint>
 #include <span>
@@ -46,9 +54,10 @@ struct DispatchTables {
   int64_t ranks = 0;
   int64_t max_replicas = 0;
   int64_t slots_per_rank = 0;
-  std::vector<int32_t> log2phy;        // [experts][max_replicas], padded with -1
-  std::vector<int32_t> replica_count;  // [experts]
-  std::vector<int32_t> static_slot;    // [ranks][experts]: the slot rank g sends e to (static)
+  std::vector<int32_t> log2phy;        // [experts][max_replicas], usable slots, padded with -1
+  std::vector<int32_t> replica_count;  // [experts], in [0, max_replicas]; 0: no usable slot
+  // [ranks][experts]: the slot rank g sends e to (static); -1 for an expert with no usable slot
+  std::vector<int32_t> static_slot;
   // weighted: cumulative share thresholds in 1/2^32 units, [experts][max_replicas]; the last
   // replica's threshold is 2^32 - 1 inclusive.
   std::vector<uint32_t> cumulative_share;
@@ -59,10 +68,20 @@ struct DispatchTables {
 };
 
 // Builds the tables of `layer`. `replica_share` ([physical], optional) is each slot's planned
-// share of its expert's load; empty means replicas share equally.
+// share of its expert's load; empty means replicas share equally. `usable` ([physical],
+// optional; nonzero: the slot may receive tokens; empty: every slot) keeps only the usable
+// slots as replicas, in the placement's replica order; shares and static choices are spread
+// over those alone. max_replicas stays the placement's, so the tables keep their shape whatever
+// is usable; with every slot usable they are the tables built without `usable`, bit for bit.
+// InvalidArgument for arrays of the wrong size.
 DispatchTables build_dispatch_tables(const Placement& placement, int64_t layer,
                                      const Layout& layout,
-                                     std::span<const double> replica_share = {});
+                                     std::span<const double> replica_share = {},
+                                     std::span<const uint8_t> usable = {});
+
+// The experts with no usable replica in `tables` (replica_count 0), ascending: their tokens are
+// routed to -1.
+std::vector<int32_t> unavailable_experts(const DispatchTables& tables);
 
 // The hash of `hash` dispatch: a 32-bit mix of the token index and the rank. Defined here once;
 // the device kernel restates it and is tested against it.
@@ -74,14 +93,15 @@ inline uint32_t dispatch_hash(uint64_t token_index, uint32_t rank) {
 // Chooses the slot for one (token, expert) on `rank`. `random_state` is the caller's per-rank
 // stream for `random` (any non-zero seed; advanced in place), unused by the others. For `split`,
 // `token_index` is the token's ordinal k among this rank's tokens of `expert`. `adaptive` needs
-// the step's shares: InvalidArgument pointing to route_adaptive.
+// the step's shares: InvalidArgument pointing to route_adaptive. -1 for an expert without a
+// usable replica.
 int32_t choose_slot(const DispatchTables& tables, DispatchPolicy policy, int32_t expert,
                     uint64_t token_index, int64_t rank, uint64_t& random_state);
 
 // Maps a batch: experts [tokens][top_k] -> slots [tokens][top_k]. Row t is the token with
 // index first_token + t (what hash and weighted dispatch hash); `split` counts ordinals from 0
 // in this batch, so route one rank's tokens of a step in one call. `adaptive` throws
-// InvalidArgument: use route_adaptive.
+// InvalidArgument: use route_adaptive. An expert without a usable replica gets slot -1.
 void route(const DispatchTables& tables, DispatchPolicy policy, std::span<const int32_t> experts,
            int64_t top_k, std::span<int32_t> slots, uint64_t first_token, int64_t rank,
            uint64_t& random_state);
@@ -89,7 +109,9 @@ void route(const DispatchTables& tables, DispatchPolicy policy, std::span<const 
 // The step's shares of one layer under `adaptive` (and the best split the simulator scores).
 struct AdaptiveShares {
   std::vector<int64_t> share;  // [experts][max_replicas], aligned with log2phy; 0 in padding
-  int64_t max_rank_load = 0;   // the busiest rank's load under them: the least possible
+  // The busiest rank's load under them, the least possible; tokens of experts without a usable
+  // replica go nowhere and count on no rank.
+  int64_t max_rank_load = 0;
   std::vector<int64_t> work;   // the solver's workspace, kept between calls
 };
 
@@ -115,7 +137,8 @@ void exclusive_prefix(std::span<const int64_t> rank_counts, int64_t num_experts,
 
 // Maps one rank's batch under `adaptive`: the batch's j-th token of expert e (in token order)
 // has ordinal prefix[e] + j and goes to the replica whose share covers it
-// (adaptive_replica). InvalidArgument for mismatched sizes or an expert id out of range.
+// (adaptive_replica); a token of an expert without a usable replica gets slot -1.
+// InvalidArgument for mismatched sizes or an expert id out of range.
 void route_adaptive(const DispatchTables& tables, const AdaptiveShares& shares,
                     std::span<const int64_t> prefix, std::span<const int32_t> experts,
                     int64_t top_k, std::span<int32_t> slots);

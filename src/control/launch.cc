@@ -21,6 +21,7 @@
 #include "eplb/config.h"
 #include "eplb/core/error.h"
 #include "eplb/core/memory.h"
+#include "control/child.h"
 
 namespace eplb::control {
 namespace {
@@ -197,24 +198,19 @@ ScratchFolder::~ScratchFolder() {
   std::filesystem::remove_all(path_, ignored);
 }
 
-namespace {
-
-// Each child's error message, in memory shared with the launcher (mapped before the forks).
-constexpr size_t kErrorBytes = 2048;
-
-void keep_error(char* slot, const char* message) {
+void child::keep_error(char* slot, const char* message) {
   std::strncpy(slot, message, kErrorBytes - 1);
   slot[kErrorBytes - 1] = '\0';
 }
 
-[[noreturn]] void run_child(int rank, pid_t parent, const std::function<int(int)>& body,
-                            char* error_slot) {
+void child::run_child(int rank, pid_t parent, const std::function<int()>& body,
+                       char* error_slot) {
   // Die with the launcher, so that no rank outlives it.
   prctl(PR_SET_PDEATHSIG, SIGKILL);
   if (getppid() != parent) _exit(125);
   int code = 1;
   try {
-    code = body(rank);
+    code = body();
   } catch (const std::exception& e) {
     std::fprintf(stderr, "rank %d: %s\n", rank, e.what());
     keep_error(error_slot, e.what());
@@ -227,8 +223,6 @@ void keep_error(char* slot, const char* message) {
   _exit(code);
 }
 
-}  // namespace
-
 std::vector<RankExit> fork_ranks(int n, const std::function<int(int rank)>& body,
                                  const ForkOptions& options) {
   EPLB_CHECK(n >= 1, "fork_ranks: n ", n, " must be at least 1");
@@ -238,7 +232,7 @@ std::vector<RankExit> fork_ranks(int n, const std::function<int(int rank)>& body
          "less than 16 MiB each or the process limit, ulimit -u, less than 4 processes each)");
   }
   std::vector<RankExit> exits(n);
-  const size_t error_bytes = static_cast<size_t>(n) * kErrorBytes;
+  const size_t error_bytes = static_cast<size_t>(n) * child::kErrorBytes;
   void* shared = mmap(nullptr, error_bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS,
                       -1, 0);
   if (shared == MAP_FAILED) {
@@ -278,7 +272,10 @@ std::vector<RankExit> fork_ranks(int n, const std::function<int(int rank)>& body
   for (int r = 0; r < n; ++r) {
     exits[r].rank = r;
     const pid_t pid = fork();
-    if (pid == 0) run_child(r, parent, body, errors + static_cast<size_t>(r) * kErrorBytes);
+    if (pid == 0) {
+      child::run_child(r, parent, [&] { return body(r); },
+                        errors + static_cast<size_t>(r) * child::kErrorBytes);
+    }
     if (pid < 0) {
       const int err = errno;
       kill_running();
@@ -328,8 +325,8 @@ std::vector<RankExit> fork_ranks(int n, const std::function<int(int rank)>& body
     nap = std::min(nap * 2, std::chrono::microseconds(2000));
   }
   for (int r = 0; r < n; ++r) {
-    const char* slot = errors + static_cast<size_t>(r) * kErrorBytes;
-    exits[r].error.assign(slot, strnlen(slot, kErrorBytes));
+    const char* slot = errors + static_cast<size_t>(r) * child::kErrorBytes;
+    exits[r].error.assign(slot, strnlen(slot, child::kErrorBytes));
   }
   return exits;
 }

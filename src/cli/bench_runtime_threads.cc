@@ -289,7 +289,7 @@ void run_rank(RunState& run, int rank) {
   config.balancedness_period = -1;  // not measured here: one collective less per interval
   // The runtime's own threads are late at random too; each point draws from its own sequence.
   struct Drawn {
-    std::atomic<uint64_t> at[3] = {};  // [DelayPoint]
+    std::atomic<uint64_t> at[4] = {};  // [DelayPoint]
   };
   auto drawn = std::make_shared<Drawn>();
   config.delay_hook = [drawn, seed = args.seed, rank,

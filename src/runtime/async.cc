@@ -60,6 +60,7 @@ void Rebalancer::Impl::trigger_async() {
                   .share();
   a->current_phy2log = phy2log_;
   a->map = map_;
+  a->elastic = elastic_inputs();
   {
     std::lock_guard<std::mutex> lock(worker_mu_);
     worker_queue_.push_back(a);
@@ -196,17 +197,23 @@ void Rebalancer::Impl::cancel_worker(Active& a) {
 
 StageContext Rebalancer::Impl::stage_context(const std::atomic<bool>* cancel, int64_t index) {
   StageContext context;
-  context.transport = &transport_;
+  context.transport = transport_;
   context.arena = &arena_;
   context.base = region_.data;
   context.peer_region = &peer_region_;
+  context.peer_of_seat = &peer_of_seat_;
+  context.self_peer = transport_->rank();
+  context.backup_base = backup_region_.data;
+  context.backup = &backup_;
+  context.peer_backup_region = &peer_backup_region_;
+  context.loader = &config_.backup.loader;
   context.layout = &config_.layout;
   context.rank = rank_;
   context.timeout = config_.timeout;
   context.delay_hook = &config_.delay_hook;
   context.cancel = cancel;
   context.installer = config_.installer.get();
-  context.device_memory = transport_.capabilities().device_memory;
+  context.device_memory = transport_->capabilities().device_memory;
   context.own_region = region_.id;
   context.engine = spec_.engine_weights() ? &engine_ : nullptr;
   context.progress = &progress_;
@@ -224,8 +231,14 @@ void Rebalancer::Impl::worker_loop() {
       if (worker_stop_) return;
       job = std::move(worker_queue_.front());
       worker_queue_.pop_front();
+      worker_busy_ = true;
     }
     run_job(*job);
+    {
+      std::lock_guard<std::mutex> lock(worker_mu_);
+      worker_busy_ = false;
+    }
+    worker_idle_cv_.notify_all();
   }
 }
 
@@ -239,7 +252,7 @@ void Rebalancer::Impl::run_job(Active& a) {
     const std::vector<int64_t> window = std::move(result).take();
     progress_.note(a.index, Phase::kPlacement);
     if (config_.delay_hook) config_.delay_hook(DelayPoint::kPlacement);
-    a.plan = make_plan(window, a.current_phy2log, config_, spec_.expert_bytes());
+    a.plan = make_plan(window, a.current_phy2log, config_, spec_.expert_bytes(), a.elastic);
     progress_.note(a.index, Phase::kAgreeing);
     a.progress.store(1, std::memory_order_release);
     if (a.plan.skipped) return;

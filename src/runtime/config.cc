@@ -33,6 +33,8 @@ uint64_t config_fingerprint(const Config& c, const WeightSpec& w) {
   // The placement's options decide the plan (a rank that skips by min_gain while another
   // installs would diverge): compared bit for bit.
   mix(std::bit_cast<int64_t>(c.tolerance)), mix(std::bit_cast<int64_t>(c.min_gain));
+  // Where lost experts come from decides the plans of a repair.
+  mix(c.backup.copies), mix(c.backup.loader ? 1 : 0);
   mix(w.layers);
   for (const TensorSpec& t : w.tensors) mix(t.expert_bytes);
   // A reader computes offsets in a peer's tensors from its own strides.
@@ -138,6 +140,10 @@ void Config::validate() const {
   if (window < 1) fail("window ", window, " must be at least 1 step");
   if (interval > kMaxSteps) fail("interval ", interval, " is outside [1, ", kMaxSteps, "] steps");
   if (window > kMaxSteps) fail("window ", window, " is outside [1, ", kMaxSteps, "] steps");
+  if (backup.copies < 0 || backup.copies > layout.ranks) {
+    fail("backup copies ", backup.copies, " is outside [0, ", layout.ranks,
+         "] (each copy of an expert on another rank; 0: no host copy)");
+  }
   if (lag < 1 || lag > kMaxLag) {
     fail("lag ", lag, " is outside [1, ", kMaxLag,
          "] steps (an agreement acts after it runs, and every rank keeps the agreements of the "

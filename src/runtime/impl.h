@@ -25,6 +25,7 @@
 #include "eplb/stats/recorder.h"
 #include "eplb/transport/transport.h"
 #include "runtime/arena.h"
+#include "runtime/backup.h"
 #include "runtime/control_thread.h"
 #include "runtime/failure.h"
 #include "runtime/metrics.h"
@@ -44,6 +45,7 @@ struct Active {
   int64_t index = 0;                     // the rebalance's record index (for Progress)
   std::vector<int32_t> current_phy2log;  // [layers][physical] at the trigger
   BufferMap map;                         // at the trigger
+  ElasticInputs elastic;                 // members, usable slots, backups at the trigger
   // The window all-reduce: the worker waits on it (and the monitor, to measure the window).
   std::shared_future<CollectiveResult> window;
 
@@ -79,6 +81,15 @@ class Rebalancer::Impl {
  public:
   Impl(Config config, control::Communicator& communicator, transport::Transport& transport,
        WeightSpec spec, const Placement& initial);
+  // A joining rank in `seat`: no group until reconfigure().
+  Impl(Config config, WeightSpec spec, int seat);
+
+ private:
+  // Both: `initial` null for a joining rank (and no communicator or transport yet).
+  Impl(Config config, WeightSpec spec, int seat, const Placement* initial,
+       control::Communicator* communicator, transport::Transport* transport);
+
+ public:
 
   ~Impl();
 
@@ -91,6 +102,10 @@ class Rebalancer::Impl {
 
   // The engine's tensors, one transport region each, right after the staging region.
   void register_engine_tensors();
+
+  // The control thread on comm_ (connect(), reconfigure()), and the worker thread.
+  void start_control_thread();
+  void start_worker_thread();
 
   // ---------------------------------------------------------------- forward thread
   void record(int64_t layer, std::span<const int32_t> ids);
@@ -112,6 +127,18 @@ class Rebalancer::Impl {
 
   void shutdown();
 
+  // ---------------------------------------------------------------- elastic (elastic.cc)
+  void reconfigure(control::Communicator& communicator, transport::Transport& transport,
+                   const Membership& membership);
+  std::vector<int32_t> members() const;
+  std::vector<int32_t> unavailable(int64_t layer) const;
+  bool any_unavailable() const;
+  std::vector<int32_t> backup_experts() const;
+  std::span<std::byte> backup_weights(int64_t layer, int64_t tensor, int32_t expert) const;
+  int64_t backup_bytes() const;
+  void fill_backup(const std::function<void(int64_t, int64_t, int32_t, std::span<std::byte>)>&
+                       fill);
+
   int64_t agreement_contribution() const;
 
   void agreement_result(int64_t step, int64_t min_value);
@@ -131,6 +158,25 @@ class Rebalancer::Impl {
 
  private:
   bool should_trigger() const;
+
+  // The tables of `layer` of `placement` routing only to usable slots (usable_ now, or the
+  // members' slots all, `after_install`).
+  routing::DispatchTables build_tables(const Placement& placement, int64_t layer,
+                                       bool after_install) const;
+  // What a plan needs beyond the window: members, usable slots, backups (elastic.cc).
+  ElasticInputs elastic_inputs() const;
+  // After installing `layer`: every member slot of it holds its expert now.
+  void mark_installed(int64_t layer);
+  // Waits until the worker has no job (after a cancel).
+  void wait_worker_idle();
+  // The transport rank of every seat of the layout (-1: not a member).
+  int peer_of(int seat) const { return peer_of_seat_[static_cast<size_t>(seat)]; }
+  // Allocates the arena or staging, registers the engine's tensors and allocates the backup, in
+  // that order (the same region ids on every rank), in transport_.
+  void allocate_regions();
+  // The exchange of reconfigure(): descriptors and every member's slots; adopts the group's
+  // state.
+  void exchange_membership(const Membership& membership, bool joining);
 
   // The longest the forward thread waits for a collective's result: each queued collective
   // (at most lag + 1 agreements, a window, and a balancedness window before it) is bounded by
@@ -227,16 +273,24 @@ class Rebalancer::Impl {
 
   std::vector<int64_t> await(std::future<CollectiveResult> future);
 
-  // Immutable after construction / connect().
+  // Immutable after construction / connect(), or replaced by reconfigure() on the forward
+  // thread while the worker is idle and no control thread runs.
   const Config config_;
-  control::Communicator& comm_;
-  transport::Transport& transport_;
+  control::Communicator* comm_ = nullptr;
+  transport::Transport* transport_ = nullptr;
   const WeightSpec spec_;
-  const int rank_;
+  int rank_ = 0;  // this rank's seat in the layout (fixed: a member keeps its seat)
   const int64_t layers_;
   ArenaLayout arena_;
   transport::Region region_;
-  std::vector<int> peer_region_;  // [ranks] the arena's region id on each rank
+  std::vector<int> peer_region_;  // [ranks] the arena's region id on each seat
+  std::vector<int> peer_of_seat_;  // [ranks] each seat's transport rank, -1: not a member
+  std::vector<int32_t> members_;   // seats of the group, ascending
+  BackupLayout backup_;
+  transport::Region backup_region_;      // this rank's share of the copies (none: bytes 0)
+  std::vector<int> peer_backup_region_;  // [ranks] each seat's backup region id, -1: unusable
+  std::atomic<bool> backup_filled_{false};
+  bool joining_ = false;  // constructed to join, not yet reconfigured
   bool connected_ = false;
   std::atomic<int64_t> bytes_held_{0};
   int64_t balancedness_period_ = 0;  // resolved: 0 never
@@ -250,6 +304,8 @@ class Rebalancer::Impl {
   // Forward thread.
   stats::LoadRecorder recorder_;
   std::vector<int32_t> phy2log_;                 // [layers][physical]
+  std::vector<uint8_t> usable_;  // [layers][physical]: the slot holds its expert's weights
+  bool repair_pending_ = false;  // reconfigure() asks for a repair rebalance
   std::vector<routing::DispatchTables> tables_;  // [layers]
   BufferMap map_;
   EngineTensors engine_;  // the engine's own tensors, from connect() on; empty with the arena
@@ -266,6 +322,7 @@ class Rebalancer::Impl {
   // Sync mode: the window a rebalance triggered at this step all-reduced, for the measurement.
   std::optional<std::vector<int64_t>> sync_window_;
   std::atomic<bool> control_broken_{false};
+  std::atomic<int64_t> group_{0};  // reconfigure() calls so far: whose collectives these are
   std::atomic<int64_t> published_step_{0};          // step_, for agreement_result's check
   std::atomic<int64_t> contribution_{kNoAgreement};  // agreement_contribution()
 
@@ -286,6 +343,8 @@ class Rebalancer::Impl {
   std::condition_variable worker_cv_;
   std::deque<std::shared_ptr<Active>> worker_queue_;  // guarded by worker_mu_
   bool worker_stop_ = false;                          // guarded by worker_mu_
+  bool worker_busy_ = false;                          // guarded by worker_mu_: a job runs
+  std::condition_variable worker_idle_cv_;
 
   mutable std::mutex history_mu_;
   std::vector<RebalanceRecord> history_;  // guarded by history_mu_

@@ -94,7 +94,7 @@ std::string describe_stall(const Progress::Snapshot& s, int rank, double seconds
 
 Monitor::Monitor(int rank, Layout layout, std::chrono::milliseconds stall_warn,
                  std::chrono::milliseconds timeout, Progress& progress, RuntimeMetrics& metrics,
-                 std::function<void(const Failure&)> on_failed_window)
+                 std::function<void(const Failure&, int64_t)> on_failed_window)
     : rank_(rank),
       layout_(layout),
       stall_warn_(stall_warn),
@@ -129,13 +129,13 @@ void Monitor::stop() {
 }
 
 void Monitor::measure(std::shared_future<CollectiveResult> window,
-                      std::vector<int32_t> phy2log, int64_t step) {
+                      std::vector<int32_t> phy2log, int64_t step, int64_t group) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (stop_) return;
     // The result is bounded by its own timeout, behind at most a few queued collectives.
     jobs_.push_back({std::move(window), std::move(phy2log), step,
-                     MonitorClock::now() + timeout_ * 8});
+                     MonitorClock::now() + timeout_ * 8, group});
   }
   cv_.notify_all();
 }
@@ -186,7 +186,7 @@ void Monitor::measure_now(Job& job) {
     spdlog::warn("eplb runtime rank {}: the balancedness window of step {} failed ({}): no "
                  "rebalance will trigger again",
                  rank_, job.step, result.failure->message);
-    if (on_failed_window_) on_failed_window_(*result.failure);
+    if (on_failed_window_) on_failed_window_(*result.failure, job.group);
     return;
   }
   const std::vector<int64_t> window = std::move(result.values);

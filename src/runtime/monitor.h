@@ -62,7 +62,7 @@ class Monitor {
   // all-reduce that failed: the control plane is broken. Starts its thread.
   Monitor(int rank, Layout layout, std::chrono::milliseconds stall_warn,
           std::chrono::milliseconds timeout, Progress& progress, RuntimeMetrics& metrics,
-          std::function<void(const Failure&)> on_failed_window);
+          std::function<void(const Failure&, int64_t group)> on_failed_window);
   ~Monitor();  // stop()
   Monitor(const Monitor&) = delete;
   Monitor& operator=(const Monitor&) = delete;
@@ -70,8 +70,10 @@ class Monitor {
   // Forward thread: measure the balancedness of `window` (the all-reduce of every rank's
   // recorded window, [layers][experts], in flight on the control thread) under `phy2log`
   // ([layers][physical], in force at `step`) once it arrives.
+  // `group` (the Rebalancer's count of reconfigures) is handed back to on_failed_window, so that
+  // the failure of an old group's window breaks nothing of the new group's.
   void measure(std::shared_future<CollectiveResult> window, std::vector<int32_t> phy2log,
-               int64_t step);
+               int64_t step, int64_t group = 0);
 
   // Any thread: the in-flight metrics brought up to date now (one caller at a time, so an
   // older snapshot never overwrites a newer one).
@@ -87,6 +89,7 @@ class Monitor {
     std::vector<int32_t> phy2log;
     int64_t step = 0;
     MonitorClock::time_point deadline;
+    int64_t group = 0;
   };
   void loop();
   void watch(MonitorClock::time_point now);
@@ -99,7 +102,7 @@ class Monitor {
   const std::chrono::milliseconds timeout_;
   Progress& progress_;
   RuntimeMetrics& metrics_;
-  const std::function<void(const Failure&)> on_failed_window_;
+  const std::function<void(const Failure&, int64_t)> on_failed_window_;
 
   // Monitor thread only.
   int64_t warned_generation_ = -1;

@@ -64,13 +64,16 @@ bool wait_installs(const StageContext& context) {
 }  // namespace
 
 RebalancePlan make_plan(std::span<const int64_t> window, std::span<const int32_t> current,
-                        const Config& config, int64_t expert_bytes) {
+                        const Config& config, int64_t expert_bytes,
+                        const ElasticInputs& elastic) {
   const Layout& layout = config.layout;
   const int64_t layers = static_cast<int64_t>(current.size()) / layout.physical;
+  const int64_t spr = layout.slots_per_rank();
   const auto start = Clock::now();
   RebalancePlan plan;
 
-  // Step 1: the window's load, and the placement in force.
+  // Step 1: the window's load, and the placement in force. A repair with no load recorded yet
+  // (a group that lost a rank before its first window) places a uniform load.
   LoadMatrix load(layers, layout.experts);
   double total = 0;
   for (size_t i = 0; i < window.size(); ++i) {
@@ -78,50 +81,93 @@ RebalancePlan make_plan(std::span<const int64_t> window, std::span<const int32_t
     total += load.values[i];
   }
   const Placement before = placement_of(current, layout, layers);
+  if (total <= 0 && elastic.repair) {
+    std::fill(load.values.begin(), load.values.end(), 1.0);
+    total = static_cast<double>(load.values.size());
+  }
   if (total <= 0) {
     plan.skipped = true;
     plan.skip_reason = "no load recorded in the window";
     return plan;
   }
+  // Members as a mask over the seats, and the slots that hold valid weights now.
+  std::vector<uint8_t> member(static_cast<size_t>(layout.ranks), elastic.members.empty() ? 1 : 0);
+  for (const int32_t g : elastic.members) member[static_cast<size_t>(g)] = 1;
+  const auto usable = [&](int64_t l, int64_t p) {
+    return elastic.usable.empty() || elastic.usable[static_cast<size_t>(l * layout.physical + p)];
+  };
 
-  // Step 2: the new placement, and the predicted gain.
+  // Step 2: the new placement over the members' seats, and the predicted gain.
   placement::PolicyOptions options;
   options.policy = config.policy;
   options.hierarchical = config.hierarchical;
   options.tolerance = config.tolerance;
   options.previous = &before;
+  if (static_cast<int64_t>(elastic.members.size()) < layout.ranks) {
+    options.live_ranks = elastic.members;
+  }
   const Placement after = placement::place(load, layout, options);
   plan.balancedness_before =
       placement::evaluate(load, before, layout, nullptr, false).balancedness_mean;
   plan.balancedness_after =
       placement::evaluate(load, after, layout, nullptr, false).balancedness_mean;
   const double gain = plan.balancedness_after - plan.balancedness_before;
-  if (gain < config.min_gain) {
+  if (gain < config.min_gain && !elastic.repair) {
     plan.skipped = true;
     plan.skip_reason = detail::concat("predicted balancedness gain ", gain, " (",
                                       plan.balancedness_before, " -> ", plan.balancedness_after,
                                       ") is below min_gain ", config.min_gain);
   }
 
-  // Step 3: plan and schedule every layer whose slots change.
+  // Step 3: plan and schedule every layer whose slots change or that has a member slot without
+  // valid weights; layers with an expert no slot serves now go first.
   if (!plan.skipped) {
     migration::MigrationOptions migration_options;
     migration_options.expert_bytes = expert_bytes;
     migration_options.schedule.peers_per_round = config.peers_per_round;
+    if (elastic.any()) {
+      migration_options.usable = elastic.usable;
+      migration_options.members = member;
+      migration_options.backup_holders = elastic.backup_holders;
+      migration_options.loader = elastic.loader;
+    }
     migration::MigrationPlan migration = plan_migration(before, after, layout, migration_options);
+    std::vector<int64_t> urgent, rest;
     for (int64_t l = 0; l < layers; ++l) {
       const auto old_row = before.layer_phy2log(l);
       const auto new_row = after.layer_phy2log(l);
-      if (std::equal(old_row.begin(), old_row.end(), new_row.begin())) continue;
-      plan.moved_layers.push_back(l);
+      bool refill = false;
+      std::vector<uint8_t> served(static_cast<size_t>(layout.experts), 0);
+      for (int64_t p = 0; p < layout.physical; ++p) {
+        if (!member[static_cast<size_t>(p / spr)]) continue;
+        if (usable(l, p)) {
+          served[static_cast<size_t>(old_row[p])] = 1;
+        } else {
+          refill = true;
+        }
+      }
+      if (!refill && std::equal(old_row.begin(), old_row.end(), new_row.begin())) continue;
+      const bool unavailable = std::find(served.begin(), served.end(), 0) != served.end();
+      (unavailable ? urgent : rest).push_back(l);
+    }
+    plan.moved_layers = std::move(urgent);
+    plan.moved_layers.insert(plan.moved_layers.end(), rest.begin(), rest.end());
+    std::vector<uint8_t> usable_after;
+    if (elastic.any()) {
+      usable_after.resize(static_cast<size_t>(layout.physical));
+      for (int64_t p = 0; p < layout.physical; ++p) usable_after[p] = member[p / spr];
+    }
+    for (const int64_t l : plan.moved_layers) {
+      const auto new_row = after.layer_phy2log(l);
       plan.phy2log.emplace_back(new_row.begin(), new_row.end());
-      plan.tables.push_back(routing::build_dispatch_tables(after, l, layout));
+      plan.tables.push_back(routing::build_dispatch_tables(after, l, layout, {}, usable_after));
       const migration::LayerPlan& lp = migration.layers[l].plan;
       plan.slots_moved += static_cast<int64_t>(lp.actions.size()) -
                           lp.count(migration::Action::kUnchanged);
       plan.bytes_intra_node += lp.bytes_intra_node;
       plan.bytes_inter_node += lp.bytes_inter_node;
       plan.bytes_local_copy += lp.bytes_local_copy;
+      plan.bytes_restored += lp.bytes_restored;
       plan.rounds += migration.layers[l].schedule.rounds;
       plan.migrations.push_back(std::move(migration.layers[l]));
     }
@@ -174,7 +220,7 @@ bool stage_layer(const StageContext& context, const BufferMap& map, int64_t laye
                                    static_cast<uint64_t>(arena.offset(spare, t, src_slot))};
       if (from_live) src = live_at(context.rank, t, src_slot);
       if (context.device_memory) {
-        local_reads.push_back({.peer = context.rank, .region = src.first, .offset = src.second,
+        local_reads.push_back({.peer = context.self_peer, .region = src.first, .offset = src.second,
                                .dst = dst, .bytes = bytes});
       } else if (from_live && engine != nullptr) {
         std::memcpy(dst, engine->of(layer, t).base + src.second, bytes);
@@ -190,8 +236,45 @@ bool stage_layer(const StageContext& context, const BufferMap& map, int64_t laye
     return wait_batch(*batch, context, deadline);
   };
   const auto actions = migration.plan.rank_actions(context.rank, layout);
+  const auto peer_of = [&](int seat) {
+    return context.peer_of_seat != nullptr ? (*context.peer_of_seat)[static_cast<size_t>(seat)]
+                                           : seat;
+  };
 
-  // Step 1: what this rank already holds: unchanged slots (the arena's staging buffer becomes
+  // Step 1a: the lost experts first: restored from this rank's backup copy (memcpy), a peer's
+  // (one batch of reads) or the loader, into the staging slots.
+  std::vector<transport::Read> restore_reads;
+  for (const migration::Restore& r : migration.plan.restores) {
+    if (r.dst_rank != context.rank) continue;
+    for (int64_t t = 0; t < arena.tensors(); ++t) {
+      std::byte* dst = context.base + arena.offset(spare, t, r.dst_slot - first);
+      const auto bytes = static_cast<size_t>(arena.tensor_bytes(t));
+      if (r.src_rank < 0) {
+        EPLB_CHECK(context.loader != nullptr && *context.loader,
+                   "runtime: a restore from the loader, but no Backup::loader is set");
+        (*context.loader)(layer, t, r.expert, std::span<std::byte>(dst, bytes));
+      } else if (r.src_rank == context.rank) {
+        std::memcpy(dst, context.backup_base + context.backup->offset(r.src_rank, layer,
+                                                                        r.expert, t),
+                    bytes);
+      } else {
+        restore_reads.push_back(
+            {.peer = peer_of(r.src_rank),
+             .region = (*context.peer_backup_region)[static_cast<size_t>(r.src_rank)],
+             .offset = static_cast<uint64_t>(context.backup->offset(r.src_rank, layer, r.expert,
+                                                                     t)),
+             .dst = dst,
+             .bytes = bytes});
+      }
+    }
+  }
+  if (!restore_reads.empty()) {
+    if (cancelled()) return false;
+    std::unique_ptr<transport::Batch> batch = context.transport->post(restore_reads);
+    if (!wait_batch(*batch, context, deadline)) return false;
+  }
+
+  // Step 1b: what this rank already holds: unchanged slots (the arena's staging buffer becomes
   // the whole live layer; the engine's tensors keep theirs in place) and local copies.
   for (int64_t j = 0; j < spr; ++j) {
     const migration::SlotAction& a = actions[j];
@@ -212,7 +295,7 @@ bool stage_layer(const StageContext& context, const BufferMap& map, int64_t laye
       const int64_t src_local = r.src_slot - static_cast<int64_t>(r.src_rank) * spr;
       for (int64_t t = 0; t < arena.tensors(); ++t) {
         transport::Read read;
-        read.peer = r.src_rank;
+        read.peer = peer_of(r.src_rank);
         std::tie(read.region, read.offset) = live_at(r.src_rank, t, src_local);
         read.dst = context.base + arena.offset(spare, t, r.dst_slot - first);
         read.bytes = static_cast<size_t>(arena.tensor_bytes(t));
@@ -223,7 +306,11 @@ bool stage_layer(const StageContext& context, const BufferMap& map, int64_t laye
     if (cancelled()) return false;
     if (context.progress != nullptr) {
       std::vector<int> peers;
-      for (const transport::Read& r : batch_reads) peers.push_back(r.peer);
+      for (size_t i = 0; i < reads.size(); ++i) {  // seats, as the watchdog names ranks
+        if (reads[i].dst_rank == context.rank && round_of_read[i] == round) {
+          peers.push_back(reads[i].src_rank);
+        }
+      }
       std::sort(peers.begin(), peers.end());
       peers.erase(std::unique(peers.begin(), peers.end()), peers.end());
       context.progress->note(context.rebalance, Phase::kReading, layer, std::move(peers));

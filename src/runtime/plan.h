@@ -15,6 +15,7 @@
 #include "eplb/routing/dispatch.h"
 #include "eplb/runtime/rebalancer.h"
 #include "runtime/arena.h"
+#include "runtime/backup.h"
 #include "runtime/monitor.h"
 
 namespace eplb::transport {
@@ -23,10 +24,23 @@ class Transport;
 
 namespace eplb::runtime {
 
+// What a plan needs to know beyond the window after a reconfigure (elastic serving): who is in
+// the group, which slots hold valid weights, where the backup copies are.
+struct ElasticInputs {
+  std::vector<int32_t> members;  // seats of the group, ascending; empty: every rank
+  std::vector<uint8_t> usable;   // [layers][physical] nonzero: valid weights; empty: all
+  std::vector<std::vector<int32_t>> backup_holders;  // [experts] members with a filled copy
+  bool loader = false;           // every member can load an expert itself
+  bool repair = false;           // fill lost slots: no min_gain, a uniform load if none
+
+  bool any() const { return !members.empty() || !usable.empty(); }
+};
+
 struct RebalancePlan {
   bool skipped = false;
   std::string skip_reason;
-  std::vector<int64_t> moved_layers;                  // ascending: the install order
+  // The install order: layers with an unavailable expert first, then ascending.
+  std::vector<int64_t> moved_layers;
   std::vector<migration::LayerMigration> migrations;  // [moved]
   std::vector<std::vector<int32_t>> phy2log;          // [moved][physical]
   std::vector<routing::DispatchTables> tables;        // [moved]
@@ -39,19 +53,29 @@ struct RebalancePlan {
   int64_t bytes_inter_node = 0;
   int64_t bytes_local_copy = 0;
   int64_t rounds = 0;
+  int64_t bytes_restored = 0;  // all ranks
 };
 
 // window: summed loads of all ranks [layers][experts]; current: phy2log in force [layers][physical].
 RebalancePlan make_plan(std::span<const int64_t> window, std::span<const int32_t> current,
-                        const Config& config, int64_t expert_bytes);
+                        const Config& config, int64_t expert_bytes,
+                        const ElasticInputs& elastic = {});
 
 struct StageContext {
   transport::Transport* transport = nullptr;
   const ArenaLayout* arena = nullptr;
   std::byte* base = nullptr;  // the arena region's local address
-  const std::vector<int>* peer_region = nullptr;  // [ranks] the arena's region id on each rank
+  const std::vector<int>* peer_region = nullptr;  // [ranks] the arena's region id on each seat
+  const std::vector<int>* peer_of_seat = nullptr;  // [ranks] each seat's transport rank
   const Layout* layout = nullptr;
-  int rank = 0;
+  int rank = 0;       // this rank's seat
+  int self_peer = 0;  // this rank in the transport
+  // Restores: this rank's backup copy (its local address), the layout of every seat's copy,
+  // each seat's backup region id, and the loader (null or empty: none).
+  std::byte* backup_base = nullptr;
+  const BackupLayout* backup = nullptr;
+  const std::vector<int>* peer_backup_region = nullptr;
+  const std::function<void(int64_t, int64_t, int32_t, std::span<std::byte>)>* loader = nullptr;
   std::chrono::milliseconds timeout{0};
   const std::function<void(DelayPoint)>* delay_hook = nullptr;
   const std::atomic<bool>* cancel = nullptr;  // null: never cancelled
@@ -70,7 +94,9 @@ struct StageContext {
 // the live weights, reads from peers' live weights round by round, then free rides within the
 // spare buffer. First waits for the installer's last mark, so
 // nothing the engine may still read is overwritten. Local copies are memcpy on host memory and
-// reads of this rank's own region (the transport's copy engine) on device memory. Nothing live changes on any rank. Returns false
+// reads of this rank's own region (the transport's copy engine) on device memory. Restores of
+// lost experts (a backup copy, read or copied, or the loader) come first of all. Nothing live
+// changes on any rank. Returns false
 // when cancelled (the spare buffer is then garbage); throws on a failed or late read.
 bool stage_layer(const StageContext& context, const BufferMap& map, int64_t layer,
                  const migration::LayerMigration& migration);

@@ -57,11 +57,19 @@ double ms_between(Clock::time_point a, Clock::time_point b) {
 Rebalancer::Impl::Impl(Config config, control::Communicator& communicator,
                        transport::Transport& transport, WeightSpec spec,
                        const Placement& initial)
+    : Impl(std::move(config), std::move(spec), communicator.rank(), &initial, &communicator,
+           &transport) {}
+
+Rebalancer::Impl::Impl(Config config, WeightSpec spec, int seat)
+    : Impl(std::move(config), std::move(spec), seat, nullptr, nullptr, nullptr) {}
+
+Rebalancer::Impl::Impl(Config config, WeightSpec spec, int seat, const Placement* initial,
+                       control::Communicator* communicator, transport::Transport* transport)
     : config_(std::move(config)),
       comm_(communicator),
       transport_(transport),
       spec_(std::move(spec)),
-      rank_(communicator.rank()),
+      rank_(seat),
       layers_(spec_.layers),
       recorder_(spec_.layers, config_.layout.experts, std::max<int64_t>(config_.window, 1)),
       map_(spec_.layers),
@@ -70,37 +78,53 @@ Rebalancer::Impl::Impl(Config config, control::Communicator& communicator,
   balancedness_period_ = config_.balancedness_period == 0 ? config_.interval
                                                           : std::max<int64_t>(
                                                                 config_.balancedness_period, 0);
-  EPLB_CHECK_EQ(static_cast<int64_t>(comm_.size()), layout.ranks,
-                "the communicator's size must equal the layout's ranks");
-  EPLB_CHECK_EQ(transport_.rank(), comm_.rank(),
-                "the transport and the communicator must be of the same rank");
-  if (initial.layers != layers_ || initial.experts != layout.experts ||
-      initial.physical != layout.physical) {
-    fail("initial placement is ", initial.layers, " layers x ", initial.experts,
-         " experts x ", initial.physical, " slots but the runtime needs ", layers_, " x ",
-         layout.experts, " x ", layout.physical, " (weight spec layers, layout)");
+  joining_ = initial == nullptr;
+  if (joining_) {
+    EPLB_CHECK(seat >= 0 && seat < layout.ranks, "joining seat ", seat, " is outside [0, ",
+               layout.ranks, ") (the layout's ranks)");
+  } else {
+    EPLB_CHECK_EQ(static_cast<int64_t>(comm_->size()), layout.ranks,
+                  "the communicator's size must equal the layout's ranks");
+    EPLB_CHECK_EQ(transport_->rank(), comm_->rank(),
+                  "the transport and the communicator must be of the same rank");
+    if (initial->layers != layers_ || initial->experts != layout.experts ||
+        initial->physical != layout.physical) {
+      fail("initial placement is ", initial->layers, " layers x ", initial->experts,
+           " experts x ", initial->physical, " slots but the runtime needs ", layers_, " x ",
+           layout.experts, " x ", layout.physical, " (weight spec layers, layout)");
+    }
+    initial->validate();
   }
-  initial.validate();
   // The arena: layers + 1 buffers of every tensor's slots on this rank.
   const int64_t layer_bytes = checked_mul(spec_.expert_bytes(), layout.slots_per_rank(),
                                           "the bytes of one layer on a rank");
   checked_mul(layer_bytes, layers_ + 1, "the bytes of a rank's weights and staging");
   arena_ = ArenaLayout(spec_, layout.slots_per_rank());
+  backup_ = BackupLayout(layout, spec_, config_.backup.copies);
   if (spec_.engine_weights()) {
     map_ = BufferMap(0);  // the arena is the staging layer alone: buffer 0
     check_engine_slots_apart();
   }
-  phy2log_ = initial.phy2log;
+  // Every seat a member, every slot usable; a joining rank learns the group's at reconfigure().
+  members_.resize(static_cast<size_t>(layout.ranks));
+  peer_of_seat_.resize(static_cast<size_t>(layout.ranks));
+  for (int g = 0; g < layout.ranks; ++g) members_[g] = peer_of_seat_[g] = g;
+  const Placement start =
+      joining_ ? trivial_placement(layers_, layout.experts, layout.physical) : *initial;
+  phy2log_ = start.phy2log;
+  usable_.assign(static_cast<size_t>(layers_ * layout.physical), joining_ ? 0 : 1);
   tables_.reserve(static_cast<size_t>(layers_));
-  for (int64_t l = 0; l < layers_; ++l) {
-    tables_.push_back(routing::build_dispatch_tables(initial, l, layout));
-  }
+  for (int64_t l = 0; l < layers_; ++l) tables_.push_back(build_tables(start, l, false));
   // Last, once everything is valid: nothing in the engine's registry from a refused config.
   // The monitor exists from here on, so collect_metrics() (any thread) never races its start.
   metrics_ = std::make_unique<RuntimeMetrics>(config_.registry, rank_, config_.metric_labels);
   monitor_ = std::make_unique<Monitor>(
       rank_, layout, config_.stall_warn, config_.timeout, progress_, *metrics_,
-      [this](const Failure&) { control_broken_.store(true, std::memory_order_release); });
+      [this](const Failure&, int64_t group) {
+        if (group == group_.load(std::memory_order_acquire)) {
+          control_broken_.store(true, std::memory_order_release);
+        }
+      });
 }
 
 Rebalancer::Impl::~Impl() { shutdown(); }
@@ -141,32 +165,34 @@ void Rebalancer::Impl::check_engine_slots_apart() const {
 int64_t Rebalancer::Impl::connect() {
   EPLB_CHECK(!connected_, "connect() was already called");
   const std::chrono::milliseconds timeout = config_.timeout;
-  if (transport_.capabilities().device_memory && !config_.installer) {
-    fail("the ", transport_.backend(), " transport keeps the weights in device memory: set "
+  if (transport_->capabilities().device_memory && !config_.installer) {
+    fail("the ", transport_->backend(), " transport keeps the weights in device memory: set "
          "Config::installer (eplb::cuda::StreamInstaller on the engine's stream) so that "
          "installs are ordered with the engine's queued work");
   }
+  EPLB_CHECK(!joining_, "a joining Rebalancer enters through reconfigure(), not connect()");
   // Step 1: the arena, staging included, as one region; or the staging layer alone and the
-  // engine's tensors registered, one region each.
+  // engine's tensors registered, one region each; then the backup copy.
   const bool engine = spec_.engine_weights();
-  region_ = transport_.allocate(
-      static_cast<size_t>(engine ? arena_.layer_bytes() : arena_.total_bytes()));
-  if (engine) register_engine_tensors();
+  allocate_regions();
   // Step 2: exchange (fingerprint, region id, descriptor) with every peer.
-  const std::vector<std::byte> descriptor = transport_.export_descriptor();
+  const std::vector<std::byte> descriptor = transport_->export_descriptor();
   const uint64_t fingerprint = config_fingerprint(config_, spec_);
-  std::vector<std::byte> mine(sizeof(uint64_t) + sizeof(int32_t) + descriptor.size());
+  constexpr size_t kHead = sizeof(uint64_t) + 2 * sizeof(int32_t);
+  std::vector<std::byte> mine(kHead + descriptor.size());
   const int32_t region_id = region_.id;
+  const int32_t backup_id = backup_region_.bytes > 0 ? backup_region_.id : -1;
   std::memcpy(mine.data(), &fingerprint, sizeof fingerprint);
   std::memcpy(mine.data() + sizeof fingerprint, &region_id, sizeof region_id);
-  std::memcpy(mine.data() + sizeof fingerprint + sizeof region_id, descriptor.data(),
-              descriptor.size());
-  const std::vector<control::Bytes> all = comm_.all_gather(mine, timeout);
+  std::memcpy(mine.data() + sizeof fingerprint + sizeof region_id, &backup_id, sizeof backup_id);
+  std::memcpy(mine.data() + kHead, descriptor.data(), descriptor.size());
+  const std::vector<control::Bytes> all = comm_->all_gather(mine, timeout);
   peer_region_.assign(all.size(), 0);
+  peer_backup_region_.assign(all.size(), -1);
   for (size_t g = 0; g < all.size(); ++g) {
     const control::Bytes& b = all[g];
     uint64_t theirs = 0;
-    EPLB_CHECK_GE(b.size(), sizeof theirs + sizeof(int32_t), "runtime: short descriptor");
+    EPLB_CHECK_GE(b.size(), kHead, "runtime: short descriptor");
     std::memcpy(&theirs, b.data(), sizeof theirs);
     if (theirs != fingerprint) {
       fail("runtime: rank ", g, " has a different configuration or weight spec than rank ",
@@ -174,6 +200,8 @@ int64_t Rebalancer::Impl::connect() {
            "sizes must be the same on every rank)");
     }
     std::memcpy(&peer_region_[g], b.data() + sizeof theirs, sizeof(int32_t));
+    std::memcpy(&peer_backup_region_[g], b.data() + sizeof theirs + sizeof(int32_t),
+                sizeof(int32_t));
     // The engine's tensors follow the staging region in the same order on every rank, so
     // their region ids are the same everywhere when the staging regions' are.
     if (engine && peer_region_[g] != region_id) {
@@ -183,9 +211,9 @@ int64_t Rebalancer::Impl::connect() {
            "before connect() on every rank");
     }
     if (static_cast<int>(g) != rank_) {
-      transport_.import_descriptor(
+      transport_->import_descriptor(
           static_cast<int>(g),
-          std::span<const std::byte>(b).subspan(sizeof theirs + sizeof(int32_t)));
+          std::span<const std::byte>(b).subspan(kHead));
     }
   }
   // Step 3: one small read from every peer proves every connection now, not at the first
@@ -205,38 +233,62 @@ int64_t Rebalancer::Impl::connect() {
                                         : region_.bytes)});
   }
   if (!reads.empty()) {
-    std::unique_ptr<transport::Batch> batch = transport_.post(reads);
+    std::unique_ptr<transport::Batch> batch = transport_->post(reads);
     batch->wait(timeout);
   }
-  comm_.barrier(timeout);
+  comm_->barrier(timeout);
   // Step 4: the threads. From here on only the control thread calls the communicator.
-  control_ = std::make_unique<ControlThread>(
-      comm_, [this] { if (config_.delay_hook) config_.delay_hook(DelayPoint::kControl); },
-      make_background_thread);
-  worker_ = std::thread([this] {
-    make_background_thread();
-    worker_loop();
-  });
+  start_control_thread();
+  start_worker_thread();
   connected_ = true;
   bytes_held_.store(static_cast<int64_t>(region_.bytes), std::memory_order_release);
   metrics_->set_bytes_held(static_cast<int64_t>(region_.bytes));
   if (engine) {
     spdlog::info("eplb runtime rank {}: connected to {} peers over {} ({}), holding {} bytes "
                  "of staging beside the engine's {} layers x {} tensors, mode {}",
-                 rank_, all.size() - 1, transport_.backend(), comm_.backend(), region_.bytes,
+                 rank_, all.size() - 1, transport_->backend(), comm_->backend(), region_.bytes,
                  layers_, arena_.tensors(), mode_name(config_.mode));
   } else {
     spdlog::info("eplb runtime rank {}: connected to {} peers over {} ({}), holding {} bytes "
                  "({} layers + 1 staging of {} bytes), mode {}",
-                 rank_, all.size() - 1, transport_.backend(), comm_.backend(), region_.bytes,
+                 rank_, all.size() - 1, transport_->backend(), comm_->backend(), region_.bytes,
                  layers_, arena_.layer_bytes(), mode_name(config_.mode));
   }
   return static_cast<int64_t>(region_.bytes);
 }
 
+void Rebalancer::Impl::start_control_thread() {
+  control_ = std::make_unique<ControlThread>(
+      *comm_, [this] { if (config_.delay_hook) config_.delay_hook(DelayPoint::kControl); },
+      make_background_thread);
+}
+
+void Rebalancer::Impl::start_worker_thread() {
+  worker_ = std::thread([this] {
+    make_background_thread();
+    worker_loop();
+  });
+}
+
+void Rebalancer::Impl::allocate_regions() {
+  const bool engine = spec_.engine_weights();
+  const bool device = transport_->capabilities().device_memory;
+  if (device && (config_.backup.copies > 0 || config_.backup.loader)) {
+    fail<NotSupported>("Config::backup: the ", transport_->backend(), " transport keeps the "
+                       "weights in device memory, and the backup copies and loader are host "
+                       "memory only; use a host transport or no backup");
+  }
+  region_ = transport_->allocate(
+      static_cast<size_t>(engine ? arena_.layer_bytes() : arena_.total_bytes()));
+  if (engine) register_engine_tensors();
+  const int64_t backup_bytes = backup_.bytes(rank_);
+  backup_region_ = backup_bytes > 0 ? transport_->allocate(static_cast<size_t>(backup_bytes))
+                                    : transport::Region{};
+}
+
 void Rebalancer::Impl::register_engine_tensors() {
-  if (!transport_.capabilities().register_memory) {
-    fail<NotSupported>("the ", transport_.backend(), " transport cannot serve reads from "
+  if (!transport_->capabilities().register_memory) {
+    fail<NotSupported>("the ", transport_->backend(), " transport cannot serve reads from "
                        "memory the engine allocated (register_memory); use a transport that "
                        "can (shm, ucx, hybrid, inproc) or let eplb allocate the arena");
   }
@@ -248,7 +300,7 @@ void Rebalancer::Impl::register_engine_tensors() {
       const TensorMemory& m = spec_.memory(l, t);
       const int64_t stride = spec_.stride(l, t);
       const int64_t bytes = (spr - 1) * stride + arena_.tensor_bytes(t);
-      const transport::Region r = transport_.register_memory(m.base, static_cast<size_t>(bytes));
+      const transport::Region r = transport_->register_memory(m.base, static_cast<size_t>(bytes));
       EPLB_CHECK_EQ(r.id, region_.id + 1 + static_cast<int>(engine_.at.size()),
                     "the engine's regions follow the staging region");
       engine_.at.push_back({r.id, static_cast<std::byte*>(m.base), stride});
@@ -346,11 +398,11 @@ void Rebalancer::Impl::submit_balancedness(std::vector<int32_t> phy2log) {
   if (sync_window_) {
     std::promise<CollectiveResult> ready;
     ready.set_value({.values = *sync_window_, .failure = std::nullopt});
-    monitor_->measure(ready.get_future().share(), std::move(phy2log), step_);
+    monitor_->measure(ready.get_future().share(), std::move(phy2log), step_, group_.load());
     return;
   }
   if (active_ && open_ && open_->trigger_step == step_) {
-    monitor_->measure(active_->window, std::move(phy2log), step_);
+    monitor_->measure(active_->window, std::move(phy2log), step_, group_.load());
     return;
   }
   // In flight since an earlier step (its agreements must not wait behind a window), or a
@@ -361,7 +413,7 @@ void Rebalancer::Impl::submit_balancedness(std::vector<int32_t> phy2log) {
   monitor_->measure(control_->all_reduce(std::move(window), control::ReduceOp::kSum,
                                          config_.timeout)
                         .share(),
-                    std::move(phy2log), step_);
+                    std::move(phy2log), step_, group_.load());
 }
 
 void Rebalancer::Impl::save_stats(const std::string& path, stats::LoadFormat format) const {
@@ -449,10 +501,11 @@ int64_t Rebalancer::Impl::host_bytes() const {
   const auto of = [](const auto& v) {
     return static_cast<int64_t>(v.size() * sizeof(typename std::decay_t<decltype(v)>::value_type));
   };
-  int64_t bytes = transport_.capabilities().device_memory ? 0 : bytes_held();
+  int64_t bytes = transport_->capabilities().device_memory ? 0 : bytes_held();
   bytes += stats::LoadRecorder::bytes_for(recorder_.layers(), recorder_.experts(),
                                           recorder_.window());
-  bytes += of(phy2log_);
+  bytes += static_cast<int64_t>(backup_region_.bytes);
+  bytes += of(phy2log_) + of(usable_);
   for (const routing::DispatchTables& t : tables_) {
     bytes += of(t.log2phy) + of(t.replica_count) + of(t.static_slot) + of(t.cumulative_share);
   }
@@ -478,7 +531,26 @@ const Config& Rebalancer::Impl::config() const { return config_; }
 const WeightSpec& Rebalancer::Impl::weight_spec() const { return spec_; }
 
 bool Rebalancer::Impl::should_trigger() const {
-  return step_ > 0 && step_ % config_.interval == 0 && !control_broken() && !open_;
+  if (control_broken() || open_) return false;
+  return repair_pending_ || (step_ > 0 && step_ % config_.interval == 0);
+}
+
+routing::DispatchTables Rebalancer::Impl::build_tables(const Placement& placement, int64_t layer,
+                                                       bool after_install) const {
+  const Layout& layout = config_.layout;
+  const bool all_members = static_cast<int64_t>(members_.size()) == layout.ranks;
+  const auto row = std::span<const uint8_t>(usable_).subspan(
+      static_cast<size_t>(layer * layout.physical), static_cast<size_t>(layout.physical));
+  const bool all_usable = std::all_of(row.begin(), row.end(), [](uint8_t u) { return u != 0; });
+  if (all_members && (after_install || all_usable)) {
+    return routing::build_dispatch_tables(placement, layer, layout);
+  }
+  std::vector<uint8_t> usable(row.begin(), row.end());
+  if (after_install) {
+    const int64_t spr = layout.slots_per_rank();
+    for (int64_t p = 0; p < layout.physical; ++p) usable[p] = peer_of_seat_[p / spr] >= 0;
+  }
+  return routing::build_dispatch_tables(placement, layer, layout, {}, usable);
 }
 
 std::chrono::milliseconds Rebalancer::Impl::result_bound() const {
@@ -490,6 +562,7 @@ void Rebalancer::Impl::open_record() {
   open_.emplace();
   open_->index = next_index_++;
   open_->trigger_step = step_;
+  open_->repair = repair_pending_;
   open_finished_ = false;
   open_started_ = Clock::now();
   progress_.start(open_->index, step_);
@@ -497,6 +570,10 @@ void Rebalancer::Impl::open_record() {
 }
 
 void Rebalancer::Impl::close_open(std::optional<Failure> raise) {
+  // A repair that completed (or found nothing to do) leaves every member slot filled.
+  if (open_->repair && open_->outcome != Outcome::kFailed && open_->outcome != Outcome::kCancelled) {
+    repair_pending_ = false;
+  }
   open_->end_step = step_;
   open_->steps = step_ - open_->trigger_step;
   open_->seconds = ms_between(open_started_, Clock::now()) / 1000.0;
@@ -551,6 +628,7 @@ void Rebalancer::Impl::publish_open() {
 
 void Rebalancer::Impl::install(RebalancePlan& plan, int64_t k) {
   const int64_t layer = plan.moved_layers[k];
+  if (config_.delay_hook) config_.delay_hook(DelayPoint::kInstall);
   if (spec_.engine_weights()) {
     install_into_engine(plan, k);
   } else if (swaps()) {
@@ -570,6 +648,10 @@ void Rebalancer::Impl::install(RebalancePlan& plan, int64_t k) {
   std::swap(tables_[layer], plan.tables[k]);
   std::copy(plan.phy2log[k].begin(), plan.phy2log[k].end(),
             phy2log_.begin() + layer * config_.layout.physical);
+  mark_installed(layer);
+  for (const migration::Restore& r : plan.migrations[k].plan.restores) {
+    if (r.dst_rank == rank_) open_->bytes_restored += spec_.expert_bytes();
+  }
   ++installed_total_;
   ++open_->layers_installed;
   metrics_->on_layer_installed(plan.migrations[k].plan, config_.layout, rank_,
@@ -628,7 +710,32 @@ Rebalancer::Rebalancer(Config config, control::Communicator& communicator,
                                  initial);
 }
 
+Rebalancer::Rebalancer(Config config, WeightSpec weights, int seat) {
+  config.validate();
+  weights.validate();
+  impl_ = std::make_unique<Impl>(std::move(config), std::move(weights), seat);
+}
+
 Rebalancer::~Rebalancer() = default;
+
+void Rebalancer::reconfigure(control::Communicator& communicator, transport::Transport& transport,
+                             const Membership& membership) {
+  impl_->reconfigure(communicator, transport, membership);
+}
+std::vector<int32_t> Rebalancer::members() const { return impl_->members(); }
+std::vector<int32_t> Rebalancer::unavailable(int64_t layer) const {
+  return impl_->unavailable(layer);
+}
+bool Rebalancer::any_unavailable() const { return impl_->any_unavailable(); }
+std::vector<int32_t> Rebalancer::backup_experts() const { return impl_->backup_experts(); }
+std::span<std::byte> Rebalancer::backup_weights(int64_t layer, int64_t tensor, int32_t expert) {
+  return impl_->backup_weights(layer, tensor, expert);
+}
+int64_t Rebalancer::backup_bytes() const { return impl_->backup_bytes(); }
+void Rebalancer::fill_backup(
+    const std::function<void(int64_t, int64_t, int32_t, std::span<std::byte>)>& fill) {
+  impl_->fill_backup(fill);
+}
 
 int64_t Rebalancer::connect() { return impl_->connect(); }
 void Rebalancer::record(int64_t layer, std::span<const int32_t> expert_ids) {

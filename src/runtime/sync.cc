@@ -36,7 +36,7 @@ void Rebalancer::Impl::step_end_sync() {
   progress_.note(open_->index, Phase::kPlacement);
   try {
     if (config_.delay_hook) config_.delay_hook(DelayPoint::kPlacement);
-    plan = make_plan(window, phy2log_, config_, spec_.expert_bytes());
+    plan = make_plan(window, phy2log_, config_, spec_.expert_bytes(), elastic_inputs());
   } catch (...) {
     local = Failure::current();
   }

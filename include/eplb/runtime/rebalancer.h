@@ -123,6 +123,7 @@ enum class DelayPoint {
   kPlacement,  // worker, before computing the placement
   kRead,       // worker (forward thread in sync mode), before posting each round of reads
   kControl,    // control thread, before each collective
+  kInstall,    // forward thread, inside step_end(), before each layer install (must not throw)
 };
 
 enum class Outcome {
@@ -153,6 +154,8 @@ struct RebalanceRecord {
   int64_t bytes_local_copy = 0;
   int64_t rounds = 0;              // read rounds, summed over moved layers
   int64_t bytes_installed = 0;     // bytes this rank's installs wrote into live weights
+  int64_t bytes_restored = 0;      // bytes this rank restored from a backup (host copy or loader)
+  bool repair = false;             // triggered by reconfigure(): lost or empty slots to fill
   int64_t steps = 0;               // end_step - trigger_step
   double seconds = 0;              // wall time from trigger to end on this rank
   double stall_total_ms = 0;       // this rank's forward thread in step_end, steps of this
@@ -191,6 +194,36 @@ struct WeightSpec {
   int64_t stride(int64_t layer, int64_t tensor) const;  // resolved (never 0)
   int64_t expert_bytes() const;  // sum over tensors: bytes that move with one expert
   void validate() const;         // InvalidArgument naming the bad value
+};
+
+// Where an expert comes from when every slot that held it was on a lost rank (DESIGN.md, "The
+// runtime protocol", step 7; docs/elastic.md). Both are optional; with neither, a rank loss that
+// takes the last replica of an expert cannot be repaired (reconfigure's repair then fails,
+// naming the expert).
+struct Backup {
+  // Host copies of every expert of every layer kept across the ranks, each on a different rank
+  // (on different nodes while there are nodes enough): each rank holds about
+  // copies * experts / ranks experts of every layer (backup_bytes()), filled by fill_backup()
+  // after connect(). A repair reads a lost expert from a live rank's copy (its own first, then
+  // one on its node), one-sided like any read. 0: none. Host-memory transports only.
+  int64_t copies = 0;
+  // Reads expert `expert` of `layer`, tensor `tensor`, into `bytes` (this rank's staging, host
+  // memory): from the checkpoint, say. Called on the worker thread (the forward thread in sync
+  // mode), only for an expert that no live slot and no live copy holds. Empty: none.
+  std::function<void(int64_t layer, int64_t tensor, int32_t expert, std::span<std::byte> bytes)>
+      loader;
+};
+
+// Who serves after a reconfigure(): the seat (the rank of the layout) of each member of the new
+// group, by its rank in the new communicator and transport. Seats of the layout that are not
+// listed are lost: nothing is placed on them or routed to them until a member takes them back.
+struct Membership {
+  std::vector<int32_t> seats;  // [new group size], distinct, each in [0, layout.ranks)
+
+  // The identity: every seat of the layout, member g in seat g.
+  static Membership all(int64_t ranks);
+  // InvalidArgument naming the bad seat or size.
+  void validate(const Layout& layout) const;
 };
 
 // The largest lag and timeout Config takes.
@@ -232,6 +265,8 @@ struct Config {
   // never. It shares the window of a rebalance triggered at that step, skips a step with one
   // in flight, and else adds one all-reduce of the window on the control thread.
   int64_t balancedness_period = 0;
+  // Elastic serving: where lost experts are restored from.
+  Backup backup;
   // Testing: called at each DelayPoint, from the thread named there (so it must be
   // thread-safe). It may sleep; at kPlacement and kRead it may also throw, which fails the
   // rebalance as a worker error would. It must not throw at kControl.
@@ -246,6 +281,10 @@ class Rebalancer {
   // communicator's size and the transport's rank). Allocates nothing yet.
   Rebalancer(Config config, control::Communicator& communicator, transport::Transport& transport,
              WeightSpec weights, Placement initial);
+  // A process that joins a running group in seat `seat` (a restarted rank, or a new one taking a
+  // lost seat): no communicator, no transport and no weights yet; reconfigure() brings it in,
+  // in place of connect(). Validates config and spec.
+  Rebalancer(Config config, WeightSpec weights, int seat);
   // shutdown(), then releases everything.
   ~Rebalancer();
   Rebalancer(const Rebalancer&) = delete;
@@ -257,6 +296,41 @@ class Rebalancer {
   // reads a few bytes from each, starts the control and worker threads. Returns the bytes eplb
   // holds (arena or staging); nothing more is allocated or connected later.
   int64_t connect();
+
+  // Elastic serving (docs/elastic.md). Called by every member of the new group at the same step
+  // (forward thread, between two step_end() calls), with a communicator and a transport built
+  // for the new group (member g of `membership` is rank g of both), after a failure or to take
+  // a rank back. A rebalance in flight is abandoned first (installed layers stay, as after any
+  // failure), the old control thread drains, and eplb moves its staging (and arena, and backup
+  // copy) into the new transport. The members then exchange descriptors and what every one of
+  // their slots holds; the slots of lost seats, and every slot of a joining member, are marked
+  // lost, and every layer's dispatch tables are rebuilt so that no token goes to a lost slot
+  // (unavailable() lists the experts left with no replica). The next step_end() starts a repair
+  // rebalance: a placement over the members' seats only, lost experts restored (from a live
+  // replica, a backup copy, or the loader) and the layers with unavailable experts installed
+  // first; a joining member receives tokens once its slots are installed. The old communicator
+  // and transport are no longer used once it returns (the caller may destroy them). A joining
+  // Rebalancer (the constructor above) adopts the group's step and placement. Throws (and the
+  // engine may call it again with another group) when a collective fails or the members
+  // disagree: InvalidArgument naming the seat, step or configuration that differs.
+  void reconfigure(control::Communicator& communicator, transport::Transport& transport,
+                   const Membership& membership);
+  // The seats of the group now (Membership::all after connect()); forward thread.
+  std::vector<int32_t> members() const;
+  // The experts of `layer` no token can be routed to now (every replica lost), ascending.
+  std::vector<int32_t> unavailable(int64_t layer) const;
+  // Whether some expert of some layer is unavailable now.
+  bool any_unavailable() const;
+  // Backup: this rank's share of the host copies (Backup::copies): the experts it keeps a copy
+  // of (the same in every layer), the bytes of one tensor of one of them, and the bytes held.
+  std::vector<int32_t> backup_experts() const;
+  std::span<std::byte> backup_weights(int64_t layer, int64_t tensor, int32_t expert);
+  int64_t backup_bytes() const;
+  // Fills this rank's share of the backup: fill(layer, tensor, expert, bytes) for each. Call it
+  // after connect() (or, joining, before reconfigure()), before serving; a rank whose share is
+  // not filled is not used as a source.
+  void fill_backup(const std::function<void(int64_t layer, int64_t tensor, int32_t expert,
+                                            std::span<std::byte> bytes)>& fill);
 
   // ---- forward thread ----
   // Counts tokens routed to each listed logical expert of `layer` in the current step.
@@ -307,7 +381,7 @@ class Rebalancer {
   void shutdown();
 
   // ---- state ----
-  int rank() const;                    // any thread
+  int rank() const;                    // this rank's seat in the layout; any thread
   int64_t step() const;                // step_end() calls so far; forward thread
   bool rebalancing() const;            // forward thread
   int64_t installed_layers() const;    // layer installs so far, all rebalances; forward thread

@@ -1,0 +1,415 @@
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <utility>
+#include <vector>
+
+#include "eplb/control/communicator.h"
+#include "eplb/core/error.h"
+#include "eplb/routing/dispatch.h"
+#include "eplb/transport/transport.h"
+#include "runtime/config.h"
+#include "runtime/impl.h"
+
+// Rebalancer::Impl's elastic serving (docs/elastic.md): reconfigure() onto a new group, the
+// slots that lost their weights, and the backup copies that restore them.
+//
+// Ownership. reconfigure() runs on the forward thread. Before it touches anything the worker
+// and the control thread share, it cancels the rebalance in flight, waits for the worker to be
+// idle and stops the control thread (which runs what was queued, failing fast on a broken
+// communicator), so that comm_, transport_, the regions, peer_of_seat_ and the backup tables
+// are written while no other runtime thread reads them. The monitor thread reads none of them;
+// a window of the old group that fails late is told apart by group_.
+
+namespace eplb::runtime {
+
+Membership Membership::all(int64_t ranks) {
+  Membership m;
+  for (int64_t g = 0; g < ranks; ++g) m.seats.push_back(static_cast<int32_t>(g));
+  return m;
+}
+
+void Membership::validate(const Layout& layout) const {
+  if (seats.empty()) fail("membership: no seats (a group needs at least one member)");
+  if (static_cast<int64_t>(seats.size()) > layout.ranks) {
+    fail("membership: ", seats.size(), " seats but the layout has ", layout.ranks, " ranks");
+  }
+  std::vector<uint8_t> seen(static_cast<size_t>(layout.ranks), 0);
+  for (size_t g = 0; g < seats.size(); ++g) {
+    const int32_t s = seats[g];
+    if (s < 0 || s >= layout.ranks) {
+      fail("membership: member ", g, " has seat ", s, ", outside [0, ", layout.ranks,
+           ") (the layout's ranks)");
+    }
+    if (seen[s]) fail("membership: seat ", s, " is listed twice (each seat has one member)");
+    seen[s] = 1;
+  }
+}
+
+// ---------------------------------------------------------------- reconfigure
+void Rebalancer::Impl::reconfigure(control::Communicator& communicator,
+                                   transport::Transport& transport,
+                                   const Membership& membership) {
+  EPLB_CHECK(!shut_down_, "reconfigure() after shutdown()");
+  EPLB_CHECK(connected_ || joining_,
+             "reconfigure() needs connect() first (a rank that joins is built with the "
+             "joining constructor)");
+  const Layout& layout = config_.layout;
+  membership.validate(layout);
+  EPLB_CHECK_EQ(static_cast<int64_t>(communicator.size()),
+                static_cast<int64_t>(membership.seats.size()),
+                "the new communicator's size must equal the membership's seats");
+  EPLB_CHECK_EQ(transport.rank(), communicator.rank(),
+                "the transport and the communicator must be of the same rank");
+  const int32_t seat = membership.seats[static_cast<size_t>(communicator.rank())];
+  if (seat != rank_) {
+    fail("reconfigure: this rank holds seat ", rank_, " but the membership puts it (rank ",
+         communicator.rank(), " of the new group) in seat ", seat,
+         ": a member keeps its seat, list it at its own position");
+  }
+  if (transport.capabilities().device_memory && !config_.installer) {
+    fail("the ", transport.backend(), " transport keeps the weights in device memory: set "
+         "Config::installer");
+  }
+  const bool joining = joining_;
+
+  // Step 1: nothing runs any more on the old group. A rebalance in flight is abandoned here on
+  // every member alike (installed layers stay: what each slot holds is exchanged below).
+  if (active_) {
+    cancel_worker(*active_);
+    if (open_) {
+      open_->outcome = Outcome::kFailed;
+      open_->error = "reconfigure() while the rebalance ran";
+      close_open(std::nullopt);
+      publish_open();
+    }
+    active_.reset();
+  }
+  agreements_.clear();
+  contribution_.store(kNoAgreement, std::memory_order_release);
+  if (!joining) wait_worker_idle();
+  if (control_) {
+    control_->stop();
+    control_.reset();
+  }
+  group_.fetch_add(1, std::memory_order_acq_rel);
+
+  // Step 2: eplb's regions move into the new transport: the arena's layers (in layer order, so
+  // that every member's buffer map is the identity again) and the backup copy.
+  transport::Transport* old_transport = transport_;
+  const transport::Region old_region = region_;
+  const transport::Region old_backup = backup_region_;
+  const BufferMap old_map = map_;
+  comm_ = &communicator;
+  transport_ = &transport;
+  allocate_regions();
+  if (!joining && !spec_.engine_weights()) {
+    const auto bytes = static_cast<size_t>(arena_.layer_bytes());
+    std::vector<transport::Read> copies;
+    for (int64_t l = 0; l < layers_; ++l) {
+      const int64_t from = arena_.offset(old_map.buffer_of_layer[l], 0, 0);
+      std::byte* to = region_.data + arena_.offset(l, 0, 0);
+      if (old_transport->capabilities().device_memory) {
+        copies.push_back({.peer = old_transport->rank(), .region = old_region.id,
+                          .offset = static_cast<uint64_t>(from), .dst = to, .bytes = bytes});
+      } else {
+        std::memcpy(to, old_region.data + from, bytes);
+      }
+    }
+    if (!copies.empty()) old_transport->post(copies)->wait(config_.timeout);
+    map_ = BufferMap(layers_);
+  }
+  if (!joining && old_backup.bytes > 0 && backup_region_.bytes == old_backup.bytes) {
+    std::memcpy(backup_region_.data, old_backup.data, old_backup.bytes);
+  }
+
+  // Step 3: descriptors and every member's slots; the group's state adopted.
+  exchange_membership(membership, joining);
+
+  // Step 4: the threads on the new group.
+  control_broken_.store(false, std::memory_order_release);
+  start_control_thread();
+  if (joining) {
+    start_worker_thread();
+    joining_ = false;
+    connected_ = true;
+  }
+  bytes_held_.store(static_cast<int64_t>(region_.bytes), std::memory_order_release);
+  metrics_->set_bytes_held(static_cast<int64_t>(region_.bytes));
+  int64_t lost_slots = 0;
+  for (const uint8_t u : usable_) lost_slots += u == 0;
+  int64_t unavailable_total = 0;
+  for (int64_t l = 0; l < layers_; ++l) {
+    unavailable_total += static_cast<int64_t>(unavailable(l).size());
+  }
+  spdlog::info("eplb runtime rank {}: reconfigured at step {} ({}): {} of {} seats serve, {} "
+               "slots lost, {} experts unavailable (all layers){}",
+               rank_, step_, joining ? "joined" : "group changed", members_.size(),
+               layout.ranks, lost_slots, unavailable_total,
+               repair_pending_ ? "; a repair rebalance starts at the next step" : "");
+}
+
+void Rebalancer::Impl::exchange_membership(const Membership& membership, bool joining) {
+  const Layout& layout = config_.layout;
+  const int64_t spr = layout.slots_per_rank();
+  const int64_t P = layout.physical;
+  const size_t own = static_cast<size_t>(layers_ * spr);
+  struct Head {
+    uint64_t fingerprint;
+    int32_t seat, joining, backup_filled, region, backup_region, pad;
+    int64_t step, next_index;
+  };
+  const std::vector<std::byte> descriptor = transport_->export_descriptor();
+  std::vector<std::byte> mine(sizeof(Head) + own * sizeof(int32_t) + own + descriptor.size());
+  Head head{};
+  head.fingerprint = config_fingerprint(config_, spec_);
+  head.seat = rank_;
+  head.joining = joining ? 1 : 0;
+  head.backup_filled = backup_filled_.load(std::memory_order_acquire) ? 1 : 0;
+  head.region = region_.id;
+  head.backup_region = backup_region_.bytes > 0 ? backup_region_.id : -1;
+  head.step = step_;
+  head.next_index = next_index_;
+  std::memcpy(mine.data(), &head, sizeof head);
+  auto* slots = reinterpret_cast<int32_t*>(mine.data() + sizeof head);
+  auto* valid = reinterpret_cast<uint8_t*>(mine.data() + sizeof head + own * sizeof(int32_t));
+  for (int64_t l = 0; l < layers_; ++l) {
+    for (int64_t j = 0; j < spr; ++j) {
+      const int64_t p = l * P + rank_ * spr + j;
+      slots[l * spr + j] = phy2log_[p];
+      valid[l * spr + j] = joining ? 0 : usable_[p];
+    }
+  }
+  std::memcpy(mine.data() + sizeof head + own * (sizeof(int32_t) + 1), descriptor.data(),
+              descriptor.size());
+  const std::vector<control::Bytes> all = comm_->all_gather(mine, config_.timeout);
+
+  // Check and read every member's part.
+  std::vector<Head> heads(all.size());
+  int64_t step = -1;
+  int64_t next_index = next_index_;
+  for (size_t g = 0; g < all.size(); ++g) {
+    EPLB_CHECK_GE(all[g].size(), sizeof(Head) + own * (sizeof(int32_t) + 1),
+                  "reconfigure: short message from rank ", g);
+    std::memcpy(&heads[g], all[g].data(), sizeof(Head));
+    const Head& h = heads[g];
+    if (h.fingerprint != head.fingerprint) {
+      fail("reconfigure: member ", g, " (seat ", h.seat, ") has a different configuration or "
+           "weight spec than seat ", rank_, " (layout, interval, window, policy, lag, mode, "
+           "backup and tensor sizes must be the same on every rank)");
+    }
+    if (h.seat != membership.seats[g]) {
+      fail("reconfigure: member ", g, " says it holds seat ", h.seat, " but this rank's "
+           "membership puts seat ", membership.seats[g], " there: every member must pass the "
+           "same membership");
+    }
+    if (!h.joining) {
+      if (step >= 0 && h.step != step) {
+        fail("reconfigure: the members were called at different steps (", step, " and ", h.step,
+             " at seat ", h.seat, "): call it on every member after the same step_end()");
+      }
+      step = h.step;
+    }
+    next_index = std::max(next_index, h.next_index);
+  }
+  if (step < 0) {
+    fail("reconfigure: every member is joining, so no member holds any weights: a group needs "
+         "at least one rank that served before");
+  }
+  // Descriptors, then one small read from every member proves the connections now.
+  peer_region_.assign(static_cast<size_t>(layout.ranks), -1);
+  peer_backup_region_.assign(static_cast<size_t>(layout.ranks), -1);
+  peer_of_seat_.assign(static_cast<size_t>(layout.ranks), -1);
+  members_.clear();
+  const bool engine = spec_.engine_weights();
+  for (size_t g = 0; g < all.size(); ++g) {
+    const Head& h = heads[g];
+    if (engine && h.region != region_.id) {
+      fail("reconfigure: seat ", h.seat, " registered its regions in another order than seat ",
+           rank_, " (staging region ", h.region, " against ", region_.id,
+           "): give the Rebalancer a transport of its own");
+    }
+    peer_region_[h.seat] = h.region;
+    peer_backup_region_[h.seat] = h.backup_filled ? h.backup_region : -1;
+    peer_of_seat_[h.seat] = static_cast<int>(g);
+    members_.push_back(h.seat);
+    if (static_cast<int>(g) != comm_->rank()) {
+      const size_t at = sizeof(Head) + own * (sizeof(int32_t) + 1);
+      transport_->import_descriptor(static_cast<int>(g),
+                                    std::span<const std::byte>(all[g]).subspan(at));
+    }
+  }
+  std::sort(members_.begin(), members_.end());
+  {
+    constexpr size_t kProbe = 8;
+    std::vector<std::byte> probe(kProbe * all.size());
+    std::vector<transport::Read> reads;
+    for (size_t g = 0; g < all.size(); ++g) {
+      if (static_cast<int>(g) == comm_->rank()) continue;
+      reads.push_back({.peer = static_cast<int>(g),
+                       .region = engine ? engine_.at.front().region : heads[g].region,
+                       .offset = 0,
+                       .dst = probe.data() + kProbe * g,
+                       .bytes = std::min<size_t>(
+                           kProbe, static_cast<size_t>(engine ? arena_.tensor_bytes(0)
+                                                              : arena_.layer_bytes()))});
+    }
+    if (!reads.empty()) transport_->post(reads)->wait(config_.timeout);
+  }
+
+  // What every slot holds: a member's own report (the truth, whatever each member believed of
+  // the others); the slots of lost seats and of joining members hold nothing usable and are
+  // given the experts that are nowhere else first, so that the placement stays valid.
+  std::vector<int32_t> phy2log(static_cast<size_t>(layers_ * P), -1);
+  std::vector<uint8_t> usable(static_cast<size_t>(layers_ * P), 0);
+  for (size_t g = 0; g < all.size(); ++g) {
+    if (heads[g].joining) continue;
+    const auto* s = reinterpret_cast<const int32_t*>(all[g].data() + sizeof(Head));
+    const auto* v = reinterpret_cast<const uint8_t*>(all[g].data() + sizeof(Head) +
+                                                     own * sizeof(int32_t));
+    const int64_t seat = heads[g].seat;
+    for (int64_t l = 0; l < layers_; ++l) {
+      for (int64_t j = 0; j < spr; ++j) {
+        const int32_t e = s[l * spr + j];
+        if (e < 0 || e >= layout.experts) {
+          fail("reconfigure: seat ", seat, " reports expert ", e, " in layer ", l, " slot ", j);
+        }
+        phy2log[l * P + seat * spr + j] = e;
+        usable[l * P + seat * spr + j] = v[l * spr + j] != 0;
+      }
+    }
+  }
+  std::vector<uint8_t> present(static_cast<size_t>(layout.experts));
+  for (int64_t l = 0; l < layers_; ++l) {
+    std::fill(present.begin(), present.end(), 0);
+    for (int64_t p = 0; p < P; ++p) {
+      if (phy2log[l * P + p] >= 0) present[phy2log[l * P + p]] = 1;
+    }
+    int32_t next_missing = 0;
+    for (int64_t p = 0; p < P; ++p) {
+      int32_t& e = phy2log[l * P + p];
+      if (e >= 0) continue;
+      while (next_missing < layout.experts && present[next_missing]) ++next_missing;
+      if (next_missing < layout.experts) {
+        e = next_missing;
+        present[next_missing] = 1;
+      } else {
+        e = static_cast<int32_t>(p % layout.experts);
+      }
+    }
+    if (next_missing < layout.experts &&
+        std::find(present.begin(), present.end(), 0) != present.end()) {
+      fail("reconfigure: layer ", l, " has experts in no slot at all (the members' reports "
+           "are inconsistent)");
+    }
+  }
+  phy2log_ = std::move(phy2log);
+  usable_ = std::move(usable);
+  step_ = step;
+  next_index_ = next_index;
+  published_step_.store(step_, std::memory_order_release);
+  const Placement now = placement();
+  for (int64_t l = 0; l < layers_; ++l) tables_[l] = build_tables(now, l, false);
+  bool all_usable = true;
+  for (int64_t p = 0; p < layers_ * P; ++p) {
+    all_usable = all_usable && (usable_[p] || peer_of_seat_[(p % P) / spr] < 0);
+  }
+  // A repair when a member slot holds nothing, or the group is not what it was: the placement
+  // then follows the members (a smaller group is rebalanced over the survivors at once).
+  const bool any_joining =
+      std::any_of(heads.begin(), heads.end(), [](const Head& h) { return h.joining != 0; });
+  repair_pending_ = repair_pending_ || !all_usable || any_joining ||
+                    static_cast<int64_t>(members_.size()) < layout.ranks;
+}
+
+// ---------------------------------------------------------------- lost slots
+ElasticInputs Rebalancer::Impl::elastic_inputs() const {
+  ElasticInputs in;
+  in.repair = repair_pending_;
+  const bool all_members = static_cast<int64_t>(members_.size()) == config_.layout.ranks;
+  const bool all_usable =
+      std::all_of(usable_.begin(), usable_.end(), [](uint8_t u) { return u != 0; });
+  if (all_members && all_usable) return in;
+  in.members = members_;
+  in.usable = usable_;
+  in.loader = static_cast<bool>(config_.backup.loader);
+  in.backup_holders.resize(static_cast<size_t>(config_.layout.experts));
+  for (int32_t e = 0; e < config_.layout.experts; ++e) {
+    for (const int32_t seat : backup_.holders(e)) {
+      if (peer_of_seat_[seat] >= 0 && peer_backup_region_[seat] >= 0) {
+        in.backup_holders[e].push_back(seat);
+      }
+    }
+  }
+  return in;
+}
+
+void Rebalancer::Impl::mark_installed(int64_t layer) {
+  const int64_t P = config_.layout.physical;
+  const int64_t spr = config_.layout.slots_per_rank();
+  for (int64_t p = 0; p < P; ++p) usable_[layer * P + p] = peer_of_seat_[p / spr] >= 0;
+}
+
+void Rebalancer::Impl::wait_worker_idle() {
+  std::unique_lock<std::mutex> lock(worker_mu_);
+  worker_idle_cv_.wait(lock, [&] { return worker_queue_.empty() && !worker_busy_; });
+}
+
+std::vector<int32_t> Rebalancer::Impl::members() const { return members_; }
+
+std::vector<int32_t> Rebalancer::Impl::unavailable(int64_t layer) const {
+  EPLB_CHECK(layer >= 0 && layer < layers_, "unavailable: layer ", layer, " is outside [0, ",
+             layers_, ")");
+  return routing::unavailable_experts(tables_[layer]);
+}
+
+bool Rebalancer::Impl::any_unavailable() const {
+  for (const routing::DispatchTables& t : tables_) {
+    if (std::find(t.replica_count.begin(), t.replica_count.end(), 0) != t.replica_count.end()) {
+      return true;
+    }
+  }
+  return false;
+}
+
+// ---------------------------------------------------------------- backup
+std::vector<int32_t> Rebalancer::Impl::backup_experts() const {
+  return backup_.copies() > 0 ? backup_.experts_of(rank_) : std::vector<int32_t>{};
+}
+
+std::span<std::byte> Rebalancer::Impl::backup_weights(int64_t layer, int64_t tensor,
+                                                      int32_t expert) const {
+  EPLB_CHECK(backup_region_.bytes > 0,
+             "backup_weights: this rank keeps no backup copy (Config::backup.copies is 0, or "
+             "connect()/reconfigure() has not run yet)");
+  EPLB_CHECK(layer >= 0 && layer < layers_, "backup_weights: layer ", layer,
+             " is outside [0, ", layers_, ")");
+  EPLB_CHECK(tensor >= 0 && tensor < arena_.tensors(), "backup_weights: tensor ", tensor,
+             " is outside [0, ", arena_.tensors(), ")");
+  if (backup_.index(rank_, expert) < 0) {
+    fail("backup_weights: seat ", rank_, " keeps no copy of expert ", expert,
+         " (backup_experts() lists those it does)");
+  }
+  return {backup_region_.data + backup_.offset(rank_, layer, expert, tensor),
+          static_cast<size_t>(arena_.tensor_bytes(tensor))};
+}
+
+int64_t Rebalancer::Impl::backup_bytes() const {
+  return static_cast<int64_t>(backup_region_.bytes);
+}
+
+void Rebalancer::Impl::fill_backup(
+    const std::function<void(int64_t, int64_t, int32_t, std::span<std::byte>)>& fill) {
+  if (backup_.copies() == 0) return;
+  for (int64_t l = 0; l < layers_; ++l) {
+    for (const int32_t e : backup_.experts_of(rank_)) {
+      for (int64_t t = 0; t < arena_.tensors(); ++t) fill(l, t, e, backup_weights(l, t, e));
+    }
+  }
+  backup_filled_.store(true, std::memory_order_release);
+}
+
+}  // namespace eplb::runtime

@@ -75,6 +75,8 @@ nlohmann::json to_json(const emu::RunOptions& o, const emu::RunResult& r) {
                           {"bytes_moved", f.bytes_moved},
                           {"bytes_local_copy", f.bytes_local_copy},
                           {"bytes_installed", f.bytes_installed},
+                          {"bytes_restored", f.bytes_restored},
+                          {"repair", f.repair},
                           {"stall_total_ms", f.stall_total_ms},
                           {"stall_max_ms", f.stall_max_ms},
                           {"predicted_balancedness_before", f.predicted_before},
@@ -116,6 +118,11 @@ nlohmann::json to_json(const emu::RunOptions& o, const emu::RunResult& r) {
           {"verified", r.verified},
           {"outputs", r.outputs},
           {"bytes_held_per_rank", r.bytes_held},
+          {"kills", r.kills},
+          {"rejoins", r.rejoins},
+          {"unavailable_steps", r.unavailable_steps},
+          {"no_service_steps", r.no_service_steps},
+          {"restored_bytes", r.restored_bytes},
           {"wall_s", r.wall_s},
           {"per_rebalance", rebalances},
           {"per_step",
@@ -127,7 +134,7 @@ nlohmann::json to_json(const emu::RunOptions& o, const emu::RunResult& r) {
 
 void print_header(const RunArgs& a, const emu::Workload& w) {
   const emu::RunOptions& o = a.options;
-  const int64_t redundant = o.redundant_slots();
+  const int64_t redundant = o.redundant_slots(w.experts);
   const std::string backend = o.transport_backend();
   const std::string transport =
       backend == "hybrid" ? "hybrid: shm within a node, UCX over TCP across" : backend;
@@ -162,6 +169,14 @@ void print_result(const emu::RunOptions& o, const emu::RunResult& r) {
              human_bytes(static_cast<double>(r.bytes_local_copy)));
   fmt::print("  {:<14}max step {:.3f} ms, total {:.3f} ms (forward thread, in step_end)\n", "stall",
              r.stall_max_ms, r.stall_total_ms);
+  if (o.elastic()) {
+    fmt::print("  {:<14}{} rank lost at step {}, {} taken back{}; {} steps with some expert "
+               "unavailable, {} with no service; {} restored from the backup\n",
+               "elastic", r.kills, o.kill_at_step, r.rejoins,
+               o.rejoin_at_step >= 0 ? fmt::format(" at step {}", o.rejoin_at_step) : "",
+               r.unavailable_steps, r.no_service_steps,
+               human_bytes(static_cast<double>(r.restored_bytes)));
+  }
   fmt::print("  {:<14}{} of {} expert outputs checked bit for bit, {} mismatches\n", "verified",
              r.verified, r.outputs, r.mismatches);
   fmt::print("  {:<14}{:.1f} s\n", "wall time", r.wall_s);
@@ -323,6 +338,9 @@ void run(RunArgs a) {
   }
 
   o.progress = !a.json && ::isatty(STDOUT_FILENO) != 0;
+  if (a.compare && o.elastic()) {
+    fail("--kill-rank runs one mode: drop --compare (or run each mode with --mode)");
+  }
   std::vector<std::string> modes = {o.mode};
   if (a.compare) modes = {"off", "sync", "async"};
   o.validate(workload);
@@ -437,6 +455,19 @@ void add_run(CLI::App& app) {
                   "allocates them)")
       ->capture_default_str();
   cmd->add_option("--timeout-ms", o.timeout_ms, "Every collective and every batch of reads")
+      ->capture_default_str();
+  cmd->add_option("--kill-rank", o.kill_rank,
+                  "Elastic serving: this rank's process kills itself at --at-step; the others "
+                  "reconfigure, shrink, restore its experts and keep serving")
+      ->capture_default_str();
+  cmd->add_option("--at-step", o.kill_at_step, "The step --kill-rank ends its process at")
+      ->capture_default_str();
+  cmd->add_option("--rejoin-at-step", o.rejoin_at_step,
+                  "With --kill-rank: a new process takes the rank back at this step")
+      ->capture_default_str();
+  cmd->add_option("--backup-copies", o.backup_copies,
+                  "Host copies of every expert kept across the ranks (-1: 2 with --kill-rank, "
+                  "else 0)")
       ->capture_default_str();
   cmd->add_flag("--compare", a->compare,
                 "Run EPLB off, sync and async on the same workload, side by side (at the same "

@@ -19,10 +19,12 @@
 #include <memory>
 #include <new>
 #include <nlohmann/json.hpp>
+#include <map>
 #include <optional>
 #include <sstream>
 
 #include "emu/live_metrics.h"
+#include "emu/serve.h"
 #include "eplb/control/communicator.h"
 #include "eplb/control/launch.h"
 #include "eplb/core/error.h"
@@ -65,7 +67,7 @@ bool verified_token(int64_t verify_every, int64_t step, int64_t token) {
 }
 
 int64_t physical_of(const RunOptions& options, const Workload& workload) {
-  return workload.experts + options.redundant_slots();
+  return workload.experts + options.redundant_slots(workload.experts);
 }
 
 runtime::Config make_config(const RunOptions& options, const Workload& workload) {
@@ -89,6 +91,13 @@ runtime::Config make_config(const RunOptions& options, const Workload& workload)
   config.balancedness_period = std::max<int64_t>(options.interval, 1);
   config.metric_labels = {{"mode", options.mode}};
   config.registry = options.registry;
+  config.backup.copies = options.backup_copies_resolved();
+  if (options.elastic()) {
+    config.backup.loader = [shape = options.shape](int64_t layer, int64_t tensor, int32_t expert,
+                                                   std::span<std::byte> bytes) {
+      generate_weights_bytes(shape, layer, expert, static_cast<Tensor>(tensor), bytes);
+    };
+  }
   return config;
 }
 
@@ -100,6 +109,15 @@ struct Pending {
 };
 
 }  // namespace
+
+int64_t RunOptions::redundant_slots(int64_t experts) const {
+  if (redundant >= 0) return redundant;
+  if (!elastic() || ranks < 2) return ranks;
+  // The fewest slots per rank with which ranks - 1 of them hold every expert.
+  const int64_t per_rank = std::max<int64_t>((experts + ranks - 2) / (ranks - 1),
+                                             (experts + ranks) / ranks);
+  return std::max<int64_t>(per_rank * ranks - experts, ranks);
+}
 
 void RunOptions::validate(const Workload& workload) const {
   if (ranks < 1 || ranks > kMaxRanks) fail("--ranks ", ranks, " is outside [1, ", kMaxRanks, "]");
@@ -134,9 +152,9 @@ void RunOptions::validate(const Workload& workload) const {
   }
   placement::parse_policy(policy);
   routing::parse_dispatch_policy(dispatch);
-  const int64_t physical = workload.experts + redundant_slots();
+  const int64_t physical = workload.experts + redundant_slots(workload.experts);
   if (physical % ranks != 0) {
-    fail("--redundant ", redundant_slots(), " gives ", physical, " physical slots (",
+    fail("--redundant ", redundant_slots(workload.experts), " gives ", physical, " physical slots (",
          workload.experts, " experts + redundant), not a multiple of --ranks ", ranks,
          " (physical slots must divide evenly)");
   }
@@ -157,6 +175,39 @@ void RunOptions::validate(const Workload& workload) const {
          " needs the hybrid transport (shm within a node, UCX across), "
          "which this build lacks: it needs UCX (use --nodes 1)");
   }
+  if (kill_rank < -1 || kill_rank >= ranks) {
+    fail("--kill-rank ", kill_rank, " is outside [0, ", ranks, ") (a rank of this run)");
+  }
+  if (elastic()) {
+    if (ranks < 2) fail("--kill-rank needs at least 2 ranks (one must survive)");
+    if (kill_at_step < 1 || kill_at_step >= steps) {
+      fail("--at-step ", kill_at_step, " must be in [1, ", steps, ") (a step of the run after the "
+           "first; set it with --kill-rank)");
+    }
+    if (rejoin_at_step != -1 && (rejoin_at_step <= kill_at_step || rejoin_at_step >= steps)) {
+      fail("--rejoin-at-step ", rejoin_at_step, " must be in (", kill_at_step, ", ", steps,
+           ") (after the kill, before the last step)");
+    }
+    if (rejoin_at_step != -1 && dispatch == "random") {
+      fail("--dispatch random with --rejoin-at-step: every rank replays every sender's random "
+           "stream, which a new process cannot know; choose another dispatch");
+    }
+    const int64_t spr = physical / ranks;
+    if ((ranks - 1) * spr < workload.experts) {
+      fail("--redundant ", redundant_slots(workload.experts), " leaves ", (ranks - 1) * spr,
+           " slots on the ", ranks - 1, " ranks left after --kill-rank, fewer than the ",
+           workload.experts, " experts: raise --redundant (or leave it at -1)");
+    }
+    if (nodes > 1) fail("--kill-rank runs on one node (--nodes 1)");
+    if (transport_backend() != "shm") {
+      fail("--kill-rank needs the shm transport (--transport auto or shm)");
+    }
+  } else if (kill_at_step != -1 || rejoin_at_step != -1) {
+    fail("--at-step and --rejoin-at-step need --kill-rank");
+  }
+  if (backup_copies < -1 || backup_copies > ranks) {
+    fail("--backup-copies ", backup_copies, " is outside [0, ", ranks, "] (-1: 2 with --kill-rank)");
+  }
   make_config(*this, workload).validate();
   check_window_fits(workload, 1);
 }
@@ -174,10 +225,32 @@ void RunOptions::check_window_fits(const Workload& workload, int64_t local_ranks
       "lower --window");
 }
 
+std::unique_ptr<transport::Transport> make_transport(const RunOptions& options, int rank, int seat) {
+  const std::string name = options.transport_backend();
+  // Emulated nodes: reads across them go over TCP, as between machines, unless the caller chose
+  // UCX's transports; reads within one (hybrid) stay in shared memory.
+  if ((name == "ucx" || name == "hybrid") && options.nodes > 1) ::setenv("UCX_TLS", "tcp", 0);
+  const int ranks_per_node = options.ranks / std::max(options.nodes, 1);
+  return transport::create(
+      name, transport::Options{.rank = rank,
+                               .node = "emulated-node-" + std::to_string(seat / ranks_per_node)});
+}
+
 std::string run_rank(const RunOptions& options, const Workload& workload,
                      control::Communicator& communicator, control::Communicator& lockstep,
                      transport::Transport& transport, const std::atomic<int>* stop) {
-  const int me = communicator.rank();
+  Group group;
+  group.communicator = &communicator;
+  group.lockstep = &lockstep;
+  group.transport = &transport;
+  for (int g = 0; g < communicator.size(); ++g) group.seats.push_back(g);
+  return serve(options, workload, std::move(group), nullptr, stop);
+}
+
+std::string serve(const RunOptions& options, const Workload& workload, Group group,
+                  const ElasticContext* elastic, const std::atomic<int>* stop) {
+  const int me = elastic != nullptr ? elastic->seat : group.communicator->rank();
+  const bool joining = elastic != nullptr && elastic->joining;
   const int64_t G = options.ranks;
   const int64_t T = options.tokens_per_rank;
   const int64_t L = workload.layers;
@@ -200,9 +273,27 @@ std::string run_rank(const RunOptions& options, const Workload& workload,
       }
     }
   }
-  runtime::Rebalancer rb(config, communicator, transport, spec,
-                         trivial_placement(L, workload.experts, config.layout.physical));
-  const int64_t bytes_held = rb.connect();
+  // A joining process (a new one in a lost seat) has no group and no weights yet: it waits for
+  // the group that lists its seat, enters through reconfigure(), and its slots are filled by the
+  // repair rebalance that follows.
+  std::unique_ptr<runtime::Rebalancer> rebalancer =
+      joining ? std::make_unique<runtime::Rebalancer>(config, spec, me)
+              : std::make_unique<runtime::Rebalancer>(
+                    config, *group.communicator, *group.transport, spec,
+                    trivial_placement(L, workload.experts, config.layout.physical));
+  runtime::Rebalancer& rb = *rebalancer;
+  if (joining) {
+    elastic->board->set_ready(me, true);
+    control::MembershipBoard::View view = elastic->board->view();
+    while (!view.has(me)) {
+      view = elastic->board->wait_newer(view.epoch, std::chrono::milliseconds(options.timeout_ms));
+    }
+    group = connect_group(options, elastic->rendezvous, view, me);
+    rb.reconfigure(*group.communicator, *group.transport, runtime::Membership{view.seats});
+  } else {
+    rb.connect();
+  }
+  const int64_t bytes_held = rb.bytes_held();
   // --metrics-port: a forked rank's families go to the launcher through a file; a launched
   // rank serves its own.
   std::optional<SnapshotWriter> snapshots;
@@ -210,10 +301,12 @@ std::string run_rank(const RunOptions& options, const Workload& workload,
     snapshots.emplace(snapshot_path(options.live_metrics_dir, me), std::chrono::milliseconds(500));
   }
 
-  runtime::fill_weights(
-      rb, [&](int64_t layer, int64_t tensor, int32_t expert, std::span<std::byte> bytes) {
-        generate_weights_bytes(shape, layer, expert, static_cast<Tensor>(tensor), bytes);
-      });
+  const auto generate = [&](int64_t layer, int64_t tensor, int32_t expert,
+                            std::span<std::byte> bytes) {
+    generate_weights_bytes(shape, layer, expert, static_cast<Tensor>(tensor), bytes);
+  };
+  if (!joining) runtime::fill_weights(rb, generate);
+  rb.fill_backup(generate);
 
   // Every rank replays every sender's replica choice, so each sender has its random stream here.
   std::vector<uint64_t> random_state(static_cast<size_t>(G));
@@ -248,8 +341,43 @@ std::string run_rank(const RunOptions& options, const Workload& workload,
   bool interrupted = false;
   const bool progress = options.progress && me == 0;
 
-  int64_t step = 0;
-  for (; step < options.steps; ++step) {
+  // Elastic runs: steps whose tokens some expert could not serve (every replica lost), steps
+  // served again after a lost rank ended them, and this process's first step (a joining one
+  // starts at the group's step).
+  std::vector<uint8_t> unavailable_at;
+  int64_t no_service_steps = 0;
+  int64_t step = rb.step();
+  const int64_t first_step = step;
+  // Moves this process onto the group of `view`: new communicators and transport, then
+  // reconfigure(); the old group's objects go only after that.
+  const auto regroup = [&](const control::MembershipBoard::View& view) {
+    Group next = connect_group(options, elastic->rendezvous, view, me);
+    rb.reconfigure(*next.communicator, *next.transport, runtime::Membership{view.seats});
+    group = std::move(next);
+  };
+  while (step < options.steps) {
+    if (elastic != nullptr) {
+      // --kill-rank: this seat's first process ends itself here, as a lost GPU would.
+      if (!joining && me == options.kill_rank && step == options.kill_at_step) {
+        std::fflush(stdout);
+        std::fflush(stderr);
+        ::kill(::getpid(), SIGKILL);
+      }
+      // --rejoin-at-step: once the new process is up, the members add its seat together.
+      if (step == options.rejoin_at_step &&
+          std::find(group.seats.begin(), group.seats.end(), options.kill_rank) ==
+              group.seats.end()) {
+        const auto timeout = std::chrono::milliseconds(options.timeout_ms);
+        elastic->board->wait_ready(options.kill_rank, timeout);
+        elastic->board->add(options.kill_rank, group.epoch);
+        control::MembershipBoard::View view = elastic->board->view();
+        if (view.epoch <= group.epoch) view = elastic->board->wait_newer(group.epoch, timeout);
+        regroup(view);
+      }
+    }
+    const std::vector<int32_t>& seats = group.seats;  // the senders of this step
+    const auto senders = static_cast<int64_t>(seats.size());
+    const bool some_unavailable = rb.any_unavailable();
     // This thread's CPU time in each layer's expert compute, and the wall time it took, in ns:
     // [0] the stop flag, then [1 + l] CPU and [1 + L + l] wall, maxed over the ranks below.
     std::fill(step_max.begin(), step_max.end(), 0);
@@ -261,23 +389,25 @@ std::string run_rank(const RunOptions& options, const Workload& workload,
       // it, and each sender's tokens follow those of the lower ranks (`prefix`).
       const routing::DispatchTables& tables = rb.dispatch(l);
       std::fill(rank_load.begin(), rank_load.end(), 0);
-      for (int64_t g = 0; g < G; ++g) {
-        const int64_t first = (step * G + g) * T;
+      for (int64_t i = 0; i < senders; ++i) {
+        const int64_t first = (step * G + seats[i]) * T;
         for (int64_t t = 0; t < T; ++t) {
           const auto e = workload.experts_of(l, first + t);
-          std::copy(e.begin(), e.end(), experts.begin() + (g * T + t) * k);
+          std::copy(e.begin(), e.end(), experts.begin() + (i * T + t) * k);
         }
       }
+      const std::span<const int32_t> sent{experts.data(), static_cast<size_t>(senders * T * k)};
       if (adaptive) {
         std::fill(global_counts.begin(), global_counts.end(), 0);
-        routing::count_experts(experts, workload.experts, global_counts);
+        routing::count_experts(sent, workload.experts, global_counts);
         routing::adaptive_shares(tables, global_counts, shares);
         std::fill(prefix.begin(), prefix.end(), 0);
       }
-      for (int64_t g = 0; g < G; ++g) {
+      for (int64_t i = 0; i < senders; ++i) {
+        const int64_t g = seats[i];
         const int64_t first = (step * G + g) * T;
-        std::span<const int32_t> in{experts.data() + g * T * k, static_cast<size_t>(T * k)};
-        std::span<int32_t> out{slots.data() + g * T * k, static_cast<size_t>(T * k)};
+        std::span<const int32_t> in{experts.data() + i * T * k, static_cast<size_t>(T * k)};
+        std::span<int32_t> out{slots.data() + i * T * k, static_cast<size_t>(T * k)};
         if (adaptive) {
           routing::route_adaptive(tables, shares, prefix, in, k, out);
           routing::count_experts(in, workload.experts, prefix);
@@ -286,7 +416,10 @@ std::string run_rank(const RunOptions& options, const Workload& workload,
                          random_state[g]);
         }
         if (g == me) rb.record(l, in);
-        for (const int32_t s : out) ++rank_load[s / spr];
+        // -1: every replica of the expert is lost; the token goes without it.
+        for (const int32_t slot : out) {
+          if (slot >= 0) ++rank_load[slot / spr];
+        }
       }
       const int64_t max_load = *std::max_element(rank_load.begin(), rank_load.end());
       sum_mean += static_cast<double>(T * k);  // G*T*k assignments over G ranks
@@ -300,15 +433,15 @@ std::string run_rank(const RunOptions& options, const Workload& workload,
       outputs.clear();
       pending.clear();
       received.clear();
-      for (int64_t i = 0; i < G * T * k; ++i) {
-        if (slots[i] / spr == me) received.push_back({slots[i] % spr, i});
+      for (int64_t i = 0; i < senders * T * k; ++i) {
+        if (slots[i] >= 0 && slots[i] / spr == me) received.push_back({slots[i] % spr, i});
       }
       std::stable_sort(received.begin(), received.end(),
                        [](const Received& a, const Received& b) { return a.local < b.local; });
       const auto start = Clock::now();
       const double cpu_start = thread_cpu_ms();
       for (const Received& r : received) {
-        const int64_t g = r.entry / (T * k), t = (r.entry / k) % T, j = r.entry % k;
+        const int64_t g = seats[r.entry / (T * k)], t = (r.entry / k) % T, j = r.entry % k;
         const int64_t token = (step * G + g) * T + t;
         generate_activation(shape.hidden, step, token, l, x);
         expert_forward(shape, gate_up + r.local * shape.gate_up_floats(),
@@ -348,14 +481,25 @@ std::string run_rank(const RunOptions& options, const Workload& workload,
         }
       }
     }
-    balancedness.push_back(sum_max > 0 ? sum_mean / sum_max : 1.0);
+    const double step_balancedness = sum_max > 0 ? sum_mean / sum_max : 1.0;
 
     // Step 4: the all-to-alls that keep expert-parallel ranks in step, carrying the stop flag
     // so that every rank stops at the same step, and each layer's compute times: every layer
     // waits for its busiest rank, so a step's MoE time is the sum over the layers of the
     // slowest rank's time in each (what the balancedness measures, in time).
     step_max[0] = stop != nullptr && stop->load() != 0 ? 1 : 0;
-    lockstep.all_reduce(step_max, control::ReduceOp::kMax);
+    try {
+      group.lockstep->all_reduce(step_max, control::ReduceOp::kMax);
+    } catch (const Error&) {
+      // A rank is gone (elastic runs): this step served nobody. The survivors form the group the
+      // board names next, reconfigure, and serve the step again.
+      if (elastic == nullptr) throw;
+      ++no_service_steps;
+      regroup(elastic->board->wait_newer(group.epoch, std::chrono::milliseconds(options.timeout_ms)));
+      continue;
+    }
+    balancedness.push_back(step_balancedness);
+    unavailable_at.push_back(some_unavailable ? 1 : 0);
     double cpu_ns = 0, wall_ns = 0;
     for (int64_t l = 0; l < L; ++l) {
       cpu_ns += static_cast<double>(step_max[1 + l]);
@@ -375,9 +519,9 @@ std::string run_rank(const RunOptions& options, const Workload& workload,
                  rb.history().size(), balancedness.back());
       std::fflush(stdout);
     }
+    ++step;
     if (step_max[0] != 0) {
       interrupted = true;
-      ++step;
       break;
     }
   }
@@ -398,12 +542,19 @@ std::string run_rank(const RunOptions& options, const Workload& workload,
                        {"bytes_inter_node", r.bytes_inter_node},
                        {"bytes_local_copy", r.bytes_local_copy},
                        {"bytes_installed", r.bytes_installed},
+                       {"bytes_restored", r.bytes_restored},
+                       {"repair", r.repair},
+                       {"index", r.index},
                        {"stall_total_ms", r.stall_total_ms},
                        {"stall_max_ms", r.stall_max_ms},
                        {"balancedness_before", r.balancedness_before},
                        {"balancedness_after", r.balancedness_after}});
   }
   const json report = {{"rank", me},
+                       {"first_step", first_step},
+                       {"joined", joining},
+                       {"no_service_steps", no_service_steps},
+                       {"unavailable", unavailable_at},
                        {"steps", step},
                        {"interrupted", interrupted},
                        {"bytes_held", bytes_held},
@@ -420,333 +571,6 @@ std::string run_rank(const RunOptions& options, const Workload& workload,
                        {"metrics", json::parse(runtime::families_to_json(rb.collect_metrics()))}};
   if (snapshots) write_snapshot(rb, snapshot_path(options.live_metrics_dir, me));
   return report.dump();
-}
-
-namespace {
-
-// Mean of values[first, last); 0 for an empty range.
-double mean_of(const std::vector<StepFigures>& steps, int64_t first, int64_t last,
-               double StepFigures::*field) {
-  if (last <= first) return 0;
-  double sum = 0;
-  for (int64_t s = first; s < last; ++s) sum += steps[s].*field;
-  return sum / static_cast<double>(last - first);
-}
-
-}  // namespace
-
-RunResult merge_reports(const RunOptions& options, const Workload& workload,
-                        const std::vector<std::string>& reports) {
-  EPLB_CHECK_EQ(static_cast<int64_t>(reports.size()), static_cast<int64_t>(options.ranks),
-                "rank reports");
-  std::vector<json> r;
-  for (const std::string& text : reports) r.push_back(json::parse(text));
-  RunResult result;
-  result.mode = options.mode;
-  result.steps = r[0]["steps"].get<int64_t>();
-  result.interrupted = r[0]["interrupted"].get<bool>();
-  result.bytes_held = r[0]["bytes_held"].get<int64_t>();
-  std::vector<std::vector<prometheus::MetricFamily>> metrics;
-  for (const json& rank : r) metrics.push_back(runtime::families_from_json(rank["metrics"].dump()));
-  result.metrics = runtime::families_to_json(runtime::merge_families(metrics));
-  result.per_step.resize(static_cast<size_t>(result.steps));
-  for (int64_t s = 0; s < result.steps; ++s) {
-    StepFigures& f = result.per_step[s];
-    f.balancedness = r[0]["balancedness"][s].get<double>();
-    f.installs = r[0]["installs"][s].get<int64_t>();
-    for (const json& rank : r) {
-      f.moe_ms = std::max(f.moe_ms, rank["moe_ms"][s].get<double>());
-      f.moe_wall_ms = std::max(f.moe_wall_ms, rank["moe_wall_ms"][s].get<double>());
-      f.stall_ms = std::max(f.stall_ms, rank["stall_ms"][s].get<double>());
-    }
-  }
-  for (const json& rank : r) {
-    result.mismatches += rank["mismatches"].get<int64_t>();
-    result.verified += rank["verified"].get<int64_t>();
-    result.outputs += rank["computed"].get<int64_t>();
-  }
-  const json& history = r[0]["history"];
-  for (size_t i = 0; i < history.size(); ++i) {
-    const json& h = history[i];
-    RebalanceFigures f;
-    f.trigger_step = h["trigger_step"].get<int64_t>();
-    f.end_step = h["end_step"].get<int64_t>();
-    f.outcome = h["outcome"].get<std::string>();
-    f.error = h["error"].get<std::string>();
-    f.slots_moved = h["slots_moved"].get<int64_t>();
-    f.bytes_moved = h["bytes_intra_node"].get<int64_t>() + h["bytes_inter_node"].get<int64_t>();
-    f.bytes_local_copy = h["bytes_local_copy"].get<int64_t>();
-    f.predicted_before = h["balancedness_before"].get<double>();
-    f.predicted_after = h["balancedness_after"].get<double>();
-    for (const json& rank : r) {
-      if (i >= rank["history"].size()) continue;
-      f.bytes_installed += rank["history"][i]["bytes_installed"].get<int64_t>();
-      f.stall_total_ms =
-          std::max(f.stall_total_ms, rank["history"][i]["stall_total_ms"].get<double>());
-      f.stall_max_ms = std::max(f.stall_max_ms, rank["history"][i]["stall_max_ms"].get<double>());
-    }
-    ++result.rebalances_triggered;
-    if (f.outcome == "completed") {
-      ++result.rebalances;
-      result.bytes_moved += f.bytes_moved;
-      result.bytes_local_copy += f.bytes_local_copy;
-      result.bytes_installed += f.bytes_installed;
-    }
-    result.stall_total_ms += f.stall_total_ms;
-    result.stall_max_ms = std::max(result.stall_max_ms, f.stall_max_ms);
-    result.per_rebalance.push_back(f);
-  }
-
-  // "Before": the steps ahead of the first trigger; "after": the steps after the first completed
-  // rebalance ended. Both are cut to whole periods of the workload (each period replays the same
-  // tokens), so they score the same traffic; without a rebalance (EPLB off) the same split is
-  // made at the first step that would have triggered one.
-  const int64_t period = workload.period(options.ranks, options.tokens_per_rank);
-  int64_t split_before = std::min(options.interval, result.steps);
-  int64_t split_after = split_before;
-  if (!result.per_rebalance.empty()) split_before = result.per_rebalance[0].trigger_step;
-  for (const RebalanceFigures& f : result.per_rebalance) {
-    if (f.outcome == "completed") {
-      split_after = std::min(f.end_step, result.steps);
-      break;
-    }
-  }
-  result.before_first = 0;
-  result.before_last = split_before >= period ? split_before / period * period : split_before;
-  result.after_last = result.steps;
-  const int64_t after_len = result.steps - split_after;
-  result.after_first =
-      after_len >= period ? result.steps - after_len / period * period : split_after;
-  result.balancedness_before =
-      mean_of(result.per_step, result.before_first, result.before_last, &StepFigures::balancedness);
-  result.balancedness_after =
-      mean_of(result.per_step, result.after_first, result.after_last, &StepFigures::balancedness);
-  result.moe_ms_before =
-      mean_of(result.per_step, result.before_first, result.before_last, &StepFigures::moe_ms);
-  result.moe_ms_after =
-      mean_of(result.per_step, result.after_first, result.after_last, &StepFigures::moe_ms);
-  result.moe_wall_ms_before =
-      mean_of(result.per_step, result.before_first, result.before_last, &StepFigures::moe_wall_ms);
-  result.moe_wall_ms_after =
-      mean_of(result.per_step, result.after_first, result.after_last, &StepFigures::moe_wall_ms);
-  return result;
-}
-
-namespace {
-
-std::atomic<int>* g_stop = nullptr;  // shared with the ranks (MAP_SHARED), set by the handler
-
-// A Ctrl-C at a terminal reaches the launcher and every rank at once: each process takes its
-// first signal as "stop at the next step" (the flag is shared), and only a second one to the
-// same process as "stop now" (forked ranks die with the launcher).
-volatile sig_atomic_t g_stop_signals = 0;  // this process's
-
-void on_stop_signal(int signal) {
-  if (g_stop == nullptr) return;
-  const int seen = g_stop_signals;
-  g_stop_signals = seen + 1;
-  if (seen > 0) {
-    ::signal(signal, SIG_DFL);
-    ::raise(signal);
-    return;
-  }
-  g_stop->store(1);
-}
-
-std::unique_ptr<transport::Transport> make_transport(const RunOptions& options, int rank) {
-  const std::string name = options.transport_backend();
-  // Emulated nodes: reads across them go over TCP, as between machines, unless the caller chose
-  // UCX's transports; reads within one (hybrid) stay in shared memory.
-  if ((name == "ucx" || name == "hybrid") && options.nodes > 1) ::setenv("UCX_TLS", "tcp", 0);
-  const int ranks_per_node = options.ranks / std::max(options.nodes, 1);
-  return transport::create(
-      name, transport::Options{.rank = rank,
-                               .node = "emulated-node-" + std::to_string(rank / ranks_per_node)});
-}
-
-std::string describe_failures(const std::vector<control::RankExit>& exits) {
-  // The ranks that died or stopped on their own first, then those that failed with an error
-  // (each distinct message once), then the ones that ended because of them.
-  std::string died, others;
-  std::vector<std::pair<std::string, std::vector<int>>> errors;  // message, ranks
-  for (const control::RankExit& e : exits) {
-    if (e.ok()) continue;
-    const bool own = e.stopped || (!e.killed_by_launcher && e.signal != 0 && e.signal != SIGINT);
-    if (!own && !e.error.empty()) {
-      auto same = std::find_if(errors.begin(), errors.end(),
-                               [&](const auto& m) { return m.first == e.error; });
-      if (same == errors.end()) {
-        errors.push_back({e.error, {e.rank}});
-      } else {
-        same->second.push_back(e.rank);
-      }
-      continue;
-    }
-    (own ? died : others) += ((own ? died : others).empty() ? "" : "; ") + e.describe();
-  }
-  std::string failed;
-  for (const auto& [message, ranks] : errors) {
-    std::string who = ranks.size() == 1 ? fmt::format("rank {}", ranks[0]) : "ranks ";
-    for (size_t i = 0; ranks.size() > 1 && i < ranks.size(); ++i) {
-      if (i == 3 && ranks.size() > 4) {
-        who += fmt::format(" and {} more", ranks.size() - 3);
-        break;
-      }
-      who += fmt::format("{}{}", i == 0 ? "" : ", ", ranks[i]);
-    }
-    failed += fmt::format("{}{} failed: {}", failed.empty() ? "" : "; ", who, message);
-  }
-  if (!died.empty()) {
-    std::string then = failed;
-    if (!others.empty()) then += (then.empty() ? "" : "; ") + others;
-    const bool stopped = died.find("stopped (") != std::string::npos;
-    return fmt::format("{}{}; the run stopped{}", died, stopped ? "" : " died",
-                       then.empty() ? "" : " (then: " + then + ")");
-  }
-  if (!failed.empty()) return failed + (others.empty() ? "" : " (then: " + others + ")");
-  return "ranks failed: " + others;
-}
-
-}  // namespace
-
-RunResult run_local(const RunOptions& options, const Workload& workload) {
-  options.validate(workload);
-  if (options.ranks > control::max_local_ranks()) {
-    fail("--ranks ", options.ranks, " is more rank processes than this machine takes: at most ",
-         control::max_local_ranks(), " (", control::kMaxLocalRanks,
-         ", fewer where the memory available or the process limit, ulimit -u, leave less room)");
-  }
-  options.check_window_fits(workload, options.ranks);
-  const control::ScratchFolder scratch("eplb-run");
-  const std::string& dir = scratch.path();
-
-  // --metrics-port: the ranks write their families into the scratch folder, a server process
-  // of its own serves them merged (live_metrics.h). Listening before the ranks fork (and
-  // before the signal handlers): a port in use fails the run at once.
-  RunOptions rank_options = options;
-  std::unique_ptr<MetricsServerProcess> server;
-  if (options.metrics_port > 0) {
-    rank_options.live_metrics_dir = dir;
-    server = std::make_unique<MetricsServerProcess>(options.metrics_port, dir, options.ranks);
-  }
-
-  // The stop flag lives in shared memory: a signal to the launcher or to any rank reaches all.
-  void* shared = ::mmap(nullptr, sizeof(std::atomic<int>), PROT_READ | PROT_WRITE,
-                        MAP_SHARED | MAP_ANONYMOUS, -1, 0);
-  if (shared == MAP_FAILED) fail<IoError>("mmap of the stop flag failed: ", std::strerror(errno));
-  auto* stop = new (shared) std::atomic<int>(0);
-  g_stop = stop;
-  g_stop_signals = 0;
-  struct sigaction action {};
-  action.sa_handler = on_stop_signal;
-  sigemptyset(&action.sa_mask);
-  struct sigaction old_int {
-  }, old_term{};
-  ::sigaction(SIGINT, &action, &old_int);
-  ::sigaction(SIGTERM, &action, &old_term);
-
-  const std::string rendezvous = fmt::format("eplb-run-{}-{}-{}", ::getpid(), options.mode,
-                                             Clock::now().time_since_epoch().count() % 1000000);
-  control::ForkOptions fork_options;
-  fork_options.timeout = std::chrono::hours(24);  // collectives time out on their own
-  fork_options.grace = std::chrono::milliseconds(options.timeout_ms) + std::chrono::seconds(5);
-  const auto start = Clock::now();
-  std::vector<control::RankExit> exits;
-  try {
-    exits = control::fork_ranks(
-        options.ranks,
-        [&](int rank) {
-          control::Options o;
-          o.rank = rank;
-          o.size = options.ranks;
-          o.rendezvous = rendezvous;
-          o.timeout = std::chrono::milliseconds(options.timeout_ms);
-          auto communicator = control::connect("shm", o);
-          o.rendezvous = rendezvous + "-lockstep";
-          o.group = "lockstep";
-          auto lockstep = control::connect("shm", o);
-          auto transport = make_transport(options, rank);
-          const std::string report =
-              run_rank(rank_options, workload, *communicator, *lockstep, *transport, stop);
-          std::ofstream(fmt::format("{}/rank{}.json", dir, rank)) << report;
-          return 0;
-        },
-        fork_options);
-  } catch (...) {
-    ::sigaction(SIGINT, &old_int, nullptr);
-    ::sigaction(SIGTERM, &old_term, nullptr);
-    g_stop = nullptr;
-    throw;
-  }
-  ::sigaction(SIGINT, &old_int, nullptr);
-  ::sigaction(SIGTERM, &old_term, nullptr);
-  g_stop = nullptr;
-  const bool stopped = stop->load() != 0;
-  ::munmap(shared, sizeof(std::atomic<int>));
-
-  bool all_ok = true;
-  for (const control::RankExit& e : exits) all_ok = all_ok && e.ok();
-  if (!all_ok) {
-    fail<IoError>(describe_failures(exits), stopped ? " (after an interrupt)" : "");
-  }
-  std::vector<std::string> reports;
-  for (int rank = 0; rank < options.ranks; ++rank) {
-    reports.push_back(stats::read_file(fmt::format("{}/rank{}.json", dir, rank)));
-  }
-  RunResult result = merge_reports(options, workload, reports);
-  result.wall_s = std::chrono::duration<double>(Clock::now() - start).count();
-  return result;
-}
-
-RunResult run_from_env(RunOptions options, const Workload& workload) {
-  const std::optional<control::LaunchInfo> info = control::launch_info_from_env();
-  if (!info) {
-    fail(
-        "no launcher environment: set RANK and WORLD_SIZE (and EPLB_RENDEZVOUS), or start "
-        "under mpirun");
-  }
-  options.ranks = info->size;
-  if (info->local_size >= 1 && info->size % info->local_size == 0) {
-    options.nodes = info->size / info->local_size;
-  }
-  options.progress = options.progress && info->rank == 0;
-  options.validate(workload);
-  // --metrics-port: this rank serves its own registry, listening before the group forms, so
-  // a port in use fails this rank before its peers wait for it.
-  std::unique_ptr<MetricsServer> server;
-  if (options.metrics_port > 0) {
-    const int port = options.metrics_port + info->local_rank;
-    if (port > 65535) {
-      fail("--metrics-port ", options.metrics_port, " + local rank ", info->local_rank, " is ",
-           port, ", past the last port 65535 (each rank serves on PORT + its local rank)");
-    }
-    options.registry = std::make_shared<prometheus::Registry>();
-    server = std::make_unique<MetricsServer>(port, options.registry);
-  }
-  control::Options o;
-  o.rank = info->rank;
-  o.size = info->size;
-  o.rendezvous = info->rendezvous;
-  o.timeout = info->timeout;
-  const auto start = Clock::now();
-  auto communicator = control::connect(info->backend, o);
-  o.group = "lockstep";
-  auto lockstep = control::connect(info->backend, o);
-  // One process per rank across machines: shared memory with the ranks of this machine, UCX
-  // with the others.
-  options.transport = options.transport_backend(/*launched=*/true);
-  auto transport = transport::create(options.transport, transport::Options{.rank = info->rank});
-  const std::string report =
-      run_rank(options, workload, *communicator, *lockstep, *transport, nullptr);
-  const auto bytes = std::as_bytes(std::span(report.data(), report.size()));
-  const std::vector<control::Bytes> all = lockstep->all_gather(bytes);
-  std::vector<std::string> reports;
-  for (const control::Bytes& b : all) {
-    reports.emplace_back(reinterpret_cast<const char*>(b.data()), b.size());
-  }
-  RunResult result = merge_reports(options, workload, reports);
-  result.wall_s = std::chrono::duration<double>(Clock::now() - start).count();
-  return result;
 }
 
 }  // namespace eplb::emu

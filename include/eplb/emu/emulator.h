@@ -11,6 +11,7 @@
 // every step), so each knows which tokens its slots receive, and the global load of each step,
 // without moving activations.
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <functional>
@@ -73,11 +74,28 @@ struct RunOptions {
   // when this rank serves them.
   std::shared_ptr<prometheus::Registry> registry;
 
+  // Elastic serving (docs/elastic.md): the process in seat kill_rank kills itself (SIGKILL) at
+  // the start of step kill_at_step; the survivors form a new group, reconfigure, shrink and
+  // restore the lost experts; with rejoin_at_step a new process takes the seat back at that
+  // step. -1: none.
+  int kill_rank = -1;
+  int64_t kill_at_step = -1;
+  int64_t rejoin_at_step = -1;
+  // Host copies of every expert kept across the ranks (runtime::Backup::copies); -1: 2 in an
+  // elastic run, else 0. Elastic runs also have the loader (the weights' generator stands for
+  // the checkpoint).
+  int64_t backup_copies = -1;
+  bool elastic() const { return kill_rank >= 0; }
+  int64_t backup_copies_resolved() const {
+    return backup_copies >= 0 ? backup_copies : (elastic() ? std::min<int64_t>(2, ranks) : 0);
+  }
+
   void validate(const Workload& workload) const;  // InvalidArgument naming the option
   // InvalidArgument when `local_ranks` ranks' load windows would not fit in memory here.
   void check_window_fits(const Workload& workload, int64_t local_ranks) const;
-  // Redundant slots per layer, the -1 default resolved.
-  int64_t redundant_slots() const { return redundant < 0 ? ranks : redundant; }
+  // Redundant slots per layer, the -1 default resolved: one per rank; in an elastic run the
+  // fewest (at least one per rank) with which the ranks left after a loss hold every expert.
+  int64_t redundant_slots(int64_t experts) const;
 };
 
 // What one step looked like, merged over ranks.
@@ -90,6 +108,7 @@ struct StepFigures {
   double moe_wall_ms = 0;
   double stall_ms = 0;   // max over ranks of the time in step_end
   int64_t installs = 0;  // layers installed at this step's step_end
+  bool unavailable = false;  // some expert had no replica to serve it (elastic runs)
 };
 
 struct RebalanceFigures {
@@ -101,6 +120,8 @@ struct RebalanceFigures {
   int64_t bytes_moved = 0;  // remote reads, all ranks
   int64_t bytes_local_copy = 0;
   int64_t bytes_installed = 0;  // written into live weights by installs, all ranks
+  int64_t bytes_restored = 0;   // restored from a backup copy or the loader, all ranks
+  bool repair = false;          // started by a reconfigure (elastic runs)
   double stall_total_ms = 0;    // max over ranks
   double stall_max_ms = 0;      // max over ranks
   double predicted_before = 0;
@@ -130,6 +151,14 @@ struct RunResult {
   int64_t verified = 0;    // expert outputs checked
   int64_t outputs = 0;     // expert outputs computed
   int64_t bytes_held = 0;  // per rank
+  // Elastic runs: rank processes lost and taken back, steps during which some expert was
+  // unavailable, steps served again because a lost rank ended them (no service), and the bytes
+  // restored from the backup copies or the loader, all ranks.
+  int64_t kills = 0;
+  int64_t rejoins = 0;
+  int64_t unavailable_steps = 0;
+  int64_t no_service_steps = 0;
+  int64_t restored_bytes = 0;
   double wall_s = 0;
   // Every rank's metric families at the end, merged (runtime::families_to_json; every sample
   // has a rank and a mode label).
@@ -145,11 +174,14 @@ std::string run_rank(const RunOptions& options, const Workload& workload,
                      control::Communicator& communicator, control::Communicator& lockstep,
                      transport::Transport& transport, const std::atomic<int>* stop);
 
+// `reports`: one per rank process that finished, any order; in an elastic run a seat may have
+// two (its first process and the one that took it back) or none.
 RunResult merge_reports(const RunOptions& options, const Workload& workload,
                         const std::vector<std::string>& reports);
 
 // Runs the ranks as forked processes of this machine and merges their reports. A rank that
-// fails stops the run: IoError naming it. SIGINT/SIGTERM during the run stop every rank at the
+// fails stops the run: IoError naming it (in an elastic run, the process --kill-rank ends is
+// lost, not failed). SIGINT/SIGTERM during the run stop every rank at the
 // same step; the result then says interrupted.
 RunResult run_local(const RunOptions& options, const Workload& workload);
 

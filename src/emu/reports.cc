@@ -1,0 +1,190 @@
+// The ranks' reports of `eplb run` merged into one result.
+
+#include "eplb/emu/emulator.h"
+#include <fmt/core.h>
+#include <prometheus/metric_family.h>
+#include <prometheus/registry.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <time.h>
+#include <unistd.h>
+#include <algorithm>
+#include <array>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <new>
+#include <nlohmann/json.hpp>
+#include <map>
+#include <optional>
+#include <sstream>
+#include "emu/live_metrics.h"
+#include "emu/serve.h"
+#include "eplb/control/communicator.h"
+#include "eplb/control/launch.h"
+#include "eplb/core/error.h"
+#include "eplb/core/hash.h"
+#include "eplb/core/memory.h"
+#include "eplb/core/types.h"
+#include "eplb/placement/policy.h"
+#include "eplb/routing/dispatch.h"
+#include "eplb/runtime/metrics.h"
+#include "eplb/runtime/rebalancer.h"
+#include "eplb/stats/load_file.h"
+#include "eplb/stats/recorder.h"
+#include "eplb/transport/registry.h"
+#include "eplb/transport/transport.h"
+#include "emu/serve.h"
+
+namespace eplb::emu {
+
+using Clock = std::chrono::steady_clock;
+using nlohmann::json;
+
+namespace {
+
+// Mean of values[first, last); 0 for an empty range.
+double mean_of(const std::vector<StepFigures>& steps, int64_t first, int64_t last,
+               double StepFigures::*field) {
+  if (last <= first) return 0;
+  double sum = 0;
+  for (int64_t s = first; s < last; ++s) sum += steps[s].*field;
+  return sum / static_cast<double>(last - first);
+}
+
+}  // namespace
+
+RunResult merge_reports(const RunOptions& options, const Workload& workload,
+                        const std::vector<std::string>& reports) {
+  EPLB_CHECK(!reports.empty(), "merge_reports: no report");
+  std::vector<json> r;
+  for (const std::string& text : reports) r.push_back(json::parse(text));
+  const auto first_of = [&](const json& rank) { return rank.value("first_step", int64_t{0}); };
+  // The reference: the lowest seat that served from the first step (its per-step figures are
+  // those of every rank: same tables, same global loads).
+  size_t ref = r.size();
+  for (size_t i = 0; i < r.size(); ++i) {
+    if (first_of(r[i]) != 0) continue;
+    if (ref == r.size() || r[i]["rank"].get<int>() < r[ref]["rank"].get<int>()) ref = i;
+  }
+  EPLB_CHECK(ref < r.size(), "merge_reports: no rank served from the first step");
+  const json& reference = r[ref];
+  RunResult result;
+  result.mode = options.mode;
+  result.steps = reference["steps"].get<int64_t>();
+  result.interrupted = reference["interrupted"].get<bool>();
+  result.bytes_held = reference["bytes_held"].get<int64_t>();
+  result.no_service_steps = reference.value("no_service_steps", int64_t{0});
+  // Metrics: each seat's last process.
+  std::map<int, size_t> last_of_seat;
+  for (size_t i = 0; i < r.size(); ++i) {
+    const int seat = r[i]["rank"].get<int>();
+    const auto it = last_of_seat.find(seat);
+    if (it == last_of_seat.end() || first_of(r[i]) > first_of(r[it->second])) {
+      last_of_seat[seat] = i;
+    }
+  }
+  std::vector<std::vector<prometheus::MetricFamily>> metrics;
+  for (const auto& [seat, i] : last_of_seat) {
+    metrics.push_back(runtime::families_from_json(r[i]["metrics"].dump()));
+  }
+  result.metrics = runtime::families_to_json(runtime::merge_families(metrics));
+  result.per_step.resize(static_cast<size_t>(result.steps));
+  for (int64_t s = 0; s < result.steps; ++s) {
+    StepFigures& f = result.per_step[s];
+    f.balancedness = reference["balancedness"][s].get<double>();
+    f.installs = reference["installs"][s].get<int64_t>();
+    if (reference.contains("unavailable")) {
+      f.unavailable = reference["unavailable"][s].get<int>() != 0;
+    }
+    result.unavailable_steps += f.unavailable ? 1 : 0;
+    for (const json& rank : r) {
+      const int64_t i = s - first_of(rank);
+      if (i < 0 || i >= rank["steps"].get<int64_t>() - first_of(rank)) continue;
+      f.moe_ms = std::max(f.moe_ms, rank["moe_ms"][i].get<double>());
+      f.moe_wall_ms = std::max(f.moe_wall_ms, rank["moe_wall_ms"][i].get<double>());
+      f.stall_ms = std::max(f.stall_ms, rank["stall_ms"][i].get<double>());
+    }
+  }
+  for (const json& rank : r) {
+    result.mismatches += rank["mismatches"].get<int64_t>();
+    result.verified += rank["verified"].get<int64_t>();
+    result.outputs += rank["computed"].get<int64_t>();
+  }
+  const json& history = reference["history"];
+  for (size_t i = 0; i < history.size(); ++i) {
+    const json& h = history[i];
+    const int64_t index = h["index"].get<int64_t>();
+    RebalanceFigures f;
+    f.trigger_step = h["trigger_step"].get<int64_t>();
+    f.end_step = h["end_step"].get<int64_t>();
+    f.outcome = h["outcome"].get<std::string>();
+    f.error = h["error"].get<std::string>();
+    f.slots_moved = h["slots_moved"].get<int64_t>();
+    f.bytes_moved = h["bytes_intra_node"].get<int64_t>() + h["bytes_inter_node"].get<int64_t>();
+    f.bytes_local_copy = h["bytes_local_copy"].get<int64_t>();
+    f.predicted_before = h["balancedness_before"].get<double>();
+    f.predicted_after = h["balancedness_after"].get<double>();
+    f.repair = h.value("repair", false);
+    for (const json& rank : r) {
+      for (const json& mine : rank["history"]) {
+        if (mine["index"].get<int64_t>() != index) continue;
+        f.bytes_installed += mine["bytes_installed"].get<int64_t>();
+        f.bytes_restored += mine.value("bytes_restored", int64_t{0});
+        f.stall_total_ms = std::max(f.stall_total_ms, mine["stall_total_ms"].get<double>());
+        f.stall_max_ms = std::max(f.stall_max_ms, mine["stall_max_ms"].get<double>());
+      }
+    }
+    ++result.rebalances_triggered;
+    if (f.outcome == "completed") {
+      ++result.rebalances;
+      result.bytes_moved += f.bytes_moved;
+      result.bytes_local_copy += f.bytes_local_copy;
+      result.bytes_installed += f.bytes_installed;
+    }
+    result.restored_bytes += f.bytes_restored;
+    result.stall_total_ms += f.stall_total_ms;
+    result.stall_max_ms = std::max(result.stall_max_ms, f.stall_max_ms);
+    result.per_rebalance.push_back(f);
+  }
+
+  // "Before": the steps ahead of the first trigger; "after": the steps after the first completed
+  // rebalance ended. Both are cut to whole periods of the workload (each period replays the same
+  // tokens), so they score the same traffic; without a rebalance (EPLB off) the same split is
+  // made at the first step that would have triggered one.
+  const int64_t period = workload.period(options.ranks, options.tokens_per_rank);
+  int64_t split_before = std::min(options.interval, result.steps);
+  int64_t split_after = split_before;
+  if (!result.per_rebalance.empty()) split_before = result.per_rebalance[0].trigger_step;
+  for (const RebalanceFigures& f : result.per_rebalance) {
+    if (f.outcome == "completed") {
+      split_after = std::min(f.end_step, result.steps);
+      break;
+    }
+  }
+  result.before_first = 0;
+  result.before_last = split_before >= period ? split_before / period * period : split_before;
+  result.after_last = result.steps;
+  const int64_t after_len = result.steps - split_after;
+  result.after_first =
+      after_len >= period ? result.steps - after_len / period * period : split_after;
+  result.balancedness_before =
+      mean_of(result.per_step, result.before_first, result.before_last, &StepFigures::balancedness);
+  result.balancedness_after =
+      mean_of(result.per_step, result.after_first, result.after_last, &StepFigures::balancedness);
+  result.moe_ms_before =
+      mean_of(result.per_step, result.before_first, result.before_last, &StepFigures::moe_ms);
+  result.moe_ms_after =
+      mean_of(result.per_step, result.after_first, result.after_last, &StepFigures::moe_ms);
+  result.moe_wall_ms_before =
+      mean_of(result.per_step, result.before_first, result.before_last, &StepFigures::moe_wall_ms);
+  result.moe_wall_ms_after =
+      mean_of(result.per_step, result.after_first, result.after_last, &StepFigures::moe_wall_ms);
+  return result;
+}
+
+}  // namespace eplb::emu

@@ -1,6 +1,7 @@
 #include "runtime/impl.h"
 
 #include <future>
+#include <string>
 #include <optional>
 #include <utility>
 #include <vector>
@@ -27,8 +28,9 @@ void Rebalancer::Impl::step_end_sync() {
   } catch (...) {
     control_broken_.store(true, std::memory_order_release);
     Failure failure = Failure::current();
-    fail_open(detail::concat("the window all-reduce failed: ", failure.message),
-              std::move(failure));
+    // The message first: the two arguments are built in no set order.
+    std::string message = detail::concat("the window all-reduce failed: ", failure.message);
+    fail_open(std::move(message), std::move(failure));
     return;
   }
   RebalancePlan plan;
@@ -73,7 +75,8 @@ bool Rebalancer::Impl::agree_sync(const std::optional<Failure>& local) {
   } catch (...) {
     control_broken_.store(true, std::memory_order_release);
     Failure failure = Failure::current();
-    fail_open(detail::concat("an agreement failed: ", failure.message), std::move(failure));
+    std::string message = detail::concat("an agreement failed: ", failure.message);
+    fail_open(std::move(message), std::move(failure));
     return false;
   }
   if (agreed >= 0) return true;

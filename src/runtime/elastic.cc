@@ -141,10 +141,9 @@ void Rebalancer::Impl::reconfigure(control::Communicator& communicator,
   metrics_->set_bytes_held(static_cast<int64_t>(region_.bytes));
   int64_t lost_slots = 0;
   for (const uint8_t u : usable_) lost_slots += u == 0;
-  int64_t unavailable_total = 0;
-  for (int64_t l = 0; l < layers_; ++l) {
-    unavailable_total += static_cast<int64_t>(unavailable(l).size());
-  }
+  const int64_t unavailable_total = unavailable_count();
+  metrics_->on_reconfigure(static_cast<int64_t>(members_.size()));
+  metrics_->set_unavailable(unavailable_total);
   spdlog::info("eplb runtime rank {}: reconfigured at step {} ({}): {} of {} seats serve, {} "
                "slots lost, {} experts unavailable (all layers){}",
                rank_, step_, joining ? "joined" : "group changed", members_.size(),
@@ -351,6 +350,7 @@ void Rebalancer::Impl::mark_installed(int64_t layer) {
   const int64_t P = config_.layout.physical;
   const int64_t spr = config_.layout.slots_per_rank();
   for (int64_t p = 0; p < P; ++p) usable_[layer * P + p] = peer_of_seat_[p / spr] >= 0;
+  if (repair_pending_) metrics_->set_unavailable(unavailable_count());
 }
 
 void Rebalancer::Impl::wait_worker_idle() {
@@ -364,6 +364,14 @@ std::vector<int32_t> Rebalancer::Impl::unavailable(int64_t layer) const {
   EPLB_CHECK(layer >= 0 && layer < layers_, "unavailable: layer ", layer, " is outside [0, ",
              layers_, ")");
   return routing::unavailable_experts(tables_[layer]);
+}
+
+int64_t Rebalancer::Impl::unavailable_count() const {
+  int64_t n = 0;
+  for (const routing::DispatchTables& t : tables_) {
+    n += std::count(t.replica_count.begin(), t.replica_count.end(), 0);
+  }
+  return n;
 }
 
 bool Rebalancer::Impl::any_unavailable() const {

@@ -133,6 +133,7 @@ class Rebalancer::Impl {
   std::vector<int32_t> members() const;
   std::vector<int32_t> unavailable(int64_t layer) const;
   bool any_unavailable() const;
+  int64_t unavailable_count() const;  // all layers
   std::vector<int32_t> backup_experts() const;
   std::span<std::byte> backup_weights(int64_t layer, int64_t tensor, int32_t expert) const;
   int64_t backup_bytes() const;

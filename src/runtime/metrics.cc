@@ -152,6 +152,14 @@ RuntimeMetrics::RuntimeMetrics(std::shared_ptr<prometheus::Registry> registry, i
   watchdog_warnings_ = counter("eplb_watchdog_warnings_total",
                                "Warnings of a rebalance making no progress for stall_warn");
   bytes_held_ = gauge("eplb_bytes_held", "Bytes eplb holds (arena or staging)");
+  reconfigures_ = counter("eplb_reconfigures_total",
+                          "reconfigure() calls: groups this rank joined after the first");
+  members_ = gauge("eplb_group_members", "Ranks in the group now (the layout's ranks until a "
+                                         "reconfigure)");
+  unavailable_ = gauge("eplb_unavailable_experts",
+                       "Experts of all layers with no replica any token can be routed to");
+  bytes_restored_ = counter("eplb_bytes_restored_total",
+                            "Bytes this rank restored from a backup copy or the loader");
 }
 
 RuntimeMetrics::~RuntimeMetrics() {
@@ -211,6 +219,7 @@ void RuntimeMetrics::on_record(const RebalanceRecord& record) {
   duration_steps_->Observe(static_cast<double>(record.steps));
   duration_seconds_->Observe(record.seconds);
   bytes_installed_->Increment(static_cast<double>(record.bytes_installed));
+  bytes_restored_->Increment(static_cast<double>(record.bytes_restored));
   if (record.balancedness_before > 0) {
     balancedness("predicted_before").Set(record.balancedness_before);
   }

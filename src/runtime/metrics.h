@@ -74,6 +74,14 @@ class RuntimeMetrics {
   void set_in_flight(const InFlight& in_flight);
   void set_age_steps(int64_t steps) { age_steps_->Set(static_cast<double>(steps)); }
   void on_watchdog_warning() { watchdog_warnings_->Increment(); }
+  // Elastic serving: after a reconfigure, the members and unavailable experts now (all layers);
+  // the latter again after each install.
+  void on_reconfigure(int64_t members) {
+    reconfigures_->Increment();
+    set_members(members);
+  }
+  void set_members(int64_t members) { members_->Set(static_cast<double>(members)); }
+  void set_unavailable(int64_t experts) { unavailable_->Set(static_cast<double>(experts)); }
 
  private:
   // Balancedness gauges appear once they have a value: a 0 would read as "as bad as it gets".
@@ -109,6 +117,10 @@ class RuntimeMetrics {
   std::vector<prometheus::Gauge*> phase_;  // [kNumPhases]
   prometheus::Counter* watchdog_warnings_ = nullptr;
   prometheus::Gauge* bytes_held_ = nullptr;
+  prometheus::Counter* reconfigures_ = nullptr;
+  prometheus::Gauge* members_ = nullptr;
+  prometheus::Gauge* unavailable_ = nullptr;
+  prometheus::Counter* bytes_restored_ = nullptr;
 };
 
 }  // namespace eplb::runtime

@@ -118,6 +118,7 @@ Rebalancer::Impl::Impl(Config config, WeightSpec spec, int seat, const Placement
   // Last, once everything is valid: nothing in the engine's registry from a refused config.
   // The monitor exists from here on, so collect_metrics() (any thread) never races its start.
   metrics_ = std::make_unique<RuntimeMetrics>(config_.registry, rank_, config_.metric_labels);
+  if (!joining_) metrics_->set_members(layout.ranks);
   monitor_ = std::make_unique<Monitor>(
       rank_, layout, config_.stall_warn, config_.timeout, progress_, *metrics_,
       [this](const Failure&, int64_t group) {

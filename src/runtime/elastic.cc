@@ -74,6 +74,10 @@ void Rebalancer::Impl::reconfigure(control::Communicator& communicator,
     fail("the ", transport.backend(), " transport keeps the weights in device memory: set "
          "Config::installer");
   }
+  if (&communicator == comm_ || &transport == transport_) {
+    fail("reconfigure: pass a communicator and a transport built for the new group (these are "
+         "the ones in use)");
+  }
   const bool joining = joining_;
 
   // Step 1: nothing runs any more on the old group. A rebalance in flight is abandoned here on
@@ -91,6 +95,9 @@ void Rebalancer::Impl::reconfigure(control::Communicator& communicator,
   agreements_.clear();
   contribution_.store(kNoAgreement, std::memory_order_release);
   if (!joining) wait_worker_idle();
+  // Until the new group is in place no rebalance may start: a reconfigure that throws below
+  // leaves the Rebalancer serving its tables, waiting for another reconfigure().
+  control_broken_.store(true, std::memory_order_release);
   if (control_) {
     control_->stop();
     control_.reset();

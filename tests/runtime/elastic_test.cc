@@ -274,9 +274,22 @@ int rank_body(const Trial& t, control::MembershipBoard& board, const std::string
     rb->reconfigure(*next.communicator, *next.transport, Membership{view.seats});
     group = std::move(next);
   };
+  // Serving goes on past t.steps until every member has completed the repair of the last
+  // reconfigure (the members decide it together, so they stop at the same step): how long a
+  // repair takes is the machine's business, never the test's.
   int64_t step = rb->step();
   int64_t regroups = 0;
-  while (step < t.steps) {
+  int64_t repaired_after = -1;  // the step of the last reconfigure
+  const auto repaired = [&] {
+    for (const RebalanceRecord& r : rb->history()) {
+      if (r.repair && r.outcome == Outcome::kCompleted && r.trigger_step > repaired_after) {
+        return true;
+      }
+    }
+    return false;
+  };
+  const int64_t limit = t.steps + 20'000;
+  for (;;) {
     if (victim) {
       if (step >= t.kill_step) armed.store(true);
       // A point this rank never reached (no read to make, say) ends it at a step instead.
@@ -291,17 +304,23 @@ int rank_body(const Trial& t, control::MembershipBoard& board, const std::string
       control::MembershipBoard::View view = board.view();
       if (view.epoch <= group.epoch) view = board.wait_newer(group.epoch, std::chrono::seconds(60));
       regroup(view);
+      repaired_after = step;
       ++regroups;
     }
     record_loads(*rb, step);
     check_slots(*rb, group.seats, errors, step);
     const auto h = static_cast<int64_t>(tables_hash(*rb) >> 1);
-    std::vector<int64_t> v = {h, -h, step, -step};
+    const bool rejoined =
+        !t.rejoin ||
+        std::find(group.seats.begin(), group.seats.end(), t.kill_seat) != group.seats.end();
+    const bool done = step >= t.steps && rejoined && !rb->any_unavailable() && repaired();
+    std::vector<int64_t> v = {h, -h, step, -step, done ? 0 : 1};
     try {
       group.check->all_reduce(v, control::ReduceOp::kMax);
     } catch (const Error&) {
       // A member is gone: the step is served again by the group the board names next.
       regroup(board.wait_newer(group.epoch, std::chrono::seconds(60)));
+      repaired_after = step;
       ++regroups;
       continue;
     }
@@ -311,8 +330,14 @@ int rank_body(const Trial& t, control::MembershipBoard& board, const std::string
     if (v[2] != step || v[3] != -step) {
       errors.push_back("step " + std::to_string(step) + ": the members are at different steps");
     }
+    if (v[4] == 0) break;  // every member done
+    if (step >= limit) {
+      errors.push_back("the repair did not complete within " + std::to_string(limit) + " steps");
+      break;
+    }
     rb->step_end();
     ++step;
+    if (step % 64 == 0) std::this_thread::sleep_for(std::chrono::microseconds(200));
   }
   // The end: everything served, every survivor repaired, a seat taken back receives tokens.
   for (int64_t l = 0; l < kLayers; ++l) {
@@ -320,11 +345,7 @@ int rank_body(const Trial& t, control::MembershipBoard& board, const std::string
       errors.push_back("layer " + std::to_string(l) + " still has unavailable experts");
     }
   }
-  bool repaired = false;
-  for (const RebalanceRecord& r : rb->history()) {
-    repaired = repaired || (r.repair && r.outcome == Outcome::kCompleted);
-  }
-  if (!repaired) errors.push_back("no repair rebalance completed");
+  if (!repaired()) errors.push_back("no repair rebalance completed after the last reconfigure");
   if (t.rejoin) {
     const int64_t spr = rb->config().layout.slots_per_rank();
     bool routed = false;
@@ -337,6 +358,13 @@ int rank_body(const Trial& t, control::MembershipBoard& board, const std::string
   rb->shutdown();
   std::ofstream out(dir + "/seat" + std::to_string(seat) + (joining ? "-joined" : "") + ".txt");
   for (const std::string& e : errors) out << e << "\n";
+  if (!errors.empty()) {  // what happened, for the failure message
+    for (const RebalanceRecord& r : rb->history()) {
+      out << "  rebalance " << r.index << (r.repair ? " (repair)" : "") << " steps "
+          << r.trigger_step << "-" << r.end_step << ": " << outcome_name(r.outcome) << " "
+          << r.error << "\n";
+    }
+  }
   out << "done\n";
   return errors.empty() ? 0 : 1;
 }

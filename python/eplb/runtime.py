@@ -163,7 +163,9 @@ class Rebalancer:
             ``agreement`` ("internal", or "external": see agreement_result()),
             ``install`` ("swap"; "copy" keeps weights() at fixed addresses, at the cost of one
             layer copy per installed layer), ``peers_per_round``, ``dispatch`` ("static", "random", "hash", "weighted": what
-            route() uses), ``on_error`` ("log", "raise"); defaults as in docs/runtime.md.
+            route() uses), ``on_error`` ("log", "raise"), ``backup_copies`` (host copies of
+            every expert kept across the ranks for elastic serving, default 0:
+            docs/elastic.md); defaults as in docs/runtime.md.
         rank, world_size: this rank and the number of ranks.
         control: control-plane backend, "shm" (processes of one machine), "gloo" (TCP; the
             rendezvous is a shared folder or redis://host:port), "inproc" (ranks are threads of
@@ -476,7 +478,9 @@ class Rebalancer:
         """One dict per rebalance so far: index, trigger_step, end_step, outcome ("completed",
         "skipped", "failed", "cancelled"), error, placement_ms, balancedness_before/after,
         layers_moved, layers_installed, slots_moved, bytes_intra_node, bytes_inter_node,
-        bytes_local_copy, rounds, steps, seconds, stall_total_ms, stall_max_ms."""
+        bytes_local_copy, rounds, bytes_installed, bytes_restored (bytes this rank restored
+        from a backup copy), repair (True for the rebalance a reconfigure() started), steps,
+        seconds, stall_total_ms, stall_max_ms."""
         return self._rt.history()
 
     def stats(self):

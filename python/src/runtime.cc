@@ -87,7 +87,7 @@ bool bool_of(const py::handle& value, const std::string& key) {
 constexpr const char* kConfigKeys =
     "experts, physical, ranks, nodes, groups, interval, window, policy, hierarchical, "
     "tolerance, min_gain, lag, timeout_ms, mode, agreement, install, peers_per_round, dispatch, "
-    "on_error, stall_warn_ms, balancedness_period, metric_labels";
+    "on_error, stall_warn_ms, balancedness_period, backup_copies, metric_labels";
 
 // A runtime::Config from a dict whose keys are the C++ field names (the layout's flattened in,
 // timeout as timeout_ms). `ranks` defaults to the world size.
@@ -144,6 +144,8 @@ runtime::Config to_config(const py::dict& d, int world_size) {
       c.stall_warn = std::chrono::milliseconds(int_of(v, key));
     } else if (key == "balancedness_period") {
       c.balancedness_period = int_of(v, key);
+    } else if (key == "backup_copies") {
+      c.backup.copies = int_of(v, key);  // Backup::loader is C++ only: see runtime.py
     } else if (key == "metric_labels") {
       if (!py::isinstance<py::dict>(v)) {
         fail("config['metric_labels'] must be a dict of label name -> value, got ",
@@ -195,6 +197,7 @@ py::dict config_dict(const runtime::Config& c) {
   d["on_error"] = c.on_error == runtime::OnError::kRaise ? "raise" : "log";
   d["stall_warn_ms"] = static_cast<int64_t>(c.stall_warn.count());
   d["balancedness_period"] = c.balancedness_period;
+  d["backup_copies"] = c.backup.copies;
   py::dict labels;
   for (const auto& [name, value] : c.metric_labels) labels[py::str(name)] = value;
   d["metric_labels"] = labels;
@@ -219,6 +222,8 @@ py::dict record_dict(const runtime::RebalanceRecord& r) {
   d["bytes_local_copy"] = r.bytes_local_copy;
   d["rounds"] = r.rounds;
   d["bytes_installed"] = r.bytes_installed;
+  d["bytes_restored"] = r.bytes_restored;
+  d["repair"] = r.repair;
   d["steps"] = r.steps;
   d["seconds"] = r.seconds;
   d["stall_total_ms"] = r.stall_total_ms;

@@ -6,7 +6,8 @@ the GIL released. Inputs may be numpy arrays, nested lists or torch tensors; tor
 only when a torch tensor is passed in.
 
 ``Rebalancer`` is the runtime an engine embeds: it records loads, serves dispatch tables, holds
-the expert weights and rebalances them while the engine serves (see ``eplb.runtime``).
+the expert weights and rebalances them while the engine serves, and goes on serving when a
+rank is lost (``Rebalancer.reconfigure``, ``Rebalancer.join``; see ``eplb.runtime``).
 
 Words (as in the C++ library): layer ``l``, logical expert ``e`` (``E`` per layer), physical
 slot ``p`` (``P`` per layer), rank ``g`` (``G``, a GPU: slot ``p`` is on rank ``p // (P // G)``),

@@ -34,9 +34,21 @@ tiny all-reduce per step on its control plane, the engine carries it on its own 
     torch.distributed.all_reduce(mine, op=torch.distributed.ReduceOp.MIN)
     rb.agreement_result(rb.step, int(mine))
 
-Threads: record*, dispatch, route, weights, phy2log and step_end belong to one thread (the
-engine's forward thread). The GIL is released while connect(), step_end() and shutdown() run,
-and while the constructor joins the control group.
+Elastic serving (docs/elastic.md): when a rank is lost, the engine builds a new group of the
+ranks left and every member calls, at the same step,
+
+    rb.reconfigure(new_rank, len(seats), seats, control="gloo", rendezvous=f"{folder}/e{epoch}")
+
+(seats: the seat, ``rb.rank``, of each member); the next step_end() starts a repair that
+restores the lost experts from the backup copies (config "backup_copies", filled with
+``rb.fill_backup(fn)`` after connect()). A process that takes the seat back builds its
+Rebalancer with ``eplb.Rebalancer.join(config, seat, world_size, weights=...)`` and enters with
+the same reconfigure() call as the members. Views of the arena must be fetched again after a
+reconfigure(), as after step_end().
+
+Threads: record*, dispatch, route, weights, phy2log, step_end and reconfigure belong to one
+thread (the engine's forward thread). The GIL is released while connect(), reconfigure(),
+step_end() and shutdown() run, and while the constructor joins the control group.
 """
 
 import math
@@ -152,6 +164,73 @@ def _engine_tensor(name, layer, t, slots):
     return address, stride, tuple(shape[1:]), dtype, nbytes
 
 
+def _parse_weights(weights):
+    """(tensors, owned) of the `weights` argument: tensors [(name, expert_bytes, shape, dtype)]
+    in arena order (engine tensors sized later, by _set_weights), owned [(name, [per layer])]
+    for the engine's own tensors (all or none)."""
+    items = weights.items() if isinstance(weights, dict) else weights
+    try:
+        items = list(items)
+    except TypeError:
+        raise InvalidArgument("weights must be a dict or a list of (name, spec) pairs, got "
+                              f"{weights!r}") from None
+    tensors = []
+    owned = []  # the engine's tensors, per name: [layers]
+    for item in items:
+        try:
+            name, spec = item
+        except (TypeError, ValueError):
+            raise InvalidArgument(
+                f"weights: each entry must be a (name, spec) pair, got {item!r}") from None
+        if _is_engine_tensors(spec):
+            if not isinstance(name, str) or not name:
+                raise InvalidArgument(
+                    f"weights: tensor names must be non-empty strings, got {name!r}")
+            owned.append((name, list(spec)))
+            tensors.append((name, 0, None, None))  # sized by _set_weights
+        else:
+            tensors.append(_parse_tensor(name, spec))
+    names = [t[0] for t in tensors]
+    if len(set(names)) != len(names):
+        raise InvalidArgument(f"weights: tensor names must be distinct, got {names}")
+    if owned and len(owned) != len(tensors):
+        raise InvalidArgument(
+            "weights: give every tensor as the engine's own (a list of one tensor per layer) "
+            f"or none; {[n for n, _ in owned]} are and the others are not")
+    return tensors, owned
+
+
+def _rendezvous(rendezvous, world_size):
+    """The rendezvous as a string; a fresh name for a group of one, which meets no one."""
+    if rendezvous is None:
+        if world_size != 1:
+            raise InvalidArgument(
+                "rendezvous is required with more than one rank: a name shared by the ranks "
+                "(inproc, shm), or a shared folder or redis://host:port (gloo)")
+        return f"eplb-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    return os.fspath(rendezvous)
+
+
+def _store(view, raw, value):
+    """Copies one expert's `value` (array-like or torch tensor of the view's shape and dtype, or
+    its bytes) into `view`, whose raw bytes are the uint8 array `raw`."""
+    if _is_torch_tensor(view):
+        torch = _torch()
+        value = torch.as_tensor(value)
+        if value.dtype == torch.uint8 and value.numel() == raw.size:
+            raw[...] = value.reshape(raw.shape).numpy()
+        else:
+            view.copy_(value.reshape(view.shape))
+        return
+    if _is_torch_tensor(value):
+        value = value.detach().cpu().contiguous().numpy()
+    value = np.asarray(value)
+    if value.dtype == np.uint8 and value.size == raw.size:
+        raw[...] = value.reshape(raw.shape)
+    else:
+        view[...] = value
+
+
 class Rebalancer:
     """One rank of eplb's runtime (C++ ``eplb::runtime::Rebalancer``).
 
@@ -163,7 +242,9 @@ class Rebalancer:
             ``agreement`` ("internal", or "external": see agreement_result()),
             ``install`` ("swap"; "copy" keeps weights() at fixed addresses, at the cost of one
             layer copy per installed layer), ``peers_per_round``, ``dispatch`` ("static", "random", "hash", "weighted": what
-            route() uses), ``on_error`` ("log", "raise"); defaults as in docs/runtime.md.
+            route() uses), ``on_error`` ("log", "raise"), ``backup_copies`` (host copies of
+            every expert kept across the ranks for elastic serving, default 0: see
+            fill_backup()); defaults as in docs/runtime.md.
         rank, world_size: this rank and the number of ranks.
         control: control-plane backend, "shm" (processes of one machine), "gloo" (TCP; the
             rendezvous is a shared folder or redis://host:port), "inproc" (ranks are threads of
@@ -194,6 +275,12 @@ class Rebalancer:
 
     The object owns the communicator, the transport and the C++ Rebalancer; the arena lives as
     long as the object or any view of it. Use it as a context manager to shut down on exit.
+
+    Elastic serving (docs/elastic.md): reconfigure() moves the ranks that are left onto a new
+    group after one is lost (or takes one back), repairing the lost slots from the backup
+    copies; join() builds the Rebalancer of a process that takes a lost seat. ``rank`` is this
+    process's seat in the layout for life, ``world_size`` the layout's ranks (every seat);
+    members() lists the seats that serve now.
     """
 
     def __init__(self, config, rank, world_size, *, control="shm", rendezvous=None,
@@ -202,35 +289,7 @@ class Rebalancer:
             raise TypeError(f"config must be a dict, got {type(config).__name__}")
         world_size = _as_int(world_size, "world_size", 1, MAX_RANKS)
         rank = _as_int(rank, "rank", 0, world_size - 1)
-        items = weights.items() if isinstance(weights, dict) else weights
-        try:
-            items = list(items)
-        except TypeError:
-            raise InvalidArgument("weights must be a dict or a list of (name, spec) pairs, got "
-                                  f"{weights!r}") from None
-        tensors = []
-        owned = []  # the engine's tensors, per name: [layers]
-        for item in items:
-            try:
-                name, spec = item
-            except (TypeError, ValueError):
-                raise InvalidArgument(
-                    f"weights: each entry must be a (name, spec) pair, got {item!r}") from None
-            if _is_engine_tensors(spec):
-                if not isinstance(name, str) or not name:
-                    raise InvalidArgument(
-                        f"weights: tensor names must be non-empty strings, got {name!r}")
-                owned.append((name, list(spec)))
-                tensors.append((name, 0, None, None))  # sized below
-            else:
-                tensors.append(_parse_tensor(name, spec))
-        names = [t[0] for t in tensors]
-        if len(set(names)) != len(names):
-            raise InvalidArgument(f"weights: tensor names must be distinct, got {names}")
-        if owned and len(owned) != len(tensors):
-            raise InvalidArgument(
-                "weights: give every tensor as the engine's own (a list of one tensor per layer) "
-                f"or none; {[n for n, _ in owned]} are and the others are not")
+        tensors, owned = _parse_weights(weights)
 
         initial_array, initial_path = None, None
         if initial is None or (isinstance(initial, str) and initial == "trivial"):
@@ -248,11 +307,64 @@ class Rebalancer:
             initial_array = np.ascontiguousarray(a, dtype=np.int64)
             if layers is None:
                 layers = a.shape[0]
+        layers, engine = self._set_weights(config, world_size, tensors, owned, layers,
+                                           "unless initial is a phy2log array or the weights "
+                                           "are the engine's")
+        rendezvous = _rendezvous(rendezvous, world_size)
+        self._rt = _eplb._Runtime(dict(config), rank, world_size, str(control), rendezvous,
+                                  str(group), str(transport), [(t[0], t[1]) for t in tensors],
+                                  layers, initial_array, initial_path, engine,
+                                  self._engine)
+        self._config = self._rt.config()
+        self._slots_per_rank = self._config["physical"] // world_size
+        self._connected = False
+
+    @classmethod
+    def join(cls, config, seat, world_size=None, *, weights, layers=None):
+        """A Rebalancer for a process that takes seat `seat` of a running group (a restarted
+        rank, or a new one for a lost seat; docs/elastic.md, "Grow").
+
+        It has no communicator, no transport and no weights yet: bring it in with
+        ``reconfigure(rank, world_size, seats, ...)``, called at the same step by every member
+        of the new group (whose `seats` list `seat`), instead of connect(). It then adopts the
+        group's step and placement; its slots receive tokens once the repair rebalance that
+        follows has installed them. Until reconfigure() returns, connect(), step_end(),
+        weights(), host_bytes(), backup_weights() and fill_backup() raise eplb.InvalidArgument;
+        after it, fill this rank's backup share (fill_backup()) before serving.
+
+        `config` and `weights` as for the constructor, the same as on every member; `world_size`
+        is the layout's ranks (every seat, lost ones included: the world_size the group started
+        with), by default config["ranks"]. Nothing here waits on other ranks.
+        """
+        if not isinstance(config, dict):
+            raise TypeError(f"config must be a dict, got {type(config).__name__}")
+        if world_size is None:
+            if "ranks" not in config:
+                raise InvalidArgument(
+                    "join: give world_size (the layout's ranks: every seat, lost ones included) "
+                    "or config['ranks']")
+            world_size = config["ranks"]
+        world_size = _as_int(world_size, "world_size", 1, MAX_RANKS)
+        seat = _as_int(seat, "seat", -2**31, 2**31 - 1)  # the library checks the layout's range
+        tensors, owned = _parse_weights(weights)
+        self = cls.__new__(cls)
+        layers, engine = self._set_weights(config, world_size, tensors, owned, layers,
+                                           "unless the weights are the engine's")
+        self._rt = _eplb._Runtime.join(dict(config), seat, world_size,
+                                       [(t[0], t[1]) for t in tensors], layers, engine,
+                                       self._engine)
+        self._config = self._rt.config()
+        self._slots_per_rank = self._config["physical"] // world_size
+        self._connected = False
+        return self
+
+    def _set_weights(self, config, world_size, tensors, owned, layers, layers_hint):
+        """Sizes the engine's tensors (if any) and sets the attributes both constructors share;
+        returns (layers, [(address, stride)] of the engine's tensors, [layers][tensors])."""
         if layers is None and owned:
             layers = len(owned[0][1])
         if layers is None:
-            raise InvalidArgument("layers is required (the number of MoE layers) unless "
-                                  "initial is a phy2log array or the weights are the engine's")
+            raise InvalidArgument(f"layers is required (the number of MoE layers) {layers_hint}")
         layers = _as_int(layers, "layers", 1, MAX_LAYERS)
         engine = []
         self._engine = None
@@ -283,32 +395,19 @@ class Rebalancer:
                       for index in range(len(owned))]
             # [tensors][layers]; the runtime keeps them too, until after its threads are gone.
             self._engine = [per for _, per in owned]
-        if rendezvous is None:
-            if world_size != 1:
-                raise InvalidArgument(
-                    "rendezvous is required with more than one rank: a name shared by the ranks "
-                    "(inproc, shm), or a shared folder or redis://host:port (gloo)")
-            rendezvous = f"eplb-{os.getpid()}-{uuid.uuid4().hex[:12]}"
-        else:
-            rendezvous = os.fspath(rendezvous)
-
         self._tensors = tensors
-        self._index = {name: i for i, name in enumerate(names)}
+        self._index = {t[0]: i for i, t in enumerate(tensors)}
         self._world_size = world_size
         self._layers = layers
-        self._rt = _eplb._Runtime(dict(config), rank, world_size, str(control), rendezvous,
-                                  str(group), str(transport), [(t[0], t[1]) for t in tensors],
-                                  layers, initial_array, initial_path, engine,
-                                  self._engine)
-        self._config = self._rt.config()
-        self._slots_per_rank = self._config["physical"] // world_size
-        self._connected = False
+        return layers, engine
 
     # ------------------------------------------------------------------ start-up
     def connect(self):
         """Start-up, on every rank together: allocates the arena (layers + 1 layer buffers,
-        zero-filled), connects to every peer and reads from each once, starts the runtime's
-        threads. Returns the bytes held; nothing is allocated or connected later."""
+        zero-filled) and this rank's backup share (config "backup_copies"), connects to every
+        peer and reads from each once, starts the runtime's threads. Returns the bytes held
+        (arena or staging); nothing more is allocated or connected until a reconfigure().
+        A Rebalancer from join() never calls it: reconfigure() brings it in."""
         held = self._rt.connect()
         self._connected = True
         return held
@@ -323,21 +422,100 @@ class Rebalancer:
                 view = self.weights(layer, name)
                 raw = self._rt.weights(layer, self._index[name])
                 for j, expert in enumerate(experts):
-                    value = fill(layer, name, int(expert))
-                    if _is_torch_tensor(view):
-                        value = _torch().as_tensor(value)
-                        if value.dtype == _torch().uint8 and value.numel() == raw.shape[1]:
-                            raw[j] = value.reshape(-1).numpy()
-                        else:
-                            view[j].copy_(value.reshape(view[j].shape))
-                        continue
-                    if _is_torch_tensor(value):
-                        value = value.detach().cpu().contiguous().numpy()
-                    value = np.asarray(value)
-                    if value.dtype == np.uint8 and value.size == raw.shape[1]:
-                        raw[j] = value.reshape(-1)
-                    else:
-                        view[j] = value
+                    _store(view[j], raw[j], fill(layer, name, int(expert)))
+
+    # ------------------------------------------------------------------ elastic serving
+    def reconfigure(self, rank, world_size, seats, *, control="shm", rendezvous=None,
+                    transport="shm", group="eplb"):
+        """Moves this rank onto a new group (docs/elastic.md): after a rank was lost, or to take
+        one back. Every member of the new group calls it at the same step (between two
+        step_end() calls, on the forward thread), each with its `rank` in the new group of
+        `world_size` members; ``seats[g]`` is the seat (rank of the layout, what ``self.rank``
+        is) of member g, the same list on every member. A member keeps its seat; a seat left
+        out is lost: nothing is placed on it or routed to it until a member takes it back. A
+        Rebalancer from join() enters the group here.
+
+        It joins a new control group and builds a new transport (`control`, `rendezvous`,
+        `transport`, `group` as for the constructor: the rendezvous must be new to this group,
+        e.g. named after the membership's epoch), abandons a rebalance in flight (recorded as
+        failed), moves eplb's memory into the new transport, and rebuilds every layer's tables
+        over the usable slots only: unavailable(layer) lists the experts left with no replica
+        (routed to -1). The next step_end() starts a repair rebalance (history(): "repair").
+        The old communicator and transport are released once it returns; views of the arena
+        (weights(), backup_weights()) taken before must be taken again (old ones stay readable,
+        but stale). The GIL is released while it waits for the group.
+
+        Raises eplb.InvalidArgument for a bad membership (a seat twice or outside the layout,
+        this rank's seat not at its position) before joining anything, and the library's
+        error when the members disagree (steps, configuration) or a collective fails (then
+        call it again with the next group)."""
+        world_size = _as_int(world_size, "world_size", 1, MAX_RANKS)
+        rank = _as_int(rank, "rank", 0, world_size - 1)
+        if _is_torch_tensor(seats):
+            seats = seats.detach().cpu().numpy()
+        try:
+            seats = [_as_int(s, "seat", -2**31, 2**31 - 1) for s in seats]
+        except TypeError:
+            raise InvalidArgument(f"seats must be a list of integer seats, got {seats!r}") from None
+        self._rt.reconfigure(rank, world_size, seats, str(control),
+                             _rendezvous(rendezvous, world_size), str(group), str(transport))
+
+    def members(self):
+        """The seats of the group now, ascending (every seat until a reconfigure())."""
+        return self._rt.members()
+
+    def unavailable(self, layer):
+        """The experts of `layer` with no usable replica now (every replica on a lost slot),
+        ascending: int32 numpy. route() sends their tokens to -1 (leave the expert out of the
+        token's sum) until the repair installs them."""
+        return self._rt.unavailable(layer)
+
+    def any_unavailable(self):
+        """Whether some expert of some layer is unavailable now."""
+        return self._rt.any_unavailable()
+
+    def backup_experts(self):
+        """The experts this rank keeps a backup copy of (config "backup_copies"), the same in
+        every layer: int32 numpy, empty without backups."""
+        return self._rt.backup_experts()
+
+    def backup_bytes(self):
+        """The bytes of this rank's backup share (host memory, counted in host_bytes())."""
+        return self._rt.backup_bytes()
+
+    def backup_weights(self, layer, tensor, expert, dtype=None, shape=None, as_torch=False):
+        """This rank's backup copy of one tensor of `expert` in `layer` (one of
+        backup_experts()): a writable view [*shape] (dtype and shape as for weights()) that
+        keeps the memory alive. Fill the share with fill_backup(), which also marks it as a
+        source for repairs; writing through these views alone does not. Take it again after a
+        reconfigure() (the share moves into the new transport)."""
+        index = self._tensor_index(tensor)
+        raw = self._rt.backup_weights(_as_int(layer, "layer"), index,
+                                      _as_int(expert, "expert", -2**31, 2**31 - 1))
+        return self._view(raw, index, dtype, shape, as_torch, ())
+
+    def fill_backup(self, fill):
+        """Fills this rank's backup share: ``fill(layer, tensor_name, expert, view)`` for each
+        layer, tensor and expert of backup_experts(), on this thread (with the GIL).
+        `view` is a writable view of the copy (dtype and shape as declared in `weights`):
+        fill it in place, or return the expert's weights (as fill_weights()'s callback does)
+        and they are copied into it. Once every call returned, the share counts as filled: it
+        is a restore source from the next reconfigure() on. Call it after connect() (a joining
+        rank: after its reconfigure()), before serving; an exception from `fill` propagates
+        and leaves the share unfilled. Nothing to do (and no calls) without backups.
+
+        Config "backup_copies" keeps that many host copies of every expert across the ranks.
+        The C++ Backup::loader (reading an expert from the checkpoint on demand) has no Python
+        form for now: the runtime calls it on its worker thread, which runs without the GIL."""
+        names = [t[0] for t in self._tensors]
+
+        def one(layer, index, expert, raw):
+            view = self._view(raw, index, None, None, False, ())
+            value = fill(layer, names[index], int(expert), view)
+            if value is not None:
+                _store(view, raw, value)
+
+        self._rt.fill_backup(one)
 
     # ------------------------------------------------------------------ forward thread
     def record(self, layer, topk_ids):
@@ -400,14 +578,22 @@ class Rebalancer:
         gives a torch CPU tensor (through DLPack). Shape of the result: [slots_per_rank, *shape].
 
         With the arena, VALID ONLY UNTIL THE NEXT step_end(): fetch it again after every
-        step_end() (unless config "install" is "copy": then the arena never moves). The
-        engine's tensors never move.
+        step_end() (unless config "install" is "copy": then the arena moves only at
+        reconfigure()), and after every reconfigure(), which moves the arena into the new
+        group's transport. An old view stays readable (it keeps the memory it shows alive) but
+        is stale. The engine's tensors never move.
         """
         index = self._tensor_index(tensor)
-        name, nbytes, declared_shape, declared_dtype = self._tensors[index]
-        if self._engine is not None and dtype is None and shape is None and not as_torch:
+        if (self._engine is not None and dtype is None and shape is None and not as_torch and
+                not self._rt.joining()):
             return self._engine[index][_as_int(layer, "layer", 0, self._layers - 1)]
         raw = self._rt.weights(layer, index)  # uint8 [slots_per_rank, nbytes]
+        return self._view(raw, index, dtype, shape, as_torch, (self._slots_per_rank,))
+
+    def _view(self, raw, index, dtype, shape, as_torch, lead):
+        """`raw` (uint8 [*lead, expert_bytes] of tensor `index`) as [*lead, *shape] of `dtype`
+        (default: as declared in `weights`, else uint8 [expert_bytes])."""
+        name, nbytes, declared_shape, declared_dtype = self._tensors[index]
         if dtype is None:
             dtype = declared_dtype if declared_dtype is not None else np.uint8
             if shape is None and declared_shape is not None:
@@ -427,8 +613,8 @@ class Rebalancer:
             target = dtype if _is_torch_dtype(dtype) else _torch_dtype(dtype)
             if target != t.dtype:
                 t = t.view(target)
-            return t.view(self._slots_per_rank, *shape)
-        return raw.view(dtype).reshape(self._slots_per_rank, *shape)
+            return t.view(*lead, *shape)
+        return raw.view(dtype).reshape(*lead, *shape)
 
     def phy2log(self, layer):
         """The placement of `layer` in force now: int32 [physical], the expert of each slot."""
@@ -476,7 +662,9 @@ class Rebalancer:
         """One dict per rebalance so far: index, trigger_step, end_step, outcome ("completed",
         "skipped", "failed", "cancelled"), error, placement_ms, balancedness_before/after,
         layers_moved, layers_installed, slots_moved, bytes_intra_node, bytes_inter_node,
-        bytes_local_copy, rounds, steps, seconds, stall_total_ms, stall_max_ms."""
+        bytes_local_copy, rounds, bytes_installed, bytes_restored (bytes this rank restored
+        from a backup copy), repair (True for the rebalance a reconfigure() started), steps,
+        seconds, stall_total_ms, stall_max_ms."""
         return self._rt.history()
 
     def stats(self):
@@ -537,7 +725,9 @@ class Rebalancer:
 
     def shutdown(self):
         """Stops the runtime's threads (a running rebalance is cancelled); idempotent. Call it
-        on every rank at the same step. Views of the arena stay readable afterwards."""
+        on every rank at the same step (a rank that leaves the group while the others
+        reconfigure() without it calls it at that step). Views of the arena stay readable
+        afterwards."""
         self._rt.shutdown()
 
     def __enter__(self):
@@ -550,10 +740,13 @@ class Rebalancer:
     # ------------------------------------------------------------------ state
     @property
     def rank(self):
+        """This process's seat: its rank in the layout (slots [rank * slots_per_rank, ...)),
+        which reconfigure() never changes."""
         return self._rt.rank()
 
     @property
     def world_size(self):
+        """The layout's ranks (seats), lost ones included; members() are those serving."""
         return self._world_size
 
     @property

@@ -3,13 +3,16 @@
 //
 // Ownership. The C++ Rebalancer keeps references to its communicator and transport, which must
 // outlive it; here all three belong to one Runtime and are destroyed in the reverse order of
-// their creation (rebalancer, then transport, then communicator). The weight views returned by
-// weights() hold a reference to the Runtime object, so the arena (transport memory) lives as
-// long as any view of it, even after shutdown().
+// their creation (rebalancer, then transport, then communicator). reconfigure() (docs/elastic.md)
+// builds the new group's pair, hands it to the C++ reconfigure(), which copies eplb's memory out
+// of the old transport, and only then lets the old pair go. The views returned by weights() and
+// backup_weights() hold a reference to the Runtime object and to the transport whose memory they
+// show, so neither the arena nor a transport retired by reconfigure() is freed under a view:
+// an old view is stale, never dangling, even after shutdown().
 //
 // The GIL is released wherever a call may wait on other ranks: joining the group, connect(),
-// step_end(), shutdown() and destruction. Ranks that are threads of one process (inproc
-// backends) then make progress while one of them waits.
+// reconfigure(), step_end(), shutdown() and destruction. Ranks that are threads of one process
+// (inproc backends) then make progress while one of them waits.
 
 #include <fmt/core.h>
 #include <prometheus/metric_family.h>
@@ -87,7 +90,7 @@ bool bool_of(const py::handle& value, const std::string& key) {
 constexpr const char* kConfigKeys =
     "experts, physical, ranks, nodes, groups, interval, window, policy, hierarchical, "
     "tolerance, min_gain, lag, timeout_ms, mode, agreement, install, peers_per_round, dispatch, "
-    "on_error, stall_warn_ms, balancedness_period, metric_labels";
+    "on_error, stall_warn_ms, balancedness_period, backup_copies, metric_labels";
 
 // A runtime::Config from a dict whose keys are the C++ field names (the layout's flattened in,
 // timeout as timeout_ms). `ranks` defaults to the world size.
@@ -144,6 +147,8 @@ runtime::Config to_config(const py::dict& d, int world_size) {
       c.stall_warn = std::chrono::milliseconds(int_of(v, key));
     } else if (key == "balancedness_period") {
       c.balancedness_period = int_of(v, key);
+    } else if (key == "backup_copies") {
+      c.backup.copies = int_of(v, key);  // Backup::loader is C++ only: see runtime.py
     } else if (key == "metric_labels") {
       if (!py::isinstance<py::dict>(v)) {
         fail("config['metric_labels'] must be a dict of label name -> value, got ",
@@ -195,6 +200,7 @@ py::dict config_dict(const runtime::Config& c) {
   d["on_error"] = c.on_error == runtime::OnError::kRaise ? "raise" : "log";
   d["stall_warn_ms"] = static_cast<int64_t>(c.stall_warn.count());
   d["balancedness_period"] = c.balancedness_period;
+  d["backup_copies"] = c.backup.copies;
   py::dict labels;
   for (const auto& [name, value] : c.metric_labels) labels[py::str(name)] = value;
   d["metric_labels"] = labels;
@@ -219,6 +225,8 @@ py::dict record_dict(const runtime::RebalanceRecord& r) {
   d["bytes_local_copy"] = r.bytes_local_copy;
   d["rounds"] = r.rounds;
   d["bytes_installed"] = r.bytes_installed;
+  d["bytes_restored"] = r.bytes_restored;
+  d["repair"] = r.repair;
   d["steps"] = r.steps;
   d["seconds"] = r.seconds;
   d["stall_total_ms"] = r.stall_total_ms;
@@ -289,10 +297,37 @@ py::array_t<int32_t> int32s(const std::vector<int32_t>& v, std::vector<py::ssize
   return out;
 }
 
+// The weight spec of both constructors: (name, expert bytes) per tensor and, with the
+// engine's own tensors, (address, stride) per [layers][tensors] (the Python object passed as
+// `keep` holds them as long as the runtime).
+runtime::WeightSpec weight_spec(const std::vector<std::pair<std::string, int64_t>>& tensors,
+                                int64_t layers,
+                                const std::vector<std::pair<uintptr_t, int64_t>>& engine) {
+  runtime::WeightSpec spec;
+  spec.layers = layers;
+  for (const auto& [name, bytes] : tensors) spec.tensors.push_back({name, bytes});
+  for (const auto& [address, stride] : engine) {
+    spec.engine.push_back({.base = reinterpret_cast<void*>(address), .stride = stride});
+  }
+  return spec;
+}
+
+control::Options control_options(int rank, int size, const std::string& rendezvous,
+                                 const std::string& group, std::chrono::milliseconds timeout) {
+  control::Options options;
+  options.rank = rank;
+  options.size = size;
+  options.rendezvous = rendezvous;
+  options.group = group;
+  options.timeout = timeout;
+  return options;
+}
+
 // One rank of the runtime. Members are declared in the order they are built, so they are
 // destroyed rebalancer first, communicator last.
 class Runtime {
  public:
+  // A member of the group from the start: joins the control group here.
   Runtime(runtime::Config config, int rank, const std::string& control,
           const control::Options& options, const std::string& transport, runtime::WeightSpec spec,
           std::optional<Placement> initial, std::optional<std::string> initial_path,
@@ -315,15 +350,24 @@ class Runtime {
     if (start.layers != spec.layers) {
       fail("the initial placement has ", start.layers, " layers but layers is ", spec.layers);
     }
-    if (!transport::has_backend(transport)) {
-      // create() names the built backends.
-      transport::create(transport, transport::Options{.rank = rank});
-    }
+    check_transport_name(transport, rank);
     py::gil_scoped_release release;
     comm_ = control::connect(control, options);
     transport_ = transport::create(transport, transport::Options{.rank = rank});
     rebalancer_ = std::make_unique<runtime::Rebalancer>(std::move(config), *comm_, *transport_,
                                                         std::move(spec), std::move(start));
+  }
+
+  // A process that takes seat `seat` of a running group: no communicator and no transport
+  // until reconfigure() brings it in.
+  Runtime(runtime::Config config, int seat, runtime::WeightSpec spec, py::object keep)
+      : keep_(std::move(keep)),
+        layout_(config.layout),
+        dispatch_policy_(config.dispatch),
+        random_state_(0x9E3779B97F4A7C15ull ^ (static_cast<uint64_t>(seat) + 1)),
+        joining_(true) {
+    spec.validate();
+    rebalancer_ = std::make_unique<runtime::Rebalancer>(std::move(config), std::move(spec), seat);
   }
 
   ~Runtime() {
@@ -344,10 +388,73 @@ class Runtime {
   routing::AdaptiveShares& shares() { return shares_; }  // route()'s, reused between calls
   uint64_t& random_state() { return random_state_; }
 
+  // Built to join and not brought in yet: the calls that need a group refuse with this message
+  // (the C++ Rebalancer's own would speak of connect(), which a joining rank never calls).
+  bool joining() const { return joining_; }
+  void require_member(const char* what) const {
+    if (joining_) {
+      fail(what, ": this Rebalancer was built to join seat ", rebalancer_->rank(),
+           " and is no member yet: call reconfigure() with a membership that lists seat ",
+           rebalancer_->rank(), " first (on every member, at the same step)");
+    }
+  }
+
+  // Every transport whose memory the Rebalancer may show now: the one in force, and those a
+  // failed reconfigure() left it with. A view holds them, so its memory outlives the group.
+  std::vector<std::shared_ptr<transport::Transport>> transports() const {
+    std::vector<std::shared_ptr<transport::Transport>> all = pending_transports_;
+    if (transport_) all.push_back(transport_);
+    return all;
+  }
+
+  // Onto the group of `seats` (docs/elastic.md): member options.rank of options.size.
+  void reconfigure(const std::vector<int32_t>& seats, const std::string& control,
+                   const control::Options& options, const std::string& transport) {
+    runtime::Membership membership{seats};
+    // What can be checked alone is checked before joining, as in the constructor.
+    membership.validate(layout_);
+    const int32_t seat = seats[static_cast<size_t>(options.rank)];
+    if (seat != rebalancer_->rank()) {
+      fail("reconfigure: this rank holds seat ", rebalancer_->rank(), " but seats puts it (rank ",
+           options.rank, " of the new group) in seat ", seat,
+           ": a member keeps its seat, list it at its own position");
+    }
+    check_transport_name(transport, options.rank);
+    py::gil_scoped_release release;
+    std::unique_ptr<control::Communicator> comm = control::connect(control, options);
+    std::shared_ptr<transport::Transport> next =
+        transport::create(transport, transport::Options{.rank = options.rank});
+    try {
+      rebalancer_->reconfigure(*comm, *next, membership);
+    } catch (...) {
+      // The Rebalancer may have moved onto the new pair before it failed (its regions live in
+      // the new transport once allocated): keep both pairs until a reconfigure() succeeds.
+      pending_comms_.push_back(std::move(comm));
+      pending_transports_.push_back(std::move(next));
+      throw;
+    }
+    // The old pair is no longer used. Its transport's memory goes once no view holds it.
+    std::unique_ptr<control::Communicator> old_comm = std::exchange(comm_, std::move(comm));
+    transport_ = std::move(next);
+    pending_transports_.clear();
+    pending_comms_.clear();
+    old_comm.reset();
+    joining_ = false;
+  }
+
  private:
+  static void check_transport_name(const std::string& transport, int rank) {
+    if (!transport::has_backend(transport)) {
+      // create() names the built backends.
+      transport::create(transport, transport::Options{.rank = rank});
+    }
+  }
+
   void destroy() {
     rebalancer_.reset();
+    pending_transports_.clear();
     transport_.reset();
+    pending_comms_.clear();
     comm_.reset();
   }
 
@@ -358,8 +465,12 @@ class Runtime {
   const routing::DispatchPolicy dispatch_policy_;
   routing::AdaptiveShares shares_;
   uint64_t random_state_;
+  bool joining_ = false;
   std::unique_ptr<control::Communicator> comm_;
-  std::unique_ptr<transport::Transport> transport_;
+  std::vector<std::unique_ptr<control::Communicator>> pending_comms_;
+  // Shared with the views of their memory (ViewOwner).
+  std::shared_ptr<transport::Transport> transport_;
+  std::vector<std::shared_ptr<transport::Transport>> pending_transports_;
   std::unique_ptr<runtime::Rebalancer> rebalancer_;
 };
 
@@ -376,14 +487,7 @@ std::unique_ptr<Runtime> make_runtime(const py::dict& config, int rank, int worl
     fail("rank ", rank, " is outside [0, ", world_size, ") (world_size ", world_size, ")");
   }
   runtime::Config c = to_config(config, world_size);
-  runtime::WeightSpec spec;
-  spec.layers = layers;
-  for (const auto& [name, bytes] : tensors) spec.tensors.push_back({name, bytes});
-  // The caller's own tensors, [layers][tensors]: (address, stride); the Python object keeps
-  // them alive as long as this runtime.
-  for (const auto& [address, stride] : engine) {
-    spec.engine.push_back({.base = reinterpret_cast<void*>(address), .stride = stride});
-  }
+  runtime::WeightSpec spec = weight_spec(tensors, layers, engine);
   std::optional<Placement> start;
   if (initial) {
     if (initial->ndim() == 2 && initial->shape(1) != c.layout.physical) {
@@ -392,20 +496,59 @@ std::unique_ptr<Runtime> make_runtime(const py::dict& config, int rank, int worl
     }
     start = to_placement(*initial, c.layout.experts, "initial", true);
   }
-  control::Options options;
-  options.rank = rank;
-  options.size = world_size;
-  options.rendezvous = rendezvous;
-  options.group = group;
-  options.timeout = c.timeout;
-  return std::make_unique<Runtime>(std::move(c), rank, control, options, transport, std::move(spec),
-                                   std::move(start), initial_path, std::move(keep));
+  const control::Options options =
+      control_options(rank, world_size, rendezvous, group, c.timeout);
+  return std::make_unique<Runtime>(std::move(c), rank, control, options, transport,
+                                   std::move(spec), std::move(start), initial_path,
+                                   std::move(keep));
+}
+
+// The joining Runtime: `ranks` is the layout's (every seat, lost ones included).
+std::unique_ptr<Runtime> make_joining(const py::dict& config, int seat, int ranks,
+                                      const std::vector<std::pair<std::string, int64_t>>& tensors,
+                                      int64_t layers,
+                                      const std::vector<std::pair<uintptr_t, int64_t>>& engine,
+                                      py::object keep) {
+  if (ranks < 1) fail("world_size ", ranks, " must be at least 1");
+  runtime::Config c = to_config(config, ranks);
+  return std::make_unique<Runtime>(std::move(c), seat, weight_spec(tensors, layers, engine),
+                                   std::move(keep));
+}
+
+void reconfigure(Runtime& r, int rank, int world_size, const std::vector<int32_t>& seats,
+                 const std::string& control, const std::string& rendezvous,
+                 const std::string& group, const std::string& transport) {
+  if (world_size < 1) fail("world_size ", world_size, " must be at least 1");
+  if (rank < 0 || rank >= world_size) {
+    fail("rank ", rank, " is outside [0, ", world_size, ") (world_size ", world_size, ")");
+  }
+  if (static_cast<int64_t>(seats.size()) != world_size) {
+    fail("reconfigure: seats lists ", seats.size(), " seats but world_size is ", world_size,
+         " (member g of the new group is its rank g, in seat seats[g])");
+  }
+  r.reconfigure(seats, control,
+                control_options(rank, world_size, rendezvous, group, r.rb().config().timeout),
+                transport);
+}
+
+// What a view of the Rebalancer's memory keeps alive: the Runtime (the arena's owner, and the
+// engine's tensors) and the transports whose memory the view may show. The Runtime goes first
+// (members are destroyed in reverse order): its Rebalancer is gone before a transport it used.
+struct ViewOwner {
+  std::vector<std::shared_ptr<transport::Transport>> transports;
+  py::object runtime;
+};
+
+py::capsule view_owner(py::object self) {
+  auto* owner = new ViewOwner{self.cast<Runtime&>().transports(), std::move(self)};
+  return py::capsule(owner, [](void* p) { delete static_cast<ViewOwner*>(p); });
 }
 
 // This rank's bytes of one tensor of `layer`, [slots_per_rank][expert_bytes] uint8, a view
-// that keeps `self` (and so the arena) alive.
+// that keeps the arena alive.
 py::array weights_view(py::object self, int64_t layer, int64_t tensor) {
   Runtime& r = self.cast<Runtime&>();
+  r.require_member("weights()");
   std::span<std::byte> bytes = r.rb().weights(layer, tensor);
   const runtime::WeightSpec& spec = r.rb().weight_spec();
   const py::ssize_t slots = r.layout().slots_per_rank();
@@ -416,7 +559,13 @@ py::array weights_view(py::object self, int64_t layer, int64_t tensor) {
   const auto stride =
       static_cast<py::ssize_t>(spec.engine_weights() ? spec.stride(layer, tensor) : per_slot);
   return py::array(py::dtype::of<uint8_t>(), {slots, per_slot}, {stride, py::ssize_t{1}},
-                   bytes.data(), self);
+                   bytes.data(), view_owner(std::move(self)));
+}
+
+// One expert's bytes of one tensor in this rank's backup share, uint8 [expert_bytes].
+py::array bytes_view(py::object self, std::span<std::byte> bytes) {
+  return py::array(py::dtype::of<uint8_t>(), {static_cast<py::ssize_t>(bytes.size())},
+                   {py::ssize_t{1}}, bytes.data(), view_owner(std::move(self)));
 }
 
 py::dict dispatch_dict(Runtime& r, int64_t layer) {
@@ -510,8 +659,15 @@ void bind_runtime(py::module_& m) {
            py::arg("control"), py::arg("rendezvous"), py::arg("group"), py::arg("transport"),
            py::arg("tensors"), py::arg("layers"), py::arg("initial"), py::arg("initial_path"),
            py::arg("engine"), py::arg("keep"))
+      .def_static("join", &make_joining, py::arg("config"), py::arg("seat"),
+                  py::arg("ranks"), py::arg("tensors"), py::arg("layers"), py::arg("engine"),
+                  py::arg("keep"))
       .def("connect",
            [](Runtime& r) {
+             if (r.joining()) {
+               fail("connect(): this Rebalancer was built to join seat ", r.rb().rank(),
+                    " of a running group: it enters through reconfigure(), not connect()");
+             }
              runtime::Rebalancer& rb = r.rb();
              py::gil_scoped_release release;
              return rb.connect();
@@ -546,6 +702,7 @@ void bind_runtime(py::module_& m) {
            })
       .def("step_end",
            [](Runtime& r) {
+             r.require_member("step_end()");
              runtime::Rebalancer& rb = r.rb();
              py::gil_scoped_release release;
              rb.step_end();
@@ -560,7 +717,11 @@ void bind_runtime(py::module_& m) {
              py::gil_scoped_release release;
              rb.shutdown();
            })
-      .def("host_bytes", [](Runtime& r) { return r.rb().host_bytes(); },
+      .def("host_bytes",
+           [](Runtime& r) {
+             r.require_member("host_bytes()");
+             return r.rb().host_bytes();
+           },
            "The host memory eplb holds on this rank, in bytes: arena or staging (unless in device "
            "memory), load window, placement and dispatch tables; not the engine's weights.")
       .def("agreement_contribution", [](Runtime& r) { return r.rb().agreement_contribution(); })
@@ -592,6 +753,41 @@ void bind_runtime(py::module_& m) {
              const std::vector<prometheus::MetricFamily> families = r.rb().collect_metrics();
              return metric_families_list(families);
            })
+      .def("reconfigure", &reconfigure, py::arg("rank"), py::arg("world_size"),
+           py::arg("seats"), py::arg("control"), py::arg("rendezvous"), py::arg("group"),
+           py::arg("transport"))
+      .def("members", [](Runtime& r) { return r.rb().members(); })
+      .def("unavailable",
+           [](Runtime& r, int64_t layer) {
+             const std::vector<int32_t> experts = r.rb().unavailable(layer);
+             return int32s(experts, {static_cast<py::ssize_t>(experts.size())});
+           })
+      .def("any_unavailable", [](Runtime& r) { return r.rb().any_unavailable(); })
+      .def("backup_experts",
+           [](Runtime& r) {
+             const std::vector<int32_t> experts = r.rb().backup_experts();
+             return int32s(experts, {static_cast<py::ssize_t>(experts.size())});
+           })
+      .def("backup_bytes", [](Runtime& r) { return r.rb().backup_bytes(); })
+      .def("backup_weights",
+           [](py::object self, int64_t layer, int64_t tensor, int32_t expert) {
+             Runtime& r = self.cast<Runtime&>();
+             r.require_member("backup_weights()");
+             return bytes_view(std::move(self), r.rb().backup_weights(layer, tensor, expert));
+           })
+      // fill(layer, tensor index, expert, uint8 view) for each expert of this rank's share, on
+      // this thread with the GIL held; an exception it raises propagates and leaves the share
+      // unfilled (not a restore source).
+      .def("fill_backup",
+           [](py::object self, const py::function& fill) {
+             Runtime& r = self.cast<Runtime&>();
+             r.require_member("fill_backup()");
+             r.rb().fill_backup([&](int64_t layer, int64_t tensor, int32_t expert,
+                                    std::span<std::byte> bytes) {
+               fill(layer, tensor, expert, bytes_view(self, bytes));
+             });
+           })
+      .def("joining", &Runtime::joining)
       .def("config", [](Runtime& r) { return config_dict(r.rb().config()); })
       .def("rank", [](Runtime& r) { return r.rb().rank(); })
       .def("step", [](Runtime& r) { return r.rb().step(); })

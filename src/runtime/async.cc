@@ -250,6 +250,7 @@ void Rebalancer::Impl::run_job(Active& a) {
     }
     CollectiveResult result = a.window.get();  // a copy: the monitor may read it too
     const std::vector<int64_t> window = std::move(result).take();
+    if (cancelled()) return;
     progress_.note(a.index, Phase::kPlacement);
     if (config_.delay_hook) config_.delay_hook(DelayPoint::kPlacement);
     a.plan = make_plan(window, a.current_phy2log, config_, spec_.expert_bytes(), a.elastic);

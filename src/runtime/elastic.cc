@@ -104,37 +104,68 @@ void Rebalancer::Impl::reconfigure(control::Communicator& communicator,
   }
   group_.fetch_add(1, std::memory_order_acq_rel);
 
-  // Step 2: eplb's regions move into the new transport: the arena's layers (in layer order, so
-  // that every member's buffer map is the identity again) and the backup copy.
-  transport::Transport* old_transport = transport_;
-  const transport::Region old_region = region_;
-  const transport::Region old_backup = backup_region_;
+  // Step 2: eplb's regions in the new transport, then the exchange. Until it succeeds the old
+  // regions stay the live ones (weights() still serves them): a reconfigure that throws leaves
+  // this rank as it was, on the communicator and transport the caller must keep until one
+  // succeeds.
+  if (!joining && transport.capabilities().device_memory != transport_->capabilities().device_memory) {
+    fail("reconfigure: the new ", transport.backend(), " transport keeps its memory ",
+         transport.capabilities().device_memory ? "on the device" : "on the host",
+         " but the ", transport_->backend(), " transport in use does not: the weights cannot "
+         "change sides");
+  }
+  struct Saved {
+    control::Communicator* comm;
+    transport::Transport* transport;
+    transport::Region region, backup;
+    EngineTensors engine;
+    std::vector<int> peer_region, peer_backup_region, peer_of_seat;
+    std::vector<int32_t> members;
+  };
+  const Saved old{comm_,         transport_,          region_,       backup_region_, engine_,
+                  peer_region_,  peer_backup_region_, peer_of_seat_, members_};
   const BufferMap old_map = map_;
   comm_ = &communicator;
   transport_ = &transport;
-  allocate_regions();
+  try {
+    allocate_regions();
+    exchange_membership(membership, joining);
+  } catch (...) {
+    comm_ = old.comm;
+    transport_ = old.transport;
+    region_ = old.region;
+    backup_region_ = old.backup;
+    engine_ = old.engine;
+    peer_region_ = old.peer_region;
+    peer_backup_region_ = old.peer_backup_region;
+    peer_of_seat_ = old.peer_of_seat;
+    members_ = old.members;
+    throw;
+  }
+
+  // Step 3: the arena's layers move in layer order (so that every member's buffer map is the
+  // identity again), after the engine's queued work that may still write them; then the
+  // backup copy.
   if (!joining && !spec_.engine_weights()) {
+    if (config_.installer) config_.installer->wait_marked(config_.timeout);
     const auto bytes = static_cast<size_t>(arena_.layer_bytes());
     std::vector<transport::Read> copies;
     for (int64_t l = 0; l < layers_; ++l) {
       const int64_t from = arena_.offset(old_map.buffer_of_layer[l], 0, 0);
       std::byte* to = region_.data + arena_.offset(l, 0, 0);
-      if (old_transport->capabilities().device_memory) {
-        copies.push_back({.peer = old_transport->rank(), .region = old_region.id,
+      if (old.transport->capabilities().device_memory) {
+        copies.push_back({.peer = old.transport->rank(), .region = old.region.id,
                           .offset = static_cast<uint64_t>(from), .dst = to, .bytes = bytes});
       } else {
-        std::memcpy(to, old_region.data + from, bytes);
+        std::memcpy(to, old.region.data + from, bytes);
       }
     }
-    if (!copies.empty()) old_transport->post(copies)->wait(config_.timeout);
+    if (!copies.empty()) old.transport->post(copies)->wait(config_.timeout);
     map_ = BufferMap(layers_);
   }
-  if (!joining && old_backup.bytes > 0 && backup_region_.bytes == old_backup.bytes) {
-    std::memcpy(backup_region_.data, old_backup.data, old_backup.bytes);
+  if (!joining && old.backup.bytes > 0 && backup_region_.bytes == old.backup.bytes) {
+    std::memcpy(backup_region_.data, old.backup.data, old.backup.bytes);
   }
-
-  // Step 3: descriptors and every member's slots; the group's state adopted.
-  exchange_membership(membership, joining);
 
   // Step 4: the threads on the new group.
   control_broken_.store(false, std::memory_order_release);
@@ -165,7 +196,7 @@ void Rebalancer::Impl::exchange_membership(const Membership& membership, bool jo
   const size_t own = static_cast<size_t>(layers_ * spr);
   struct Head {
     uint64_t fingerprint;
-    int32_t seat, joining, backup_filled, region, backup_region, pad;
+    int32_t seat, joining, backup_filled, region, backup_region, repair;
     int64_t step, next_index;
   };
   const std::vector<std::byte> descriptor = transport_->export_descriptor();
@@ -177,6 +208,7 @@ void Rebalancer::Impl::exchange_membership(const Membership& membership, bool jo
   head.backup_filled = backup_filled_.load(std::memory_order_acquire) ? 1 : 0;
   head.region = region_.id;
   head.backup_region = backup_region_.bytes > 0 ? backup_region_.id : -1;
+  head.repair = repair_pending_ ? 1 : 0;
   head.step = step_;
   head.next_index = next_index_;
   std::memcpy(mine.data(), &head, sizeof head);
@@ -325,10 +357,15 @@ void Rebalancer::Impl::exchange_membership(const Membership& membership, bool jo
   }
   // A repair when a member slot holds nothing, or the group is not what it was: the placement
   // then follows the members (a smaller group is rebalanced over the survivors at once).
+  // The same on every member: from exchanged values only (a member whose last repair failed
+  // alone still asks for one, so every member starts it).
   const bool any_joining =
       std::any_of(heads.begin(), heads.end(), [](const Head& h) { return h.joining != 0; });
-  repair_pending_ = repair_pending_ || !all_usable || any_joining ||
+  const bool any_repair =
+      std::any_of(heads.begin(), heads.end(), [](const Head& h) { return h.repair != 0; });
+  repair_pending_ = any_repair || !all_usable || any_joining ||
                     static_cast<int64_t>(members_.size()) < layout.ranks;
+  repair_failed_ = false;
 }
 
 // ---------------------------------------------------------------- lost slots

@@ -307,6 +307,7 @@ class Rebalancer::Impl {
   std::vector<int32_t> phy2log_;                 // [layers][physical]
   std::vector<uint8_t> usable_;  // [layers][physical]: the slot holds its expert's weights
   bool repair_pending_ = false;  // reconfigure() asks for a repair rebalance
+  bool repair_failed_ = false;   // one failed since: retried at intervals only
   std::vector<routing::DispatchTables> tables_;  // [layers]
   BufferMap map_;
   EngineTensors engine_;  // the engine's own tensors, from connect() on; empty with the arena
@@ -324,6 +325,7 @@ class Rebalancer::Impl {
   std::optional<std::vector<int64_t>> sync_window_;
   std::atomic<bool> control_broken_{false};
   std::atomic<int64_t> group_{0};  // reconfigure() calls so far: whose collectives these are
+  std::atomic<int64_t> broken_group_{-1};  // the group whose window failed (monitor thread)
   std::atomic<int64_t> published_step_{0};          // step_, for agreement_result's check
   std::atomic<int64_t> contribution_{kNoAgreement};  // agreement_contribution()
 

@@ -279,6 +279,7 @@ bool stage_layer(const StageContext& context, const BufferMap& map, int64_t laye
   std::vector<transport::Read> restore_reads;
   for (const migration::Restore& r : migration.plan.restores) {
     if (r.dst_rank != context.rank) continue;
+    if (cancelled()) return false;
     for (int64_t t = 0; t < arena.tensors(); ++t) {
       std::byte* dst = context.base + arena.offset(spare, t, r.dst_slot - first);
       const auto bytes = static_cast<size_t>(arena.tensor_bytes(t));

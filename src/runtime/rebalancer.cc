@@ -122,9 +122,7 @@ Rebalancer::Impl::Impl(Config config, WeightSpec spec, int seat, const Placement
   monitor_ = std::make_unique<Monitor>(
       rank_, layout, config_.stall_warn, config_.timeout, progress_, *metrics_,
       [this](const Failure&, int64_t group) {
-        if (group == group_.load(std::memory_order_acquire)) {
-          control_broken_.store(true, std::memory_order_release);
-        }
+        broken_group_.store(group, std::memory_order_release);
       });
 }
 
@@ -164,6 +162,7 @@ void Rebalancer::Impl::check_engine_slots_apart() const {
 }
 
 int64_t Rebalancer::Impl::connect() {
+  EPLB_CHECK(!joining_, "a joining Rebalancer enters through reconfigure(), not connect()");
   EPLB_CHECK(!connected_, "connect() was already called");
   const std::chrono::milliseconds timeout = config_.timeout;
   if (transport_->capabilities().device_memory && !config_.installer) {
@@ -171,7 +170,6 @@ int64_t Rebalancer::Impl::connect() {
          "Config::installer (eplb::cuda::StreamInstaller on the engine's stream) so that "
          "installs are ordered with the engine's queued work");
   }
-  EPLB_CHECK(!joining_, "a joining Rebalancer enters through reconfigure(), not connect()");
   // Step 1: the arena, staging included, as one region; or the staging layer alone and the
   // engine's tensors registered, one region each; then the backup copy.
   const bool engine = spec_.engine_weights();
@@ -325,7 +323,7 @@ const routing::DispatchTables& Rebalancer::Impl::dispatch(int64_t layer) const {
 }
 
 std::span<std::byte> Rebalancer::Impl::weights(int64_t layer, int64_t tensor) const {
-  EPLB_CHECK(connected_, "weights() needs connect() first (it allocates the arena)");
+  EPLB_CHECK(connected_, "weights() needs connect() first (it allocates the arena; a joining rank: reconfigure())");
   EPLB_CHECK(layer >= 0 && layer < layers_, "weights: layer ", layer, " is outside [0, ",
              layers_, ")");
   EPLB_CHECK(tensor >= 0 && tensor < arena_.tensors(), "weights: tensor ", tensor,
@@ -366,7 +364,7 @@ Placement Rebalancer::Impl::placement() const {
 }
 
 void Rebalancer::Impl::step_end() {
-  EPLB_CHECK(connected_, "step_end() needs connect() first");
+  EPLB_CHECK(connected_, "step_end() needs connect() first (a joining rank: reconfigure())");
   EPLB_CHECK(!shut_down_, "step_end() after shutdown()");
   const auto start = Clock::now();
   recorder_.step_end();
@@ -492,13 +490,16 @@ bool Rebalancer::Impl::rebalancing() const { return open_.has_value(); }
 int64_t Rebalancer::Impl::installed_layers() const { return installed_total_; }
 
 bool Rebalancer::Impl::control_broken() const {
-  return control_broken_.load(std::memory_order_acquire);
+  // A failed window of the monitor names the group it belonged to: only the current one's
+  // breaks anything (an old group's may arrive after reconfigure()).
+  return control_broken_.load(std::memory_order_acquire) ||
+         broken_group_.load(std::memory_order_acquire) == group_.load(std::memory_order_acquire);
 }
 
 int64_t Rebalancer::Impl::bytes_held() const { return bytes_held_.load(std::memory_order_acquire); }
 
 int64_t Rebalancer::Impl::host_bytes() const {
-  EPLB_CHECK(connected_, "host_bytes() needs connect() first (it allocates the arena)");
+  EPLB_CHECK(connected_, "host_bytes() needs connect() first (it allocates the arena; a joining rank: reconfigure())");
   const auto of = [](const auto& v) {
     return static_cast<int64_t>(v.size() * sizeof(typename std::decay_t<decltype(v)>::value_type));
   };
@@ -533,7 +534,10 @@ const WeightSpec& Rebalancer::Impl::weight_spec() const { return spec_; }
 
 bool Rebalancer::Impl::should_trigger() const {
   if (control_broken() || open_) return false;
-  return repair_pending_ || (step_ > 0 && step_ % config_.interval == 0);
+  // A repair starts at once after reconfigure(); after a failed one, again at the next interval
+  // (a loader that keeps failing must not cost a collective and a warning at every step).
+  const bool at_interval = step_ > 0 && step_ % config_.interval == 0;
+  return (repair_pending_ && !repair_failed_) || at_interval;
 }
 
 routing::DispatchTables Rebalancer::Impl::build_tables(const Placement& placement, int64_t layer,
@@ -575,6 +579,7 @@ void Rebalancer::Impl::close_open(std::optional<Failure> raise) {
   if (open_->repair && open_->outcome != Outcome::kFailed && open_->outcome != Outcome::kCancelled) {
     repair_pending_ = false;
   }
+  if (open_->repair && open_->outcome == Outcome::kFailed) repair_failed_ = true;
   open_->end_step = step_;
   open_->steps = step_ - open_->trigger_step;
   open_->seconds = ms_between(open_started_, Clock::now()) / 1000.0;

@@ -309,7 +309,9 @@ class Rebalancer {
   // rebalance: a placement over the members' seats only, lost experts restored (from a live
   // replica, a backup copy, or the loader) and the layers with unavailable experts installed
   // first; a joining member receives tokens once its slots are installed. The old communicator
-  // and transport are no longer used once it returns (the caller may destroy them). A joining
+  // and transport are no longer used once it returns (the caller may destroy them). With the
+  // arena, weights() moves to the new transport's memory (Install::kCopy too): re-read it after
+  // reconfigure(); the engine's own tensors (WeightSpec::engine) stay where they are. A joining
   // Rebalancer (the constructor above) adopts the group's step and placement. Throws (and the
   // engine may call it again with another group) when a collective fails or the members
   // disagree: InvalidArgument naming the seat, step or configuration that differs.
@@ -327,8 +329,8 @@ class Rebalancer {
   std::span<std::byte> backup_weights(int64_t layer, int64_t tensor, int32_t expert);
   int64_t backup_bytes() const;
   // Fills this rank's share of the backup: fill(layer, tensor, expert, bytes) for each. Call it
-  // after connect() (or, joining, before reconfigure()), before serving; a rank whose share is
-  // not filled is not used as a source.
+  // after connect(), before serving (a joining rank: after reconfigure(); its share serves
+  // restores from the next reconfigure on). A rank whose share is not filled is not a source.
   void fill_backup(const std::function<void(int64_t layer, int64_t tensor, int32_t expert,
                                             std::span<std::byte> bytes)>& fill);
 

@@ -21,6 +21,10 @@ namespace eplb::control {
 // In the shared mapping. Lock-free atomics of these sizes are address-free, so they work
 // across processes.
 struct MembershipBoard::Shared {
+  // Writers (the launcher, members adding a seat) take `writing`; `seq` is odd while one
+  // writes, so a reader retries a view taken across a change.
+  std::atomic<int> writing{0};
+  std::atomic<uint64_t> seq{0};
   std::atomic<int64_t> epoch{0};
   std::atomic<uint8_t> in_group[kMaxSeats];
   std::atomic<uint8_t> ready[kMaxSeats];
@@ -56,14 +60,42 @@ MembershipBoard::~MembershipBoard() {
   if (shared_ != nullptr) munmap(shared_, sizeof(Shared));
 }
 
+namespace {
+
+// The board's writers' lock: held for a few stores, by the launcher or a member (never by the
+// process a run kills, which does not write the board).
+class WriterLock {
+ public:
+  explicit WriterLock(std::atomic<int>& flag) : flag_(flag) {
+    int expected = 0;
+    while (!flag_.compare_exchange_weak(expected, 1, std::memory_order_acquire)) {
+      expected = 0;
+      std::this_thread::yield();
+    }
+  }
+  ~WriterLock() { flag_.store(0, std::memory_order_release); }
+  WriterLock(const WriterLock&) = delete;
+  WriterLock& operator=(const WriterLock&) = delete;
+
+ private:
+  std::atomic<int>& flag_;
+};
+
+}  // namespace
+
 MembershipBoard::View MembershipBoard::view() const {
   for (;;) {
+    const uint64_t before = shared_->seq.load(std::memory_order_acquire);
+    if (before % 2 != 0) {
+      std::this_thread::yield();
+      continue;
+    }
     View v;
     v.epoch = shared_->epoch.load(std::memory_order_acquire);
     for (int s = 0; s < seats_; ++s) {
       if (shared_->in_group[s].load(std::memory_order_acquire)) v.seats.push_back(s);
     }
-    if (shared_->epoch.load(std::memory_order_acquire) == v.epoch) return v;
+    if (shared_->seq.load(std::memory_order_acquire) == before) return v;
   }
 }
 
@@ -85,16 +117,25 @@ MembershipBoard::View MembershipBoard::wait_newer(int64_t seen,
 void MembershipBoard::remove(int32_t seat) {
   EPLB_CHECK(seat >= 0 && seat < seats_, "membership board: seat ", seat, " is outside [0, ",
              seats_, ")");
+  const WriterLock lock(shared_->writing);
+  shared_->seq.fetch_add(1, std::memory_order_acq_rel);
   shared_->in_group[seat].store(0, std::memory_order_release);
   shared_->epoch.fetch_add(1, std::memory_order_acq_rel);
+  shared_->seq.fetch_add(1, std::memory_order_acq_rel);
 }
 
 int64_t MembershipBoard::add(int32_t seat, int64_t expected) {
   EPLB_CHECK(seat >= 0 && seat < seats_, "membership board: seat ", seat, " is outside [0, ",
              seats_, ")");
-  shared_->in_group[seat].store(1, std::memory_order_release);
-  int64_t e = expected;
-  shared_->epoch.compare_exchange_strong(e, expected + 1, std::memory_order_acq_rel);
+  const WriterLock lock(shared_->writing);
+  // Only the epoch it was asked of changes: another member made the change already, or the
+  // group changed meanwhile (a seat lost), and then the members see that epoch first.
+  if (shared_->epoch.load(std::memory_order_acquire) == expected) {
+    shared_->seq.fetch_add(1, std::memory_order_acq_rel);
+    shared_->in_group[seat].store(1, std::memory_order_release);
+    shared_->epoch.fetch_add(1, std::memory_order_acq_rel);
+    shared_->seq.fetch_add(1, std::memory_order_acq_rel);
+  }
   return shared_->epoch.load(std::memory_order_acquire);
 }
 
@@ -203,9 +244,9 @@ std::vector<RankExit> fork_elastic(int seats,
       exits[i].exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
       exits[i].signal = WIFSIGNALED(status) ? WTERMSIG(status) : 0;
       nap = std::chrono::microseconds(50);
+      board.set_ready(exits[i].rank, false);  // no process of that seat waits to join now
       if (exits[i].signal != 0) {
         // Lost: the group goes on without it, and maybe with a new process in its seat.
-        board.set_ready(exits[i].rank, false);
         board.remove(exits[i].rank);
         if (respawn && respawn(exits[i].rank)) {
           try {

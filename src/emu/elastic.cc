@@ -55,13 +55,13 @@ std::vector<control::RankExit> run_elastic_ranks(const RunOptions& options,
   return control::fork_elastic(
       options.ranks,
       [&](int seat, bool joining) {
+        const std::string report =
+            fmt::format("{}/rank{}{}.json", dir, seat, joining ? "-joined" : "");
         ElasticContext elastic{.board = &board, .rendezvous = rendezvous, .seat = seat,
-                               .joining = joining};
+                               .joining = joining, .report_path = report};
         Group group;
         if (!joining) group = connect_group(options, rendezvous, board.view(), seat);
-        const std::string report = serve(options, workload, std::move(group), &elastic, stop);
-        std::ofstream(fmt::format("{}/rank{}{}.json", dir, seat, joining ? "-joined" : ""))
-            << report;
+        std::ofstream(report) << serve(options, workload, std::move(group), &elastic, stop);
         return 0;
       },
       board, respawn, fork_options);

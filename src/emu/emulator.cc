@@ -284,9 +284,15 @@ std::string serve(const RunOptions& options, const Workload& workload, Group gro
   runtime::Rebalancer& rb = *rebalancer;
   if (joining) {
     elastic->board->set_ready(me, true);
+    // As long as it takes the members to reach --rejoin-at-step: the launcher ends this process
+    // if the run fails or stops meanwhile.
     control::MembershipBoard::View view = elastic->board->view();
     while (!view.has(me)) {
-      view = elastic->board->wait_newer(view.epoch, std::chrono::milliseconds(options.timeout_ms));
+      try {
+        view = elastic->board->wait_newer(view.epoch, std::chrono::milliseconds(options.timeout_ms));
+      } catch (const Timeout&) {
+        if (stop != nullptr && stop->load() != 0) fail<IoError>("stopped before joining");
+      }
     }
     group = connect_group(options, elastic->rendezvous, view, me);
     rb.reconfigure(*group.communicator, *group.transport, runtime::Membership{view.seats});
@@ -333,6 +339,7 @@ std::string serve(const RunOptions& options, const Workload& workload, Group gro
   };
   std::vector<Received> received;  // this layer's entries for this rank's slots
   std::vector<int64_t> step_max(static_cast<size_t>(1 + 2 * L));
+  std::vector<int64_t> own_counts(static_cast<size_t>(L * workload.experts));  // this step's
 
   std::vector<double> moe_ms, moe_wall_ms, stall_ms, balancedness;
   std::vector<int64_t> installs;
@@ -355,10 +362,54 @@ std::string serve(const RunOptions& options, const Workload& workload, Group gro
     rb.reconfigure(*next.communicator, *next.transport, runtime::Membership{view.seats});
     group = std::move(next);
   };
+  // This process's report (what run_local merges); also written by the process --kill-rank
+  // ends, just before it dies, so that the outputs it checked still count.
+  const auto make_report = [&] {
+    json history = json::array();
+    for (const runtime::RebalanceRecord& r : rb.history()) {
+      history.push_back({{"trigger_step", r.trigger_step},
+                         {"end_step", r.end_step},
+                         {"outcome", std::string(runtime::outcome_name(r.outcome))},
+                         {"error", r.error},
+                         {"slots_moved", r.slots_moved},
+                         {"bytes_intra_node", r.bytes_intra_node},
+                         {"bytes_inter_node", r.bytes_inter_node},
+                         {"bytes_local_copy", r.bytes_local_copy},
+                         {"bytes_installed", r.bytes_installed},
+                         {"bytes_restored", r.bytes_restored},
+                         {"repair", r.repair},
+                         {"index", r.index},
+                         {"stall_total_ms", r.stall_total_ms},
+                         {"stall_max_ms", r.stall_max_ms},
+                         {"balancedness_before", r.balancedness_before},
+                         {"balancedness_after", r.balancedness_after}});
+    }
+    const json report = json{{"rank", me},
+                         {"first_step", first_step},
+                         {"joined", joining},
+                         {"no_service_steps", no_service_steps},
+                         {"unavailable", unavailable_at},
+                         {"steps", step},
+                         {"interrupted", interrupted},
+                         {"bytes_held", bytes_held},
+                         {"computed", computed},
+                         {"verified", verified},
+                         {"mismatches", mismatches},
+                         {"first_mismatch", first_mismatch},
+                         {"moe_ms", moe_ms},
+                         {"moe_wall_ms", moe_wall_ms},
+                         {"stall_ms", stall_ms},
+                         {"balancedness", balancedness},
+                         {"installs", installs},
+                         {"history", history},
+                         {"metrics", json::parse(runtime::families_to_json(rb.collect_metrics()))}};
+    return report.dump();
+  };
   while (step < options.steps) {
     if (elastic != nullptr) {
       // --kill-rank: this seat's first process ends itself here, as a lost GPU would.
       if (!joining && me == options.kill_rank && step == options.kill_at_step) {
+        std::ofstream(elastic->report_path) << make_report();
         std::fflush(stdout);
         std::fflush(stderr);
         ::kill(::getpid(), SIGKILL);
@@ -381,6 +432,7 @@ std::string serve(const RunOptions& options, const Workload& workload, Group gro
     // This thread's CPU time in each layer's expert compute, and the wall time it took, in ns:
     // [0] the stop flag, then [1 + l] CPU and [1 + L + l] wall, maxed over the ranks below.
     std::fill(step_max.begin(), step_max.end(), 0);
+    std::fill(own_counts.begin(), own_counts.end(), 0);
     double sum_mean = 0, sum_max = 0;
     for (int64_t l = 0; l < L; ++l) {
       // Step 1: route every sender's tokens through this layer's tables, as each sender would.
@@ -415,7 +467,13 @@ std::string serve(const RunOptions& options, const Workload& workload, Group gro
           routing::route(tables, dispatch, in, k, out, static_cast<uint64_t>(first), g,
                          random_state[g]);
         }
-        if (g == me) rb.record(l, in);
+        // This rank's own tokens are recorded once the step is served (below): a step that a
+        // lost rank ends is served again, and its loads must count once.
+        if (g == me) {
+          const std::span<int64_t> counts{own_counts.data() + l * workload.experts,
+                                          static_cast<size_t>(workload.experts)};
+          routing::count_experts(in, workload.experts, counts);
+        }
         // -1: every replica of the expert is lost; the token goes without it.
         for (const int32_t slot : out) {
           if (slot >= 0) ++rank_load[slot / spr];
@@ -498,6 +556,10 @@ std::string serve(const RunOptions& options, const Workload& workload, Group gro
       regroup(elastic->board->wait_newer(group.epoch, std::chrono::milliseconds(options.timeout_ms)));
       continue;
     }
+    for (int64_t l = 0; l < L; ++l) {
+      rb.record_counts(l, {own_counts.data() + l * workload.experts,
+                           static_cast<size_t>(workload.experts)});
+    }
     balancedness.push_back(step_balancedness);
     unavailable_at.push_back(some_unavailable ? 1 : 0);
     double cpu_ns = 0, wall_ns = 0;
@@ -531,46 +593,8 @@ std::string serve(const RunOptions& options, const Workload& workload, Group gro
   }
   rb.shutdown();
 
-  json history = json::array();
-  for (const runtime::RebalanceRecord& r : rb.history()) {
-    history.push_back({{"trigger_step", r.trigger_step},
-                       {"end_step", r.end_step},
-                       {"outcome", std::string(runtime::outcome_name(r.outcome))},
-                       {"error", r.error},
-                       {"slots_moved", r.slots_moved},
-                       {"bytes_intra_node", r.bytes_intra_node},
-                       {"bytes_inter_node", r.bytes_inter_node},
-                       {"bytes_local_copy", r.bytes_local_copy},
-                       {"bytes_installed", r.bytes_installed},
-                       {"bytes_restored", r.bytes_restored},
-                       {"repair", r.repair},
-                       {"index", r.index},
-                       {"stall_total_ms", r.stall_total_ms},
-                       {"stall_max_ms", r.stall_max_ms},
-                       {"balancedness_before", r.balancedness_before},
-                       {"balancedness_after", r.balancedness_after}});
-  }
-  const json report = {{"rank", me},
-                       {"first_step", first_step},
-                       {"joined", joining},
-                       {"no_service_steps", no_service_steps},
-                       {"unavailable", unavailable_at},
-                       {"steps", step},
-                       {"interrupted", interrupted},
-                       {"bytes_held", bytes_held},
-                       {"computed", computed},
-                       {"verified", verified},
-                       {"mismatches", mismatches},
-                       {"first_mismatch", first_mismatch},
-                       {"moe_ms", moe_ms},
-                       {"moe_wall_ms", moe_wall_ms},
-                       {"stall_ms", stall_ms},
-                       {"balancedness", balancedness},
-                       {"installs", installs},
-                       {"history", history},
-                       {"metrics", json::parse(runtime::families_to_json(rb.collect_metrics()))}};
   if (snapshots) write_snapshot(rb, snapshot_path(options.live_metrics_dir, me));
-  return report.dump();
+  return make_report();
 }
 
 }  // namespace eplb::emu

@@ -64,12 +64,18 @@ RunResult merge_reports(const RunOptions& options, const Workload& workload,
   std::vector<json> r;
   for (const std::string& text : reports) r.push_back(json::parse(text));
   const auto first_of = [&](const json& rank) { return rank.value("first_step", int64_t{0}); };
-  // The reference: the lowest seat that served from the first step (its per-step figures are
-  // those of every rank: same tables, same global loads).
+  // The reference: the lowest seat that served from the first step to the last (its per-step
+  // figures are those of every rank: same tables, same global loads). A process --kill-rank
+  // ended left a report of the steps before it died: it counts, but is no reference.
   size_t ref = r.size();
+  const auto steps_of = [&](const json& rank) { return rank["steps"].get<int64_t>(); };
   for (size_t i = 0; i < r.size(); ++i) {
     if (first_of(r[i]) != 0) continue;
-    if (ref == r.size() || r[i]["rank"].get<int>() < r[ref]["rank"].get<int>()) ref = i;
+    if (ref == r.size() || steps_of(r[i]) > steps_of(r[ref]) ||
+        (steps_of(r[i]) == steps_of(r[ref]) &&
+         r[i]["rank"].get<int>() < r[ref]["rank"].get<int>())) {
+      ref = i;
+    }
   }
   EPLB_CHECK(ref < r.size(), "merge_reports: no rank served from the first step");
   const json& reference = r[ref];

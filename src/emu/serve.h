@@ -35,6 +35,7 @@ struct ElasticContext {
   std::string rendezvous;
   int seat = 0;
   bool joining = false;
+  std::string report_path;  // where the process --kill-rank ends leaves its report first
 };
 
 // The transport of rank `rank` of a group, for the process in `seat` (its emulated node).

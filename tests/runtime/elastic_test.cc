@@ -307,7 +307,6 @@ int rank_body(const Trial& t, control::MembershipBoard& board, const std::string
       repaired_after = step;
       ++regroups;
     }
-    record_loads(*rb, step);
     check_slots(*rb, group.seats, errors, step);
     const auto h = static_cast<int64_t>(tables_hash(*rb) >> 1);
     const bool rejoined =
@@ -330,6 +329,7 @@ int rank_body(const Trial& t, control::MembershipBoard& board, const std::string
     if (v[2] != step || v[3] != -step) {
       errors.push_back("step " + std::to_string(step) + ": the members are at different steps");
     }
+    record_loads(*rb, step);  // once the step is served: a step served again counts once
     if (v[4] == 0) break;  // every member done
     if (step >= limit) {
       errors.push_back("the repair did not complete within " + std::to_string(limit) + " steps");

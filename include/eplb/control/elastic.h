@@ -11,9 +11,10 @@
 // lists its seat; the members add it (add()) at a step they agree on.
 //
 // The board lives in an anonymous shared mapping made before the forks: every method may be
-// called from any process and thread. A writer (the launcher removing a seat, members adding
-// one) writes the seats first and then bumps the epoch; a reader takes a view only when the
-// epoch did not move while it read (so it never sees a half-made change).
+// called from any process and thread. Writers (the launcher removing a seat, members adding
+// one) take a spin lock and make a sequence counter odd while they change the seats and the
+// epoch; a reader retries a view taken while it was odd or across a change, so it never sees
+// a half-made change.
 
 #include <sys/types.h>
 
@@ -52,7 +53,8 @@ class MembershipBoard {
   // The launcher: `seat` left the group (its process died); the epoch moves on.
   void remove(int32_t seat);
   // A member: `seat` joins the group, if the epoch is still `expected` (every member of the
-  // group may call it for the same change: one of them makes it). Returns the epoch after it.
+  // group may call it for the same change: one of them makes it; if the group changed
+  // meanwhile nothing is added). Returns the epoch now.
   int64_t add(int32_t seat, int64_t expected);
 
   // A replacement process says it is up and waiting to join; members wait for that.

@@ -17,14 +17,17 @@ EXPERTS, PHYSICAL, LAYERS = 8, 12, 3
 WEIGHTS = [("w", 16)]
 
 
-def serve_two_ranks(steps=24, **extra):
+def serve_two_ranks(steps=24, until_completed=False, **extra):
     """Two rank threads serving a skewed load with rebalances every 4 steps; returns both
-    Rebalancers, shut down (their metrics stay readable)."""
+    Rebalancers, shut down (their metrics stay readable). With until_completed, serving goes on
+    past `steps` (by whole intervals, the same on both ranks) until both have completed a
+    rebalance: how fast the worker runs is the machine's business, not the test's."""
     cfg = {"experts": EXPERTS, "physical": PHYSICAL, "interval": 4, "window": 4, "lag": 1,
            "timeout_ms": 20000, "policy": "balanced", "balancedness_period": 4}
     cfg.update(extra)
     rendezvous = f"prom-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     out, errors = [None, None], []
+    done, barrier = [False, False], threading.Barrier(2, timeout=60)
 
     def body(rank):
         try:
@@ -33,10 +36,22 @@ def serve_two_ranks(steps=24, **extra):
             rb.connect()
             counts = np.ones(EXPERTS, dtype=np.int64)
             counts[:3] = 60
-            for _ in range(steps):
+            step = 0
+            while True:
                 for layer in range(LAYERS):
                     rb.record_counts(layer, counts)
                 rb.step_end()
+                step += 1
+                if step < steps or step % 4 != 0:
+                    continue
+                if not until_completed or step >= 4000:
+                    break
+                done[rank] = any(h["outcome"] == "completed" for h in rb.history())
+                barrier.wait()  # both decided ...
+                both = all(done)
+                barrier.wait()  # ... and read before either decides again
+                if both:
+                    break
             rb.shutdown()
             out[rank] = rb
         except BaseException as e:  # reported on the main thread
@@ -53,13 +68,13 @@ def serve_two_ranks(steps=24, **extra):
 
 
 def test_metrics_dict_text_and_collector():
-    rbs = serve_two_ranks(metric_labels={"model": "tiny-moe"})
+    rbs = serve_two_ranks(until_completed=True, metric_labels={"model": "tiny-moe"})
     for rank, rb in enumerate(rbs):
         m = rb.metrics()
         completed = sum(1 for h in rb.history() if h["outcome"] == "completed")
         assert completed >= 1
         assert m["eplb_rebalances_total"]["completed"] == completed
-        assert m["eplb_steps_total"] == 24
+        assert m["eplb_steps_total"] == rb.step >= 24
         assert m["eplb_rebalance_in_flight"] == 0
         assert m["eplb_rebalance_phase"]["idle"] == 1
         assert set(m["eplb_bytes_moved_total"]) == {"intra_node", "inter_node", "local_copy"}
@@ -85,7 +100,8 @@ def test_metrics_dict_text_and_collector():
     fams = {f.name: f for f in text_string_to_metric_families(text)}
     ranks = {s.labels["rank"] for s in fams["eplb_steps"].samples}
     assert ranks == {"0", "1"}
-    assert registry.get_sample_value("eplb_steps_total", {"rank": "1", "model": "tiny-moe"}) == 24
+    assert registry.get_sample_value("eplb_steps_total",
+                                     {"rank": "1", "model": "tiny-moe"}) == rbs[1].step
     hist = [s for s in fams["eplb_forward_stall_seconds"].samples if s.name.endswith("_count")]
     assert len(hist) == 2
     moved = sum(s.value for s in fams["eplb_bytes_moved"].samples)

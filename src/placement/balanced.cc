@@ -172,12 +172,16 @@ void improve_by_swaps(Packing& pack, std::span<const double> weight,
     if (top <= good_enough) return;
     double best = top - kMinGain * top;
     int64_t best_a = -1, best_b = -1;
-    for (int64_t k = 0; k + 1 < bins; ++k) {
+    // A swap that leaves both bins at most `good_enough` is taken at once (the first found,
+    // lightest bin first, then by place): the best swap of the round would reach the target
+    // too, and searching every bin for it was most of the search's time.
+    bool done = false;
+    for (int64_t k = 0; k + 1 < bins && !done; ++k) {
       const auto [lh, h] = lighter[k];
       // The best a swap with h can reach is the mean of the two loads; bins come lightest
       // first, so no later bin can beat `best` either.
       if (0.5 * (top + lh) >= best) break;
-      for (int64_t pa = g * cap; pa < (g + 1) * cap; ++pa) {
+      for (int64_t pa = g * cap; pa < (g + 1) * cap && !done; ++pa) {
         const int32_t ia = pack.item[pa];
         if (holds[h * classes + cls[ia]]) continue;
         const double wa = weight[ia];
@@ -191,6 +195,10 @@ void improve_by_swaps(Packing& pack, std::span<const double> weight,
             best = peak;
             best_a = pa;
             best_b = pb;
+            if (peak <= good_enough) {
+              done = true;
+              break;
+            }
           }
         }
       }
@@ -400,8 +408,18 @@ Placement balanced(const LoadMatrix& load, const Layout& layout, bool hierarchic
       continue;
     }
     const std::vector<double> ranks = rank_loads(load.row(l), out.layer_phy2log(l), layout);
-    const double most = *std::max_element(ranks.begin(), ranks.end());
-    if (most > layer_lower_bound(load.row(l), layout) * (1 + kCloseEnough)) open_layers.push_back(l);
+    double total = 0, most = 0;
+    for (const double r : ranks) {
+      total += r;
+      most = std::max(most, r);
+    }
+    // The bound is at least the mean rank load: a layer within kCloseEnough of the mean needs
+    // no bound (it cost a tenth of the policy).
+    const double close = 1 + kCloseEnough;
+    if (most > total / static_cast<double>(layout.ranks) * close &&
+        most > layer_lower_bound(load.row(l), layout) * close) {
+      open_layers.push_back(l);
+    }
   }
   if (open_layers.empty()) {
     out.derive_from_phy2log();

@@ -148,8 +148,16 @@ Packing pack_lpt(std::span<const double> weight, std::span<const int32_t> cls, i
 }
 
 // Step 3b: while some swap of an item on the most loaded bin with a lighter item of another bin
-// lowers the larger of the two bins' loads below the old maximum, apply the best such swap.
+// lowers the larger of the two bins' loads below the old maximum, apply the best such swap
+// (the first one found that leaves both bins at most `good_enough`, when there is one).
 // Each step lowers the sorted vector of bin loads, so the search ends.
+//
+// A swap of a (weight wa, on the top bin, load top) with b (wb, on bin h, load lh) moves
+// delta = wa - wb and leaves max(top - delta, lh + delta) = mid + |delta - half|, with
+// mid = (top + lh) / 2 and half = (top - lh) / 2: the best partner of a is the item of h whose
+// weight is nearest wa - half, and the others are worse the farther they are. Each bin keeps its
+// items sorted by weight, so the search walks out from that point and stops as soon as a
+// partner cannot beat the best so far: a few pairs per bin instead of every pair.
 void improve_by_swaps(Packing& pack, std::span<const double> weight,
                       std::span<const int32_t> cls, int64_t classes,
                       std::vector<uint8_t>& holds, double good_enough) {
@@ -166,33 +174,61 @@ void improve_by_swaps(Packing& pack, std::span<const double> weight,
     const std::pair<double, int64_t> entry{pack.load[bin], bin};
     lighter.insert(std::lower_bound(lighter.begin(), lighter.end(), entry), entry);
   };
+  // [bins][cap]: each bin's places by ascending weight of their item (place on a tie), and
+  // those weights side by side.
+  std::vector<int64_t> by_weight(static_cast<size_t>(bins * cap));
+  std::vector<double> sorted_weight(by_weight.size());
+  auto sort_bin = [&](int64_t b) {
+    int64_t* first = by_weight.data() + b * cap;
+    std::iota(first, first + cap, b * cap);
+    // Insertion sort: a bin holds a handful of items.
+    for (int64_t i = 1; i < cap; ++i) {
+      const int64_t pos = first[i];
+      const double wp = weight[pack.item[pos]];
+      int64_t j = i;
+      for (; j > 0 && weight[pack.item[first[j - 1]]] > wp; --j) first[j] = first[j - 1];
+      first[j] = pos;
+    }
+    for (int64_t i = 0; i < cap; ++i) sorted_weight[b * cap + i] = weight[pack.item[first[i]]];
+  };
+  for (int64_t b = 0; b < bins; ++b) sort_bin(b);
   for (int64_t round = 0; round < 64 * bins * cap; ++round) {
     const int64_t g = lighter.back().second;
     const double top = pack.load[g];
     if (top <= good_enough) return;
     double best = top - kMinGain * top;
     int64_t best_a = -1, best_b = -1;
-    for (int64_t k = 0; k + 1 < bins; ++k) {
+    bool done = false;
+    for (int64_t k = 0; k + 1 < bins && !done; ++k) {
       const auto [lh, h] = lighter[k];
+      const double mid = 0.5 * (top + lh), half = 0.5 * (top - lh);
       // The best a swap with h can reach is the mean of the two loads; bins come lightest
       // first, so no later bin can beat `best` either.
-      if (0.5 * (top + lh) >= best) break;
-      for (int64_t pa = g * cap; pa < (g + 1) * cap; ++pa) {
+      if (mid >= best) break;
+      const double* hw = sorted_weight.data() + h * cap;
+      const int64_t* hp = by_weight.data() + h * cap;
+      // g's items by ascending weight, so the point nearest each target only moves right.
+      int64_t at = 0;
+      for (int64_t i = 0; i < cap && !done; ++i) {
+        const int64_t pa = by_weight[g * cap + i];
         const int32_t ia = pack.item[pa];
+        const double wa = sorted_weight[g * cap + i];
+        const double target = wa - half;
+        while (at < cap && hw[at] < target) ++at;
         if (holds[h * classes + cls[ia]]) continue;
-        const double wa = weight[ia];
-        for (int64_t pb = h * cap; pb < (h + 1) * cap; ++pb) {
-          const int32_t ib = pack.item[pb];
-          const double delta = wa - weight[ib];
-          if (delta <= 0) continue;
+        auto visit = [&](int64_t j) {
+          const double delta = wa - hw[j];
           const double peak = std::max(top - delta, lh + delta);
           // The rule is looked up last: most candidates already fail on the loads.
-          if (peak < best && !holds[g * classes + cls[ib]]) {
+          if (delta > 0 && peak < best && !holds[g * classes + cls[pack.item[hp[j]]]]) {
             best = peak;
             best_a = pa;
-            best_b = pb;
+            best_b = hp[j];
+            done = peak <= good_enough;
           }
-        }
+        };
+        for (int64_t j = at; j < cap && !done && mid + (hw[j] - target) < best; ++j) visit(j);
+        for (int64_t j = at - 1; j >= 0 && !done && mid + (target - hw[j]) < best; --j) visit(j);
       }
     }
     if (best_a < 0) return;
@@ -208,6 +244,8 @@ void improve_by_swaps(Packing& pack, std::span<const double> weight,
     holds[h * classes + cls[ib]] = 0;
     holds[g * classes + cls[ib]] = 1;
     holds[h * classes + cls[ia]] = 1;
+    sort_bin(g);
+    sort_bin(h);
     reorder(g);
     reorder(h);
   }
@@ -400,8 +438,18 @@ Placement balanced(const LoadMatrix& load, const Layout& layout, bool hierarchic
       continue;
     }
     const std::vector<double> ranks = rank_loads(load.row(l), out.layer_phy2log(l), layout);
-    const double most = *std::max_element(ranks.begin(), ranks.end());
-    if (most > layer_lower_bound(load.row(l), layout) * (1 + kCloseEnough)) open_layers.push_back(l);
+    double total = 0, most = 0;
+    for (const double r : ranks) {
+      total += r;
+      most = std::max(most, r);
+    }
+    // The bound is at least the mean rank load: a layer within kCloseEnough of the mean needs
+    // no bound (it cost a tenth of the policy).
+    const double close = 1 + kCloseEnough;
+    if (most > total / static_cast<double>(layout.ranks) * close &&
+        most > layer_lower_bound(load.row(l), layout) * close) {
+      open_layers.push_back(l);
+    }
   }
   if (open_layers.empty()) {
     out.derive_from_phy2log();

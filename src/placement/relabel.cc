@@ -62,8 +62,9 @@ std::vector<int64_t> min_cost_matching(std::span<const int64_t> cost, int64_t n)
 }
 
 // Up to this many ranks a relabelling is matched exactly (Hungarian, O(n^3)); past it, greedily
-// (below): at 256 ranks the exact matching took 80% of the policy's time.
-constexpr int64_t kExactMatching = 64;
+// (below): at 256 ranks the exact matching took 80% of the policy's time, at 64 a quarter, and
+// on the bench's loads at 64 ranks the greedy matching kept as many slots.
+constexpr int64_t kExactMatching = 32;
 
 // A maximum-overlap matching for n > kExactMatching: the pairs with the largest overlap first
 // (ties by row, then column), each taken when its row and column are both free; the rows left

@@ -1,7 +1,7 @@
 #pragma once
 // sticky's Step 2 (sticky.cc): a fresh placement of one layer relabelled onto the previous one.
 // Its ranks are matched to the previous ranks so that most experts stay on their rank
-// (Hungarian assignment up to 64 ranks, greedy by overlap past that), and each expert that
+// (Hungarian assignment up to 32 ranks, greedy by overlap past that), and each expert that
 // stays keeps its old slot. Hierarchical: nodes are matched first (whole nodes keep their
 // groups together), then ranks within each matched pair of nodes.
 

@@ -4,7 +4,7 @@
 //           is good enough (the mean does not depend on the placement).
 //   Step 2: the fallback: balanced's placement relabelled onto the previous one: its ranks
 //           matched to the previous ranks so that most experts stay on their rank (Hungarian
-//           assignment up to 64 ranks, greedy by overlap past that; nodes first when
+//           assignment up to 32 ranks, greedy by overlap past that; nodes first when
 //           hierarchical), and each expert that stays keeps its old slot (relabel.h).
 //   Step 3: incremental: start from the previous placement, clear the slots that break the
 //           rules (a second replica on a rank; in hierarchical mode an expert on another node
@@ -33,6 +33,7 @@
 #include <cstdint>
 #include <functional>
 #include <limits>
+#include <memory>
 #include <numeric>
 #include <optional>
 #include <span>
@@ -78,7 +79,7 @@ class Incremental {
         prev_start_(static_cast<size_t>(experts_ + 1), 0), prev_slots_(prev.size()),
         share_(static_cast<size_t>(experts_)), share_up_(share_.size()),
         share_down_(share_.size()), slot_rank_(prev.size()),
-        holder_(static_cast<size_t>(experts_ * ranks_)) {
+        holder_(new int32_t[static_cast<size_t>(experts_ * ranks_)]) {
     for (size_t p = 0; p < prev.size(); ++p) {
       slot_rank_[p] = static_cast<int32_t>(static_cast<int64_t>(p) / spr_);
     }
@@ -133,7 +134,7 @@ class Incremental {
     const int32_t old = cur_[p];
     if (old >= 0) {
       holds_[r * experts_ + old] = 0;
-      int32_t* list = holder_.data() + static_cast<int64_t>(old) * ranks_;
+      int32_t* list = holder_.get() + static_cast<int64_t>(old) * ranks_;
       *std::find(list, list + count_[old], static_cast<int32_t>(p)) = list[count_[old] - 1];
       if (--count_[old] == 1) {
         redundant_.erase(std::lower_bound(redundant_.begin(), redundant_.end(), old));
@@ -259,7 +260,7 @@ class Incremental {
   // one replica per rank and few replicas, so walking its holders is cheap.
   double top_holder_except(int32_t e, int64_t rank) const {
     double top = -kInf;
-    const int32_t* list = holder_.data() + static_cast<int64_t>(e) * ranks_;
+    const int32_t* list = holder_.get() + static_cast<int64_t>(e) * ranks_;
     for (int32_t i = 0; i < count_[e]; ++i) {
       const int64_t r = rank_of(list[i]);
       if (r != rank) top = std::max(top, load_[r]);
@@ -281,7 +282,7 @@ class Incremental {
     for (const int32_t y : redundant_) {
       // The two most loaded holders of y: each holder's "others" is the top one, or the
       // second for the top one itself.
-      const int32_t* list = holder_.data() + static_cast<int64_t>(y) * ranks_;
+      const int32_t* list = holder_.get() + static_cast<int64_t>(y) * ranks_;
       double first = -kInf, second = -kInf;
       int32_t first_at = -1;
       for (int32_t i = 0; i < count_[y]; ++i) {
@@ -461,7 +462,7 @@ class Incremental {
     };
     if (cur_[a] != prev_[a] && !best.beaten_by(1, -kInf)) {
       const int32_t was = prev_[a];
-      const int32_t* held = holder_.data() + static_cast<int64_t>(was) * ranks_;
+      const int32_t* held = holder_.get() + static_cast<int64_t>(was) * ranks_;
       std::array<int32_t, kMaxListed> unmoved{};
       int64_t n = 0;
       for (int32_t i = 0; i < count_[was] && n < kMaxListed; ++i) {
@@ -599,7 +600,9 @@ class Incremental {
   std::vector<double> share_, share_up_, share_down_;  // [experts]
   std::vector<int32_t> slot_rank_;                     // [physical]
   // [experts][ranks]: the slots holding e are holder_[e * ranks_ .. e * ranks_ + count_[e]).
-  std::vector<int32_t> holder_;
+  // Left uninitialised: only those first count_[e] entries are ever read, and clearing all of
+  // it (256 KiB at 256 ranks) cost as much as a layer's search.
+  std::unique_ptr<int32_t[]> holder_;
   std::vector<double> slot_share_;  // [physical]: share_ of the slot's expert
   std::vector<double> rank_min_share_, rank_max_share_;  // [ranks]: least, largest slot_share_
   std::vector<int32_t> redundant_;  // experts with 2+ replicas, ascending
@@ -685,14 +688,17 @@ std::vector<int32_t> place_layer(std::span<const double> w, std::span<const int3
   // Step 0, past two slots per rank (where the bound is cheap and balanced within 0.1% of it):
   // the target from the lower bound instead, which is at least balanced's; reaching it with a
   // small budget needs no fresh placement at all.
+  std::optional<Incremental> search;
   if (layout.slots_per_rank() > 2 && !hierarchical && total > 0) {
     const double bound_target = mean / layer_lower_bound(w, layout) - tolerance;
-    Incremental early(w, prev, layout, std::span<const int32_t>{});
-    if (early.run(cap_for(bound_target), slots / kFewMoved) &&
-        layer_balancedness(w, early.slots(), layout) >= bound_target) {
-      return {early.slots().begin(), early.slots().end()};
+    search.emplace(w, prev, layout, std::span<const int32_t>{});
+    if (search->run(cap_for(bound_target), slots / kFewMoved) &&
+        layer_balancedness(w, search->slots(), layout) >= bound_target) {
+      return {search->slots().begin(), search->slots().end()};
     }
-    // Not met: Step 3 starts again from the previous placement, against balanced's target.
+    // Not met: Step 3 goes on from where this search stopped, against balanced's target (at
+    // most the bound's: its cap is at least this one). Starting again from the previous
+    // placement repeated the same actions, and was a third of the policy's time.
   }
   // Step 1.
   const std::vector<int32_t> fresh = fresh_of();
@@ -706,9 +712,8 @@ std::vector<int32_t> place_layer(std::span<const double> w, std::span<const int3
   const std::vector<int32_t> kept_nodes =
       hierarchical ? expert_nodes(groups_to_nodes(prev, layout), layout) : std::vector<int32_t>{};
   const bool reachable = !hierarchical || nodes_can_reach(w, kept_nodes, layout, cap);
-  std::optional<Incremental> search;
   if (reachable) {
-    search.emplace(w, prev, layout, kept_nodes);
+    if (!search) search.emplace(w, prev, layout, kept_nodes);
     if (search->run(cap, slots / kFewMoved) && good(search->slots())) {
       return {search->slots().begin(), search->slots().end()};
     }

@@ -77,14 +77,16 @@ bool heavier(std::span<const double> w, std::span<const int32_t> r, int32_t a, i
 // The largest pair of the sorted pairing of `order` (heaviest first) with counts r: the k-th
 // heaviest replica with the k-th lightest. Sets top and its experts; stops early once a pair
 // reaches `limit` (top is then at least that).
-void pair_up(std::span<const double> w, std::span<const int32_t> r, int64_t ranks, Pairing& p,
+// `share` [experts] is w / r, divided by the caller once per change of r: the pairing reads it
+// twice per rank, and the division was most of the count search's time.
+void pair_up(std::span<const double> share, std::span<const int32_t> r, int64_t ranks, Pairing& p,
              double limit = std::numeric_limits<double>::infinity()) {
   size_t i = 0, j = p.order.size() - 1;
   int32_t left_i = r[p.order[i]], left_j = r[p.order[j]];
   p.top = -1;
   for (int64_t k = 0; k < ranks; ++k) {
     const int32_t a = p.order[i], b = p.order[j];
-    const double sum = w[a] / r[a] + w[b] / r[b];
+    const double sum = share[a] + share[b];
     if (sum > p.top) {
       p.top = sum;
       p.top_heavy = a;
@@ -115,7 +117,9 @@ Pairing sorted_pairing(std::span<const double> w, std::span<const int32_t> r, in
   std::iota(p.order.begin(), p.order.end(), 0);
   std::sort(p.order.begin(), p.order.end(),
             [&](int32_t a, int32_t b) { return heavier(w, r, a, b); });
-  pair_up(w, r, ranks, p);
+  std::vector<double> share(w.size());
+  for (size_t e = 0; e < w.size(); ++e) share[e] = w[e] / r[e];
+  pair_up(share, r, ranks, p);
   return p;
 }
 
@@ -125,6 +129,9 @@ void search_counts(std::span<const double> w, int64_t ranks, std::vector<int32_t
   const int64_t experts = static_cast<int64_t>(w.size());
   Pairing trial;
   std::vector<int32_t> donors;
+  std::vector<double> share(w.size());  // w / r, kept current with r
+  for (size_t e = 0; e < w.size(); ++e) share[e] = w[e] / r[e];
+  auto update = [&](int32_t e) { share[e] = w[e] / r[e]; };
   for (int64_t round = 0; round < 4 * experts; ++round) {
     double best = p.top - kMinGain * p.top;
     int32_t best_to = -1, best_from = -1;
@@ -148,9 +155,11 @@ void search_counts(std::span<const double> w, int64_t ranks, std::vector<int32_t
         if (from == to) continue;
         ++r[to];
         --r[from];
+        update(to);
+        update(from);
         trial.order = p.order;
         reorder(w, r, trial.order, to, from);
-        pair_up(w, r, ranks, trial, best);
+        pair_up(share, r, ranks, trial, best);
         if (trial.top < best) {
           best = trial.top;
           best_to = to;
@@ -158,14 +167,18 @@ void search_counts(std::span<const double> w, int64_t ranks, std::vector<int32_t
         }
         --r[to];
         ++r[from];
+        update(to);
+        update(from);
       }
       if (p.top_light == p.top_heavy) break;
     }
     if (best_to < 0) return;
     ++r[best_to];
     --r[best_from];
+    update(best_to);
+    update(best_from);
     reorder(w, r, p.order, best_to, best_from);
-    pair_up(w, r, ranks, p);
+    pair_up(share, r, ranks, p);
   }
 }
 
@@ -365,7 +378,10 @@ bool repair(std::span<const double> w, std::span<const int32_t> prev,
   for (const int32_t e : prev) {
     EPLB_CHECK(e >= 0 && e < experts, "two_slots::repair: previous expert ", e);
   }
-  auto share = [&](int32_t e) { return w[e] / counts[e]; };
+  // Each expert's load per replica, divided once: the trades below read it for every slot.
+  std::vector<double> shares(static_cast<size_t>(experts));
+  for (int32_t e = 0; e < experts; ++e) shares[e] = w[e] / counts[e];
+  auto share = [&](int32_t e) { return shares[e]; };
   auto mate = [](int64_t p) { return p ^ 1; };
   std::copy(prev.begin(), prev.end(), out.begin());
   // The previous load of each rank under the new shares, to free the slots of the most loaded.
@@ -417,12 +433,17 @@ bool repair(std::span<const double> w, std::span<const int32_t> prev,
     if (load[g] <= cap) return true;
     const int64_t light = share(out[2 * g]) <= share(out[2 * g + 1]) ? 2 * g : 2 * g + 1;
     const int32_t x = out[mate(light)], y = out[light];
+    const double sy = share(y);
     int64_t best = -1;
     double best_peak = load[g];
     for (int64_t q = 0; q < slots; ++q) {
+      // A trade lowers g only for a lighter replica than y: the loads rule most slots out
+      // before the experts are compared.
+      const int32_t v = out[q];
+      if (share(v) >= sy) continue;
       const int64_t h = q / 2;
       if (h == g) continue;
-      const int32_t z = out[mate(q)], v = out[q];
+      const int32_t z = out[mate(q)];
       if (v == x || z == y || v == y) continue;
       const double peak = std::max(share(x) + share(v), share(z) + share(y));
       if (peak < best_peak) {

@@ -132,8 +132,10 @@ RebalancePlan make_plan(std::span<const int64_t> window, std::span<const int32_t
   };
 
   // Step 2: the new placement over the members' seats, and the predicted gain.
+  // A repair moves as few slots as it can (sticky against what the members hold), so that lost
+  // experts come back sooner; the configured policy takes over at the next interval.
   placement::PolicyOptions options;
-  options.policy = config.policy;
+  options.policy = elastic.repair ? placement::Policy::kSticky : config.policy;
   options.hierarchical = config.hierarchical;
   options.tolerance = config.tolerance;
   options.previous = &before;

@@ -339,7 +339,8 @@ class Rebalancer {
   void record(int64_t layer, std::span<const int32_t> expert_ids);
   // Adds a count vector [experts] to `layer` in the current step.
   void record_counts(int64_t layer, std::span<const int64_t> counts);
-  // The tables of `layer` now; valid until the next step_end().
+  // The tables of `layer` now; valid until the next step_end() or reconfigure(). Only they say
+  // which slots serve: after a rank is lost, phy2log() still names an expert in its slots.
   const routing::DispatchTables& dispatch(int64_t layer) const;
   // This rank's weights of one tensor of `layer`: [slots_per_rank][expert_bytes] (the engine's
   // tensor with its stride, with engine weights); slot j holds the expert

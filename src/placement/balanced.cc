@@ -3,8 +3,9 @@
 //   Step 2: replica counts that minimise the largest per-replica load w_e / r_e (greedy: each
 //           extra slot goes to the expert with the largest w_e / r_e; optimal for that max).
 //   Step 3: pack the replicas (load w_e / r_e each) into ranks of P/G slots, never two replicas
-//           of one expert on a rank: longest-processing-time first, then local search (swaps off
-//           the most loaded rank) until no swap lowers it or it is within 0.1% of the bound.
+//           of one expert on a rank: by differencing (longest processing time first where that
+//           would pair two replicas of an expert), then local search (swaps off the most loaded
+//           rank) until no swap lowers it or it is within 0.1% of the bound.
 //   With one slot per rank Step 2 alone is optimal; with two, Steps 2-3 are two_slots::place:
 //   counts searched together with their sorted pairing.
 //   Step 4: keep deepseek's layer instead where it is better and follows the same rules
@@ -15,6 +16,7 @@
 #include "eplb/placement/balanced.h"
 
 #include <algorithm>
+#include <bit>
 #include <cstdint>
 #include <numeric>
 #include <queue>
@@ -46,6 +48,32 @@ struct Packing {
   std::vector<int32_t> item;   // [bins][capacity]: the item in each place
   std::vector<double> load;    // [bins]: sum of the bin's item weights
 };
+
+// Sort keys for nonnegative doubles, whose bit patterns order as the values do: the top 40 bits
+// of the value (sign, exponent, 28 bits of mantissa), inverted, above a 24-bit index, so one
+// integer compare sorts by descending value, then ascending index. Values within 2^-28 of each
+// other count as equal and go by index. The pair compare this replaces was a sixth of the
+// policy's time at 7 slots per rank. Indices stay below 2^24 (a layer's slots).
+using SortKey = uint64_t;
+constexpr int kIndexBits = 24;
+constexpr uint64_t kIndexMask = (uint64_t{1} << kIndexBits) - 1;
+SortKey descending_key(double v, int64_t index) {
+  EPLB_CHECK(index >= 0 && static_cast<uint64_t>(index) <= kIndexMask, "sort index ", index,
+             " needs more than ", kIndexBits, " bits");
+  const uint64_t bits = std::bit_cast<uint64_t>(v + 0.0);  // + 0.0: -0 sorts as 0
+  return (~bits & ~kIndexMask) | static_cast<uint64_t>(index);
+}
+int64_t key_index(SortKey key) { return static_cast<int64_t>(key & kIndexMask); }
+
+// The items by descending weight, lowest index on a tie. [n]
+std::vector<int32_t> heaviest_first(std::span<const double> weight) {
+  std::vector<SortKey> keys(weight.size());
+  for (size_t i = 0; i < weight.size(); ++i) keys[i] = descending_key(weight[i], i);
+  std::sort(keys.begin(), keys.end());
+  std::vector<int32_t> order(weight.size());
+  for (size_t i = 0; i < keys.size(); ++i) order[i] = static_cast<int32_t>(key_index(keys[i]));
+  return order;
+}
 
 // Step 2: replica counts for `slots` slots, at most `cap` replicas per expert (one per rank).
 // Each extra slot goes to the expert with the largest load per replica, lowest index on a tie.
@@ -86,9 +114,6 @@ Packing pack_lpt(std::span<const double> weight, std::span<const int32_t> cls, i
                std::vector<double>(static_cast<size_t>(bins), 0.0)};
   std::vector<int64_t> fill(static_cast<size_t>(bins), 0);
   holds.assign(static_cast<size_t>(bins * classes), 0);
-  std::vector<std::pair<double, int32_t>> order(static_cast<size_t>(n));  // (-weight, item)
-  for (int32_t i = 0; i < n; ++i) order[i] = {-weight[i], i};
-  std::sort(order.begin(), order.end());
   auto put = [&](int64_t b, int64_t pos, int32_t i) {
     pack.item[b * capacity + pos] = i;
     pack.load[b] += weight[i];
@@ -101,7 +126,7 @@ Packing pack_lpt(std::span<const double> weight, std::span<const int32_t> cls, i
   std::vector<int64_t> open(static_cast<size_t>(bins));
   std::iota(open.begin(), open.end(), 0);
   std::vector<int64_t> skipped;
-  for (const auto& [unused, i] : order) {
+  for (const int32_t i : heaviest_first(weight)) {
     int64_t best = -1;
     while (!open.empty()) {
       std::pop_heap(open.begin(), open.end(), heavier);
@@ -147,9 +172,91 @@ Packing pack_lpt(std::span<const double> weight, std::span<const int32_t> cls, i
   return pack;
 }
 
+// Step 3a by differencing (the largest differencing method, for bins of equal size): items by
+// descending weight form `capacity` partial packings, round k holding items k * bins ..
+// (k + 1) * bins - 1 one per bin. The two partial packings whose bins differ most are merged,
+// the heaviest bin of one with the lightest of the other, until one is left. Merging the
+// widest spreads first cancels them against each other, which leaves the bins far closer than
+// handing the rounds out one by one (fewer swaps after it). Two bins that would hold one class
+// twice are not merged: the lightest bin that can is taken instead; false when none can
+// (pack_lpt then packs).
+bool pack_differencing(std::span<const double> weight, std::span<const int32_t> cls,
+                       int64_t classes, int64_t bins, int64_t capacity,
+                       std::vector<uint8_t>& holds, Packing& pack) {
+  const int64_t n = static_cast<int64_t>(weight.size());
+  const std::vector<int32_t> order = heaviest_first(weight);
+  // A bin of a partial packing: its load and its items, a list through `next`.
+  struct Part {
+    double load;
+    int32_t head, tail;
+  };
+  std::vector<int32_t> next(static_cast<size_t>(n), -1);
+  // [capacity][bins]: each partial packing's bins by descending load.
+  std::vector<Part> parts(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) parts[i] = {weight[order[i]], order[i], order[i]};
+  auto spread = [&](int64_t k) {
+    return parts[k * bins].load - parts[k * bins + bins - 1].load;
+  };
+  auto clash = [&](const Part& a, const Part& b) {
+    for (int32_t x = a.head; x >= 0; x = next[x]) {
+      for (int32_t y = b.head; y >= 0; y = next[y]) {
+        if (cls[x] == cls[y]) return true;
+      }
+    }
+    return false;
+  };
+  // Max-heap of (spread, -packing): the widest first, lowest index on a tie.
+  std::vector<std::pair<double, int64_t>> heap;
+  for (int64_t k = 0; k < capacity; ++k) heap.emplace_back(spread(k), -k);
+  std::make_heap(heap.begin(), heap.end());
+  std::vector<int64_t> free_b;  // b's bins not yet merged, lightest first
+  std::vector<Part> merged(static_cast<size_t>(bins));
+  std::vector<SortKey> keys(static_cast<size_t>(bins));
+  while (heap.size() > 1) {
+    std::pop_heap(heap.begin(), heap.end());
+    const int64_t a = -heap.back().second;
+    heap.pop_back();
+    std::pop_heap(heap.begin(), heap.end());
+    const int64_t b = -heap.back().second;
+    heap.pop_back();
+    Part* pa = parts.data() + a * bins;
+    Part* pb = parts.data() + b * bins;
+    free_b.resize(static_cast<size_t>(bins));
+    for (int64_t j = 0; j < bins; ++j) free_b[j] = bins - 1 - j;
+    for (int64_t i = 0; i < bins; ++i) {
+      auto it = std::find_if(free_b.begin(), free_b.end(),
+                             [&](int64_t j) { return !clash(pa[i], pb[j]); });
+      if (it == free_b.end()) return false;
+      const Part& other = pb[*it];
+      free_b.erase(it);
+      next[pa[i].tail] = other.head;
+      merged[i] = {pa[i].load + other.load, pa[i].head, other.tail};
+    }
+    for (int64_t i = 0; i < bins; ++i) keys[i] = descending_key(merged[i].load, i);
+    std::sort(keys.begin(), keys.end());
+    for (int64_t i = 0; i < bins; ++i) pa[i] = merged[key_index(keys[i])];
+    heap.emplace_back(spread(a), -a);
+    std::push_heap(heap.begin(), heap.end());
+  }
+  const Part* last = parts.data() + (-heap.front().second) * bins;
+  pack = Packing{bins, capacity, std::vector<int32_t>(static_cast<size_t>(n), -1),
+                 std::vector<double>(static_cast<size_t>(bins), 0.0)};
+  holds.assign(static_cast<size_t>(bins * classes), 0);
+  for (int64_t b = 0; b < bins; ++b) {
+    int64_t pos = 0;
+    for (int32_t x = last[b].head; x >= 0; x = next[x]) {
+      pack.item[b * capacity + pos++] = x;
+      pack.load[b] += weight[x];
+      holds[b * classes + cls[x]] = 1;
+    }
+  }
+  return true;
+}
+
 // Step 3b: while some swap of an item on the most loaded bin with a lighter item of another bin
 // lowers the larger of the two bins' loads below the old maximum, apply the best such swap
-// (the first one found that leaves both bins at most `good_enough`, when there is one).
+// (the first one found that leaves both bins at most `good_enough` or the second most loaded
+// bin's load, when there is one).
 // Each step lowers the sorted vector of bin loads, so the search ends.
 //
 // A swap of a (weight wa, on the top bin, load top) with b (wb, on bin h, load lh) moves
@@ -197,6 +304,10 @@ void improve_by_swaps(Packing& pack, std::span<const double> weight,
     const double top = pack.load[g];
     if (top <= good_enough) return;
     double best = top - kMinGain * top;
+    // A swap that leaves both bins at most the next bin's load (or good enough) is taken at
+    // once: the next round lowers that bin, and the search for the very best swap visited
+    // every bin for a gain the following rounds make anyway.
+    const double enough = std::max(good_enough, lighter[bins - 2].first);
     int64_t best_a = -1, best_b = -1;
     bool done = false;
     for (int64_t k = 0; k + 1 < bins && !done; ++k) {
@@ -224,7 +335,7 @@ void improve_by_swaps(Packing& pack, std::span<const double> weight,
             best = peak;
             best_a = pa;
             best_b = hp[j];
-            done = peak <= good_enough;
+            done = peak <= enough;
           }
         };
         for (int64_t j = at; j < cap && !done && mid + (hw[j] - target) < best; ++j) visit(j);
@@ -255,7 +366,10 @@ void improve_by_swaps(Packing& pack, std::span<const double> weight,
 Packing pack_balanced(std::span<const double> weight, std::span<const int32_t> cls,
                       int64_t classes, int64_t bins, int64_t capacity) {
   std::vector<uint8_t> holds;  // [bins][classes]
-  Packing pack = pack_lpt(weight, cls, classes, bins, capacity, holds);
+  Packing pack;
+  if (!pack_differencing(weight, cls, classes, bins, capacity, holds, pack)) {
+    pack = pack_lpt(weight, cls, classes, bins, capacity, holds);
+  }
   double total = 0, heaviest = 0;
   for (const double v : weight) {
     total += v;

@@ -69,9 +69,9 @@ struct Pairing {
   int32_t top_heavy = -1, top_light = -1;  // its two experts
 };
 
-bool heavier(std::span<const double> w, std::span<const int32_t> r, int32_t a, int32_t b) {
-  const double va = w[a] / r[a], vb = w[b] / r[b];
-  return va > vb || (va == vb && a < b);
+// `share` [experts] is w / r under the current counts.
+bool heavier(std::span<const double> share, int32_t a, int32_t b) {
+  return share[a] > share[b] || (share[a] == share[b] && a < b);
 }
 
 // The largest pair of the sorted pairing of `order` (heaviest first) with counts r: the k-th
@@ -98,14 +98,15 @@ void pair_up(std::span<const double> share, std::span<const int32_t> r, int64_t 
   }
 }
 
-// `order` with experts a and b moved to their places under counts r (the rest still sorted).
-void reorder(std::span<const double> w, std::span<const int32_t> r, std::vector<int32_t>& order,
-             int32_t a, int32_t b) {
+// `order` with experts a and b moved to their places under the shares w / r of the current
+// counts (the rest still sorted). The shares are divided once per change of a count: the
+// comparisons divided for every look, a third of the count search's time.
+void reorder(std::span<const double> share, std::vector<int32_t>& order, int32_t a, int32_t b) {
   // Both leave before either comes back: the rest must be sorted for the binary search.
   for (const int32_t x : {a, b}) order.erase(std::find(order.begin(), order.end(), x));
   for (const int32_t x : {a, b}) {
     order.insert(std::lower_bound(order.begin(), order.end(), x,
-                                  [&](int32_t u, int32_t v) { return heavier(w, r, u, v); }),
+                                  [&](int32_t u, int32_t v) { return heavier(share, u, v); }),
                  x);
   }
 }
@@ -115,10 +116,10 @@ Pairing sorted_pairing(std::span<const double> w, std::span<const int32_t> r, in
   Pairing p;
   p.order.resize(w.size());
   std::iota(p.order.begin(), p.order.end(), 0);
-  std::sort(p.order.begin(), p.order.end(),
-            [&](int32_t a, int32_t b) { return heavier(w, r, a, b); });
   std::vector<double> share(w.size());
   for (size_t e = 0; e < w.size(); ++e) share[e] = w[e] / r[e];
+  std::sort(p.order.begin(), p.order.end(),
+            [&](int32_t a, int32_t b) { return heavier(share, a, b); });
   pair_up(share, r, ranks, p);
   return p;
 }
@@ -158,7 +159,7 @@ void search_counts(std::span<const double> w, int64_t ranks, std::vector<int32_t
         update(to);
         update(from);
         trial.order = p.order;
-        reorder(w, r, trial.order, to, from);
+        reorder(share, trial.order, to, from);
         pair_up(share, r, ranks, trial, best);
         if (trial.top < best) {
           best = trial.top;
@@ -177,7 +178,7 @@ void search_counts(std::span<const double> w, int64_t ranks, std::vector<int32_t
     --r[best_from];
     update(best_to);
     update(best_from);
-    reorder(w, r, p.order, best_to, best_from);
+    reorder(share, p.order, best_to, best_from);
     pair_up(share, r, ranks, p);
   }
 }

@@ -17,8 +17,9 @@
 //           In hierarchical mode, groups keep the node that holds most of their slots (or
 //           balanced's nodes, relabelled, when that assignment cannot reach the cap).
 //   Step 4: keep the candidate that reaches the target with the fewest moved slots. Step 3 runs
-//           first with a small budget (1/8 of the slots); only when that fails are Step 2 and
-//           the rest of Step 3 (budget: the fallback's moves) run.
+//           first with a small budget (1/8 of the slots); when that fails, Step 2b and Step 3
+//           with 1/4 of the slots, and only when neither is within that, Step 2 and the rest of
+//           Step 3 (budget: the best candidate's moves).
 //   Step 2b, with two slots per rank: the previous pairs moved to balanced's counts
 //           (two_slots::repair), a second fallback that usually keeps far more.
 //   Step 0, with 3+ slots per rank: Step 3 first against the lower bound's target (at least
@@ -55,6 +56,10 @@ constexpr double kMinGain = 1e-12;
 // An incremental result moving at most 1/kFewMoved of the slots is kept without computing the
 // relabelled fallback: a fresh packing relabelled keeps far fewer slots than that.
 constexpr int64_t kFewMoved = 8;
+// Once balanced's target is known, a candidate moving at most 1/kFewMovedFresh of the slots is
+// kept without the relabelled fallback: relabelling moves most slots (80% at 64 ranks on
+// lognormal loads), and computing it was a third of the policy's time past 32 ranks.
+constexpr int64_t kFewMovedFresh = 4;
 // swap_with_all lists the unmoved holders of one expert on the stack when there are fewer.
 constexpr int64_t kMaxListed = 16;
 
@@ -719,36 +724,44 @@ std::vector<int32_t> place_layer(std::span<const double> w, std::span<const int3
     }
   }
 
-  // Step 2. It has balanced's balancedness (its ranks are balanced's, relabelled), so it is
-  // taken when nothing cheaper reaches the target.
-  Candidate best{relabel(fresh, prev, layout, hierarchical), 0};
-  best.moved = count_moved(prev, best.slots);
-  const std::vector<int32_t> fresh_nodes =
-      hierarchical ? expert_nodes(groups_to_nodes(best.slots, layout), layout)
-                   : std::vector<int32_t>{};
-  auto consider = [&](Incremental& s) {
-    if (s.run(cap, best.moved - 1) && s.moved() < best.moved && good(s.slots())) {
+  // Two slots per rank: the previous pairs moved to balanced's counts (two_slots.h), which
+  // keeps far more than relabelling balanced's pairs.
+  Candidate best{{}, slots + 1};  // none yet
+  auto consider = [&](Incremental& s, int64_t budget) {
+    if (s.run(cap, std::min(budget, best.moved - 1)) && s.moved() < best.moved &&
+        good(s.slots())) {
       best = {std::vector<int32_t>(s.slots().begin(), s.slots().end()), s.moved()};
     }
   };
-  // Two slots per rank: the previous pairs moved to balanced's counts (two_slots.h), which
-  // keeps far more than relabelling balanced's pairs.
   if (layout.slots_per_rank() == 2 && !hierarchical) {
     std::vector<int32_t> counts(static_cast<size_t>(layout.experts), 0);
     for (const int32_t e : fresh) ++counts[e];
     std::vector<int32_t> repaired(prev.size());
     if (two_slots::repair(w, prev, counts, layout.ranks, cap, repaired) && good(repaired)) {
       const int64_t moved = count_moved(prev, repaired);
-      if (moved < best.moved) best = {std::move(repaired), moved};
+      best = {std::move(repaired), moved};
     }
   }
+  // Step 3 goes on, first within kFewMovedFresh: what it reaches there is kept.
+  if (search && !hierarchical) {
+    consider(*search, slots / kFewMovedFresh);
+    if (best.moved <= slots / kFewMovedFresh) return best.slots;
+  }
+  // Step 2. It has balanced's balancedness (its ranks are balanced's, relabelled), so it is
+  // taken when nothing cheaper reaches the target.
+  std::vector<int32_t> relabelled = relabel(fresh, prev, layout, hierarchical);
+  const int64_t relabelled_moved = count_moved(prev, relabelled);
+  if (relabelled_moved < best.moved) best = {std::move(relabelled), relabelled_moved};
+  const std::vector<int32_t> fresh_nodes =
+      hierarchical ? expert_nodes(groups_to_nodes(best.slots, layout), layout)
+                   : std::vector<int32_t>{};
   // Step 3 goes on with the budget the fallback leaves.
-  if (search) consider(*search);
+  if (search) consider(*search, slots);
   // In hierarchical mode, also with the groups on balanced's nodes (relabelled).
   if (hierarchical) {
     if (fresh_nodes != kept_nodes && nodes_can_reach(w, fresh_nodes, layout, cap)) {
       Incremental again(w, prev, layout, fresh_nodes);
-      consider(again);
+      consider(again, slots);
     }
   }
   // Step 4.

@@ -94,6 +94,9 @@ const std::vector<Shape> kShapes = {
     {128, 160, 32, 4, 8},
     {64, 72, 8, 2, 4},
     {60, 72, 12, 3, 6},
+    // Kimi-K2-like, 7 slots per rank: the differencing start, and its fallback to longest
+    // processing time first where a merge would put one expert twice on a rank.
+    {384, 448, 64, 8, 8},
 };
 
 TEST(Balanced, PropertiesOnLognormalLoads) {

@@ -3,9 +3,10 @@
 //   Step 2: replica counts that minimise the largest per-replica load w_e / r_e (greedy: each
 //           extra slot goes to the expert with the largest w_e / r_e; optimal for that max).
 //   Step 3: pack the replicas (load w_e / r_e each) into ranks of P/G slots, never two replicas
-//           of one expert on a rank: by differencing (longest processing time first where that
-//           would pair two replicas of an expert), then local search (swaps off the most loaded
-//           rank) until no swap lowers it or it is within 0.1% of the bound.
+//           of one expert on a rank: by differencing (longest processing time first for the
+//           whole layer where differencing cannot avoid two replicas of an expert on a rank),
+//           then local search (swaps off the most loaded rank) until no swap lowers it or it is
+//           within 0.1% of the bound.
 //   With one slot per rank Step 2 alone is optimal; with two, Steps 2-3 are two_slots::place:
 //   counts searched together with their sorted pairing.
 //   Step 4: keep deepseek's layer instead where it is better and follows the same rules
@@ -51,9 +52,10 @@ struct Packing {
 
 // Sort keys for nonnegative doubles, whose bit patterns order as the values do: the top 40 bits
 // of the value (sign, exponent, 28 bits of mantissa), inverted, above a 24-bit index, so one
-// integer compare sorts by descending value, then ascending index. Values within 2^-28 of each
-// other count as equal and go by index. The pair compare this replaces was a sixth of the
-// policy's time at 7 slots per rank. Indices stay below 2^24 (a layer's slots).
+// integer compare sorts by descending value, then ascending index. Values whose top 40 bits
+// agree (within about 4e-9 relative, in buckets) count as equal and go by index. The pair
+// compare this replaces was a sixth of the policy's time at 7 slots per rank. Indices stay
+// below 2^24 (a layer's slots).
 using SortKey = uint64_t;
 constexpr int kIndexBits = 24;
 constexpr uint64_t kIndexMask = (uint64_t{1} << kIndexBits) - 1;
@@ -65,7 +67,7 @@ SortKey descending_key(double v, int64_t index) {
 }
 int64_t key_index(SortKey key) { return static_cast<int64_t>(key & kIndexMask); }
 
-// The items by descending weight, lowest index on a tie. [n]
+// The items by descending weight (descending_key: near-equal weights go by index). [n]
 std::vector<int32_t> heaviest_first(std::span<const double> weight) {
   std::vector<SortKey> keys(weight.size());
   for (size_t i = 0; i < weight.size(); ++i) keys[i] = descending_key(weight[i], i);
@@ -102,7 +104,7 @@ std::vector<int32_t> replica_counts(std::span<const double> w, int64_t slots, in
   return count;
 }
 
-// Step 3a: longest processing time first. Items by descending weight (index on a tie), each
+// Step 3a: longest processing time first. Items by descending weight (heaviest_first), each
 // into the lightest bin with room that holds no item of its class (lowest bin on a tie). When
 // every bin with room already holds the class, an item of another class moves from a full bin
 // into the bin with room, which frees a place for this one (always possible: the full bin holds
@@ -209,7 +211,7 @@ bool pack_differencing(std::span<const double> weight, std::span<const int32_t> 
   std::vector<std::pair<double, int64_t>> heap;
   for (int64_t k = 0; k < capacity; ++k) heap.emplace_back(spread(k), -k);
   std::make_heap(heap.begin(), heap.end());
-  std::vector<int64_t> free_b;  // b's bins not yet merged, lightest first
+  std::vector<uint8_t> taken(static_cast<size_t>(bins));  // b's bins already merged
   std::vector<Part> merged(static_cast<size_t>(bins));
   std::vector<SortKey> keys(static_cast<size_t>(bins));
   while (heap.size() > 1) {
@@ -221,14 +223,16 @@ bool pack_differencing(std::span<const double> weight, std::span<const int32_t> 
     heap.pop_back();
     Part* pa = parts.data() + a * bins;
     Part* pb = parts.data() + b * bins;
-    free_b.resize(static_cast<size_t>(bins));
-    for (int64_t j = 0; j < bins; ++j) free_b[j] = bins - 1 - j;
+    std::fill(taken.begin(), taken.end(), 0);
+    // b's lightest bin not yet taken: the partner of a's next bin unless the two clash.
+    int64_t lightest = bins - 1;
     for (int64_t i = 0; i < bins; ++i) {
-      auto it = std::find_if(free_b.begin(), free_b.end(),
-                             [&](int64_t j) { return !clash(pa[i], pb[j]); });
-      if (it == free_b.end()) return false;
-      const Part& other = pb[*it];
-      free_b.erase(it);
+      while (lightest >= 0 && taken[lightest]) --lightest;
+      int64_t j = lightest;
+      while (j >= 0 && (taken[j] || clash(pa[i], pb[j]))) --j;
+      if (j < 0) return false;
+      taken[j] = 1;
+      const Part& other = pb[j];
       next[pa[i].tail] = other.head;
       merged[i] = {pa[i].load + other.load, pa[i].head, other.tail};
     }

@@ -17,9 +17,10 @@
 //           In hierarchical mode, groups keep the node that holds most of their slots (or
 //           balanced's nodes, relabelled, when that assignment cannot reach the cap).
 //   Step 4: keep the candidate that reaches the target with the fewest moved slots. Step 3 runs
-//           first with a small budget (1/8 of the slots); when that fails, Step 2b and Step 3
-//           with 1/4 of the slots, and only when neither is within that, Step 2 and the rest of
-//           Step 3 (budget: the best candidate's moves).
+//           first with a small budget (1/8 of the slots). When that fails and the layout is
+//           not hierarchical, Step 2b and Step 3 with 1/4 of the slots come next, and the best
+//           of them within 1/4 is kept as it is. Only then are Step 2 and the rest of Step 3
+//           (budget: the best candidate's moves) run.
 //   Step 2b, with two slots per rank: the previous pairs moved to balanced's counts
 //           (two_slots::repair), a second fallback that usually keeps far more.
 //   Step 0, with 3+ slots per rank: Step 3 first against the lower bound's target (at least
@@ -750,11 +751,11 @@ std::vector<int32_t> place_layer(std::span<const double> w, std::span<const int3
   // Step 2. It has balanced's balancedness (its ranks are balanced's, relabelled), so it is
   // taken when nothing cheaper reaches the target.
   std::vector<int32_t> relabelled = relabel(fresh, prev, layout, hierarchical);
+  const std::vector<int32_t> fresh_nodes =
+      hierarchical ? expert_nodes(groups_to_nodes(relabelled, layout), layout)
+                   : std::vector<int32_t>{};
   const int64_t relabelled_moved = count_moved(prev, relabelled);
   if (relabelled_moved < best.moved) best = {std::move(relabelled), relabelled_moved};
-  const std::vector<int32_t> fresh_nodes =
-      hierarchical ? expert_nodes(groups_to_nodes(best.slots, layout), layout)
-                   : std::vector<int32_t>{};
   // Step 3 goes on with the budget the fallback leaves.
   if (search) consider(*search, slots);
   // In hierarchical mode, also with the groups on balanced's nodes (relabelled).

@@ -46,7 +46,8 @@ struct PolicyOptions {
   // sticky: accepted loss of balancedness against balanced on the same load.
   double tolerance = 0.01;
   // sticky: required, the placement in force now (same layers, experts, physical). balanced
-  // reads it only for its dense layers (no load), which keep it.
+  // reads it only for its dense layers (no load), which keep it. Only its phy2log is read and
+  // checked (every slot an expert in range); an expert without a slot there gets one.
   const Placement* previous = nullptr;
   // Ranks that may hold experts, ascending, each in [0, layout.ranks); empty: every rank. The
   // placement puts every expert on these ranks only (each expert gets at least one replica on

@@ -94,8 +94,8 @@ const std::vector<Shape> kShapes = {
     {128, 160, 32, 4, 8},
     {64, 72, 8, 2, 4},
     {60, 72, 12, 3, 6},
-    // Kimi-K2-like, 7 slots per rank: the differencing start, and its fallback to longest
-    // processing time first where a merge would put one expert twice on a rank.
+    // Kimi-K2-like, 7 slots per rank: the differencing start (on these loads some layers also
+    // take its fallback to longest processing time first, as the V3 shape above does).
     {384, 448, 64, 8, 8},
 };
 

@@ -208,28 +208,9 @@ Placement place(const LoadMatrix& load, const Layout& layout, const PolicyOption
   if (!(options.tolerance >= 0 && options.tolerance < 1)) {
     fail("tolerance ", options.tolerance, " must be in [0, 1) (a loss of balancedness)");
   }
-  if (options.previous != nullptr) {
-    const Placement& prev = *options.previous;
-    if (prev.layers != load.layers || prev.experts != layout.experts ||
-        prev.physical != layout.physical) {
-      fail("the previous placement has ", prev.layers, " layers, ", prev.experts, " experts, ",
-           prev.physical, " physical slots; the new one needs ", load.layers, ", ",
-           layout.experts, ", ", layout.physical);
-    }
-    // Only its phy2log is read (sticky, dense layers, lost ranks' slots), so only that is
-    // checked: the whole validate() was a fifth of sticky's time at 448 slots per layer.
-    if (prev.phy2log.size() != static_cast<size_t>(prev.layers * prev.physical)) {
-      fail("the previous placement's phy2log holds ", prev.phy2log.size(), " entries, expected ",
-           prev.layers, " x ", prev.physical);
-    }
-    for (size_t i = 0; i < prev.phy2log.size(); ++i) {
-      if (prev.phy2log[i] < 0 || prev.phy2log[i] >= prev.experts) {
-        fail("the previous placement's slot ", static_cast<int64_t>(i) % prev.physical,
-             " of layer ", static_cast<int64_t>(i) / prev.physical, " holds expert ",
-             prev.phy2log[i], ", outside [0, ", prev.experts, ")");
-      }
-    }
-  }
+  // Only the previous phy2log is read (sticky, dense layers, lost ranks' slots), so only that
+  // is checked: the whole validate() was a fifth of sticky's time at 448 slots per layer.
+  if (options.previous != nullptr) check_previous(*options.previous, load, layout);
   if (options.policy == Policy::kSticky && options.previous == nullptr) {
     fail("policy sticky needs the previous placement (--previous FILE)");
   }

@@ -206,27 +206,32 @@ std::vector<int32_t> place_layer(std::span<const double> w, std::span<const int3
 
 }  // namespace
 
-Placement sticky(const LoadMatrix& load, const Layout& layout, const Placement& previous,
-                 double tolerance, bool hierarchical) {
-  if (!(tolerance >= 0 && tolerance < 1)) {
-    fail("tolerance ", tolerance, " must be in [0, 1) (a loss of balancedness)");
-  }
+void check_previous(const Placement& previous, const LoadMatrix& load, const Layout& layout) {
   if (previous.layers != load.layers || previous.experts != layout.experts ||
       previous.physical != layout.physical) {
     fail("the previous placement has ", previous.layers, " layers, ", previous.experts,
          " experts, ", previous.physical, " physical slots; the new one needs ", load.layers, ", ",
          layout.experts, ", ", layout.physical);
   }
-  // Only phy2log is read; an expert may have no slot in it (live ranks, policy.h): it gets one.
-  EPLB_CHECK_EQ(previous.phy2log.size(), static_cast<size_t>(previous.layers * previous.physical),
-                "the previous placement's phy2log is not [layers][physical]");
+  if (previous.phy2log.size() != static_cast<size_t>(previous.layers * previous.physical)) {
+    fail("the previous placement's phy2log holds ", previous.phy2log.size(), " entries, expected ",
+         previous.layers, " x ", previous.physical);
+  }
   for (size_t i = 0; i < previous.phy2log.size(); ++i) {
     if (previous.phy2log[i] < 0 || previous.phy2log[i] >= previous.experts) {
-      fail("the previous placement's slot ", i % previous.physical, " of layer ",
-           i / previous.physical, " holds expert ", previous.phy2log[i], ", outside [0, ",
-           previous.experts, ")");
+      fail("the previous placement's slot ", static_cast<int64_t>(i) % previous.physical,
+           " of layer ", static_cast<int64_t>(i) / previous.physical, " holds expert ",
+           previous.phy2log[i], ", outside [0, ", previous.experts, ")");
     }
   }
+}
+
+Placement sticky(const LoadMatrix& load, const Layout& layout, const Placement& previous,
+                 double tolerance, bool hierarchical) {
+  if (!(tolerance >= 0 && tolerance < 1)) {
+    fail("tolerance ", tolerance, " must be in [0, 1) (a loss of balancedness)");
+  }
+  check_previous(previous, load, layout);
   check_balanced_inputs(load, layout, hierarchical);
   Placement out(load.layers, layout.experts, layout.physical);
   for (int64_t l = 0; l < load.layers; ++l) {

@@ -11,4 +11,9 @@ namespace eplb::placement {
 Placement sticky(const LoadMatrix& load, const Layout& layout, const Placement& previous,
                  double tolerance, bool hierarchical);
 
+// The checks sticky makes of `previous` (InvalidArgument naming the value and the rule): the
+// shape of `load` on `layout`, and every slot of its phy2log holding an expert in
+// [0, experts). Only phy2log is read, so replica_count and log2phy are not checked.
+void check_previous(const Placement& previous, const LoadMatrix& load, const Layout& layout);
+
 }  // namespace eplb::placement

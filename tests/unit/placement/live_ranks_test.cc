@@ -219,9 +219,25 @@ TEST(LiveRanks, StickyTakesAPreviousPlacementThatLacksExperts) {
   load.values = {500, 80, 60, 300, 20, 10, 900, 40};
   const Placement out = sticky(load, layout, previous, 0.01, false);
   ASSERT_NO_THROW(out.validate());
+  // Through place() too, with every rank live: the same placement, each expert given a slot.
+  const PolicyOptions options{.policy = Policy::kSticky, .tolerance = 0.01,
+                              .previous = &previous};
+  const Placement placed = place(load, layout, options);
+  EXPECT_EQ(placed.phy2log, out.phy2log);
+  for (int32_t e = 0; e < 8; ++e) EXPECT_GE(placed.replica_count[e], 1) << "expert " << e;
   Placement broken = previous;
   broken.phy2log[5] = 8;
   EXPECT_THROW(sticky(load, layout, broken, 0.01, false), InvalidArgument);
+  PolicyOptions bad = options;
+  bad.previous = &broken;
+  try {
+    place(load, layout, bad);
+    ADD_FAILURE() << "place() took a previous slot holding expert 8 of 8";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("slot 5 of layer 0 holds expert 8, outside [0, 8)"),
+              std::string::npos)
+        << e.what();
+  }
 }
 
 TEST(LiveRanks, EveryRankLiveIsTodaysPlacementBitForBit) {

@@ -534,6 +534,26 @@ bool one_replica_per_rank(std::span<const int32_t> phy2log, int64_t slots_per_ra
   return true;
 }
 
+// Step 4 helpers, two slots per rank. deepseek places every expert on every rank when it is
+// global (its hierarchy needs groups % nodes == 0; one group on one node is the same).
+bool deepseek_is_global(const Layout& layout) {
+  return layout.groups % layout.nodes != 0 || (layout.groups == 1 && layout.nodes == 1);
+}
+
+// Whether deepseek's layer cannot be better than `ours`: its counts' sorted pairing is the least
+// largest rank any packing of its replicas can have, and ours is below it. At 256 ranks most
+// layers trade a replica, and deepseek, run on them to be compared, never won: it was a sixth
+// of the policy's time. The margin covers the two placements' means being summed in other
+// orders.
+bool deepseek_cannot_win(std::span<const double> w, std::span<const int32_t> ours,
+                         const Layout& layout) {
+  constexpr double kMargin = 1e-9;
+  const std::vector<int32_t> counts = deepseek_global_counts(w, layout.physical);
+  const double floor = two_slots::pairing_top(w, counts, layout.ranks);
+  const std::vector<double> ranks = rank_loads(w, ours, layout);
+  return *std::max_element(ranks.begin(), ranks.end()) < floor * (1 - kMargin);
+}
+
 }  // namespace
 
 void check_balanced_inputs(const LoadMatrix& load, const Layout& layout, bool hierarchical) {
@@ -593,11 +613,15 @@ Placement balanced(const LoadMatrix& load, const Layout& layout, bool hierarchic
   // With one or two slots per rank and all experts on all ranks, the layer is already the best
   // packing of counts that only improve on deepseek's greedy ones (with one slot the counts
   // are optimal; with two the sorted pairing is the best packing of any counts), unless a
-  // pair had to trade a replica; those layers, and hierarchical ones, are compared.
+  // pair had to trade a replica; those layers, and hierarchical ones, are compared, unless
+  // even the best packing of deepseek's counts is above ours (deepseek_cannot_win).
   std::vector<int64_t> open_layers;
   for (int64_t l = 0; l < load.layers; ++l) {
     if (spr <= 2) {
-      if (compare[l]) open_layers.push_back(l);
+      if (compare[l] && !(spr == 2 && deepseek_is_global(layout) &&
+                          deepseek_cannot_win(load.row(l), out.layer_phy2log(l), layout))) {
+        open_layers.push_back(l);
+      }
       continue;
     }
     const std::vector<double> ranks = rank_loads(load.row(l), out.layer_phy2log(l), layout);

@@ -186,6 +186,27 @@ void replicate_experts(std::span<const float> weight, int64_t slots,
 
 }  // namespace
 
+std::vector<int32_t> deepseek_global_counts(std::span<const double> w, int64_t slots) {
+  // replicate_experts' choice, with its keys in a heap: the keys are distinct, so the largest
+  // is the one its scan finds.
+  std::vector<int32_t> count(w.size(), 1);
+  std::vector<float> weight(w.size());
+  std::vector<uint64_t> heap(w.size());
+  for (size_t e = 0; e < w.size(); ++e) {
+    weight[e] = to_float32(w[e]);
+    heap[e] = max_first_key(weight[e], static_cast<int64_t>(e));
+  }
+  std::make_heap(heap.begin(), heap.end());
+  for (int64_t j = static_cast<int64_t>(w.size()); j < slots; ++j) {
+    std::pop_heap(heap.begin(), heap.end());
+    const int64_t best = index_of_max_first_key(heap.back());
+    ++count[best];
+    heap.back() = max_first_key(weight[best] / static_cast<float>(count[best]), best);
+    std::push_heap(heap.begin(), heap.end());
+  }
+  return count;
+}
+
 Placement deepseek(const LoadMatrix& load, const Layout& layout) {
   layout.validate();
   load.validate();

@@ -337,6 +337,14 @@ double place(std::span<const double> w, int64_t ranks, std::span<int32_t> phy2lo
   return largest_rank(w, r, slots);
 }
 
+double pairing_top(std::span<const double> w, std::span<const int32_t> counts, int64_t ranks) {
+  EPLB_CHECK(counts.size() == w.size() && !w.empty() &&
+                 std::accumulate(counts.begin(), counts.end(), int64_t{0}) == 2 * ranks,
+             "two_slots::pairing_top: ", w.size(), " experts, ", counts.size(), " counts, ",
+             ranks, " ranks");
+  return sorted_pairing(w, counts, ranks).top;
+}
+
 double bound(std::span<const double> w, int64_t ranks) {
   const int64_t experts = static_cast<int64_t>(w.size());
   if (experts < 1 || experts > 2 * ranks) return 0;

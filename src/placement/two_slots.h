@@ -41,6 +41,11 @@ double place(std::span<const double> w, int64_t ranks, std::span<int32_t> phy2lo
 // does the rest.
 double bound(std::span<const double> w, int64_t ranks);
 
+// The largest rank load of the sorted pairing of the replicas with counts `counts` [experts]
+// (sum 2 * ranks) on `ranks` ranks of two slots: the least largest rank load any placement with
+// these counts can have (two replicas of an expert on one rank included).
+double pairing_top(std::span<const double> w, std::span<const int32_t> counts, int64_t ranks);
+
 // sticky at two slots per rank: the previous placement `prev` [2 * ranks] moved to the replica
 // counts `counts` [experts] (balanced's) with every rank at most `cap`, keeping slots where it
 // can. Each expert keeps as many of its old slots as it still has replicas (giving up those on

@@ -1,13 +1,17 @@
 // Two slots per rank (DeepSeek-V3's decode shapes): balanced's counts and pairing, and the
-// bound, against exhaustive search on small layers and on lognormal loads at 144 ranks.
+// bound, against exhaustive search on small layers and on lognormal loads at 144 ranks; and
+// what balanced's Step 4 relies on to skip deepseek: deepseek's own counts, and that its layer
+// is never below their sorted pairing.
 
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <functional>
 #include <limits>
 #include <random>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -141,6 +145,48 @@ TEST(TwoSlots, LognormalAt144RanksIsCloseToTheBound) {
   EXPECT_GE(ours.balancedness_mean, theirs.balancedness_mean);
   for (int64_t l = 0; l < load.layers; ++l) {
     EXPECT_LE(ours.balancedness[l], ours.lower_bound_balancedness[l] + 1e-12) << "layer " << l;
+  }
+}
+
+TEST(TwoSlots, DeepseekIsNeverBelowTheSortedPairingOfItsCounts) {
+  // balanced skips deepseek on a layer where its own largest rank is below the sorted pairing
+  // of deepseek's counts (deepseek_global_counts): that pairing is the least largest rank any
+  // packing of those replicas has. Both claims, on global layouts, with ties (small integer
+  // loads) and without.
+  std::mt19937_64 rng(23);
+  std::lognormal_distribution<double> dist(0.0, 1.0);
+  struct Shape {
+    int64_t experts, ranks, nodes, groups;
+    double scale;
+  };
+  for (const Shape& s : {Shape{256, 256, 32, 8, 1000}, Shape{256, 144, 18, 8, 1000},
+                         Shape{64, 48, 1, 1, 1000}, Shape{16, 12, 3, 2, 3}, Shape{8, 4, 1, 1, 2}}) {
+    SCOPED_TRACE(std::to_string(s.experts) + " experts on " + std::to_string(s.ranks) +
+                 " ranks, scale " + std::to_string(s.scale));
+    Layout layout = two_slots(s.experts, s.ranks);
+    layout.nodes = s.nodes;
+    layout.groups = s.groups;
+    LoadMatrix load(6, s.experts);
+    for (double& v : load.values) v = std::round(dist(rng) * s.scale);
+    const Placement theirs = deepseek(load, layout);
+    for (int64_t l = 0; l < load.layers; ++l) {
+      const std::span<const double> w = load.row(l);
+      const std::vector<int32_t> counts = deepseek_global_counts(w, layout.physical);
+      ASSERT_EQ(counts, std::vector<int32_t>(theirs.replica_count.begin() + l * s.experts,
+                                             theirs.replica_count.begin() + (l + 1) * s.experts))
+          << "layer " << l;
+      std::vector<double> replicas;
+      for (int64_t e = 0; e < s.experts; ++e) {
+        for (int32_t k = 0; k < counts[e]; ++k) replicas.push_back(w[e] / counts[e]);
+      }
+      std::sort(replicas.begin(), replicas.end());
+      double sorted_top = 0;
+      for (size_t k = 0; k < replicas.size() / 2; ++k) {
+        sorted_top = std::max(sorted_top, replicas[k] + replicas[replicas.size() - 1 - k]);
+      }
+      const std::vector<double> ranks = rank_loads(w, theirs.layer_phy2log(l), layout);
+      EXPECT_GE(*std::max_element(ranks.begin(), ranks.end()), sorted_top) << "layer " << l;
+    }
   }
 }
 

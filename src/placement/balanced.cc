@@ -21,7 +21,6 @@
 #include <bit>
 #include <cstdint>
 #include <numeric>
-#include <queue>
 #include <span>
 #include <utility>
 #include <vector>
@@ -29,6 +28,7 @@
 #include "eplb/core/error.h"
 #include "eplb/placement/deepseek.h"
 #include "eplb/placement/metrics.h"
+#include "placement/replicas.h"
 #include "placement/two_slots.h"
 
 namespace eplb::placement {
@@ -106,45 +106,6 @@ std::vector<int32_t> heaviest_first(std::span<const double> weight) {
   std::vector<int32_t> order(weight.size());
   for (size_t i = 0; i < keys.size(); ++i) order[i] = static_cast<int32_t>(key_index(keys[i]));
   return order;
-}
-
-// Step 2: replica counts for `slots` slots, at most `cap` replicas per expert (one per rank).
-// Each extra slot goes to the expert with the largest load per replica, lowest index on a tie.
-// Only the `slots - experts` heaviest experts (lowest index on a tie) can get one: before an
-// expert's first extra replica, every expert ahead of it in that order has had one (its load
-// per replica would be at least as large otherwise, and it comes first on a tie). So only
-// they enter the heap (at 448 slots for 384 experts: 64 instead of 384). [experts]
-std::vector<int32_t> replica_counts(std::span<const double> w, int64_t slots, int64_t cap) {
-  const int64_t n = static_cast<int64_t>(w.size());
-  std::vector<int32_t> count(w.size(), 1);
-  const int64_t extra = slots - n;
-  if (extra <= 0) return count;
-  std::vector<int32_t> candidates(w.size());
-  std::iota(candidates.begin(), candidates.end(), 0);
-  if (extra < n) {
-    auto ahead = [&](int32_t a, int32_t b) { return w[a] > w[b] || (w[a] == w[b] && a < b); };
-    std::nth_element(candidates.begin(), candidates.begin() + extra, candidates.end(), ahead);
-    candidates.resize(static_cast<size_t>(extra));
-  }
-  // Max-heap of (load per replica, -expert): the top is the expert served next.
-  std::vector<std::pair<double, int32_t>> heap;
-  heap.reserve(candidates.size());
-  for (const int32_t e : candidates) {
-    if (count[e] < cap) heap.emplace_back(w[e], -e);
-  }
-  std::make_heap(heap.begin(), heap.end());
-  for (int64_t left = extra; left > 0; --left) {
-    EPLB_CHECK(!heap.empty(), "no expert can take another replica");
-    std::pop_heap(heap.begin(), heap.end());
-    const int32_t e = -heap.back().second;
-    heap.pop_back();
-    ++count[e];
-    if (count[e] < cap) {
-      heap.emplace_back(w[e] / count[e], -e);
-      std::push_heap(heap.begin(), heap.end());
-    }
-  }
-  return count;
 }
 
 // Step 3a: longest processing time first. Items by descending weight (`order`, from
@@ -461,7 +422,7 @@ bool place_experts(std::span<const double> w, std::span<const int32_t> experts, 
       return true;
     }
   }
-  const std::vector<int32_t> count = replica_counts(local, ranks * slots_per_rank, ranks);
+  const std::vector<int32_t> count = greedy_replica_counts(local, ranks * slots_per_rank, ranks);
   if (slots_per_rank == 1) {
     // One slot per rank: a rank's load is its replica's, so the counts alone are optimal.
     int64_t slot = first_slot;

@@ -5,11 +5,11 @@
 
 #include <algorithm>
 #include <limits>
-#include <queue>
 #include <utility>
 #include <vector>
 
 #include "eplb/core/error.h"
+#include "placement/replicas.h"
 #include "placement/two_slots.h"
 
 namespace eplb::placement {
@@ -88,26 +88,15 @@ double layer_lower_bound(std::span<const double> load, const Layout& layout) {
   // Step 1: the per-replica bound. Giving each further replica to the expert with the largest
   // per-replica load is optimal for min over counts of max_e w_e / r_e (an exchange argument:
   // any count vector reaching a smaller maximum must give each expert at least as many replicas
-  // as the greedy one has when it first reaches that maximum). Heap on (w / r, lowest e first).
+  // as the greedy one has when it first reaches that maximum). Uncapped: a bound may put two
+  // replicas of an expert on a rank.
   double total = 0;
   for (const double w : load) total += w;
-  using Entry = std::pair<double, int64_t>;  // (per-replica load, expert)
-  const auto lower_priority = [](const Entry& a, const Entry& b) {
-    return a.first < b.first || (a.first == b.first && a.second > b.second);
-  };
-  std::vector<Entry> entries;
-  entries.reserve(load.size());
-  for (size_t e = 0; e < load.size(); ++e) entries.emplace_back(load[e], static_cast<int64_t>(e));
-  std::priority_queue<Entry, std::vector<Entry>, decltype(lower_priority)> heap(
-      lower_priority, std::move(entries));
-  std::vector<int64_t> count(load.size(), 1);
-  for (int64_t extra = layout.redundant(); extra > 0; --extra) {
-    const int64_t e = heap.top().second;
-    heap.pop();
-    ++count[e];
-    heap.emplace(load[e] / static_cast<double>(count[e]), e);
+  const std::vector<int32_t> count = greedy_replica_counts(load, layout.physical, layout.physical);
+  double per_replica = 0;
+  for (size_t e = 0; e < load.size(); ++e) {
+    per_replica = std::max(per_replica, load[e] / static_cast<double>(count[e]));
   }
-  const double per_replica = heap.top().first;
   // Step 2: no rank can carry less than the mean.
   const double bound = std::max(total / static_cast<double>(layout.ranks), per_replica);
   // Step 3: with two slots per rank every replica also needs a partner (two_slots.h).

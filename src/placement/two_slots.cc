@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "eplb/core/error.h"
+#include "placement/replicas.h"
 
 namespace eplb::placement::two_slots {
 namespace {
@@ -38,28 +39,6 @@ constexpr int kBisections = 30;
 // The bisection stops when the range is this narrow (relative).
 constexpr double kPrecision = 1e-5;
 constexpr int kLambdaSteps = 24;
-
-// Each extra replica to the expert with the largest load per replica (lowest index on a tie),
-// at most `cap` replicas each. [experts]
-std::vector<int32_t> greedy_counts(std::span<const double> w, int64_t slots, int64_t cap) {
-  std::vector<int32_t> count(w.size(), 1);
-  std::vector<std::pair<double, int32_t>> heap;  // (load per replica, -expert)
-  for (size_t e = 0; e < w.size(); ++e) {
-    if (cap > 1) heap.emplace_back(w[e], -static_cast<int32_t>(e));
-  }
-  std::make_heap(heap.begin(), heap.end());
-  for (int64_t extra = slots - static_cast<int64_t>(w.size()); extra > 0; --extra) {
-    EPLB_CHECK(!heap.empty(), "no expert can take another replica");
-    std::pop_heap(heap.begin(), heap.end());
-    const int32_t e = -heap.back().second;
-    heap.pop_back();
-    if (++count[e] < cap) {
-      heap.emplace_back(w[e] / count[e], -e);
-      std::push_heap(heap.begin(), heap.end());
-    }
-  }
-  return count;
-}
 
 // The experts ordered by load per replica, heaviest first (lowest index on a tie), and the
 // sorted pairing of their replicas.
@@ -329,7 +308,7 @@ double place(std::span<const double> w, int64_t ranks, std::span<int32_t> phy2lo
   EPLB_CHECK(experts >= 2 && experts <= 2 * ranks && phy2log.size() == static_cast<size_t>(2 * ranks),
              "two slots per rank: ", experts, " experts, ", ranks, " ranks, ", phy2log.size(),
              " slots");
-  std::vector<int32_t> r = greedy_counts(w, 2 * ranks, ranks);
+  std::vector<int32_t> r = greedy_replica_counts(w, 2 * ranks, ranks);
   Pairing p = sorted_pairing(w, r, ranks);
   search_counts(w, ranks, r, p);
   const std::vector<int32_t> slots = make_pairs(w, r, ranks, p, traded);
@@ -348,7 +327,7 @@ double pairing_top(std::span<const double> w, std::span<const int32_t> counts, i
 double bound(std::span<const double> w, int64_t ranks) {
   const int64_t experts = static_cast<int64_t>(w.size());
   if (experts < 1 || experts > 2 * ranks) return 0;
-  std::vector<int32_t> r = greedy_counts(w, 2 * ranks, 2 * ranks);
+  std::vector<int32_t> r = greedy_replica_counts(w, 2 * ranks, 2 * ranks);
   double total = 0, largest = 0;
   for (int64_t e = 0; e < experts; ++e) {
     total += w[e];

@@ -31,6 +31,7 @@
 #include "eplb/placement/sticky.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <functional>
 #include <numeric>
@@ -113,6 +114,69 @@ bool nodes_can_reach(std::span<const double> w, std::span<const int32_t> node_of
   return true;
 }
 
+// One slot per rank, every expert allowed anywhere: a rank's load is its one replica's, so a
+// placement reaches `cap` exactly when every expert e has at least need_e replicas, the fewest
+// with w_e / need_e <= cap. Every expert keeps min(need_e, its previous slots); the slots left
+// over go to experts that held more before (each keeps one more of its slots), largest load
+// per replica first; the experts short of their count take the freed slots. No placement that
+// reaches the cap moves fewer: each expert short of need_e must gain the difference. Empty when
+// the needs exceed the slots (never when the cap is at least balanced's largest rank).
+std::vector<int32_t> one_slot(std::span<const double> w, std::span<const int32_t> prev,
+                              double cap) {
+  const int64_t experts = static_cast<int64_t>(w.size());
+  const int64_t slots = static_cast<int64_t>(prev.size());
+  std::vector<int32_t> had(w.size(), 0);
+  for (const int32_t e : prev) ++had[e];
+  std::vector<int32_t> count(w.size(), 1);
+  int64_t used = 0;
+  for (int64_t e = 0; e < experts; ++e) {
+    int64_t c = 1;
+    if (w[e] > cap) {
+      c = static_cast<int64_t>(std::min(std::ceil(w[e] / cap), static_cast<double>(slots)));
+      while (c < slots && w[e] / static_cast<double>(c) > cap) ++c;
+      while (c > 1 && w[e] / static_cast<double>(c - 1) <= cap) --c;
+    }
+    count[e] = static_cast<int32_t>(c);
+    used += c;
+  }
+  if (used > slots) return {};
+  // The slots left over: the counts of all experts and of those that held more sum to at
+  // least the slots, so experts that held more can always take them.
+  std::vector<std::pair<double, int32_t>> heap;  // (load per replica, -expert)
+  for (int32_t e = 0; e < experts; ++e) {
+    if (had[e] > count[e]) heap.emplace_back(w[e] / count[e], -e);
+  }
+  std::make_heap(heap.begin(), heap.end());
+  for (int64_t left = slots - used; left > 0; --left) {
+    EPLB_CHECK(!heap.empty(), "one slot per rank: no expert can keep another slot");
+    std::pop_heap(heap.begin(), heap.end());
+    const int32_t e = -heap.back().second;
+    heap.pop_back();
+    if (++count[e] < had[e]) {
+      heap.emplace_back(w[e] / count[e], -e);
+      std::push_heap(heap.begin(), heap.end());
+    }
+  }
+  // Each expert keeps its first count[e] previous slots; the others take the rest, in order.
+  std::vector<int32_t> out(prev.size(), -1);
+  std::vector<int32_t> placed(w.size(), 0);
+  for (int64_t p = 0; p < slots; ++p) {
+    const int32_t e = prev[p];
+    if (placed[e] < count[e]) {
+      out[p] = e;
+      ++placed[e];
+    }
+  }
+  int32_t next = 0;
+  for (int64_t p = 0; p < slots; ++p) {
+    if (out[p] >= 0) continue;
+    while (placed[next] >= count[next]) ++next;
+    out[p] = next;
+    ++placed[next];
+  }
+  return out;
+}
+
 struct Candidate {
   std::vector<int32_t> slots;
   int64_t moved = 0;
@@ -149,6 +213,11 @@ std::vector<int32_t> place_layer(std::span<const double> w, std::span<const int3
   auto good = [&](std::span<const int32_t> placed) {
     return layer_balancedness(w, placed, layout) >= target;
   };
+  // One slot per rank, every expert anywhere: the fewest moves, exactly.
+  if (layout.slots_per_rank() == 1 && !hierarchical) {
+    std::vector<int32_t> placed = one_slot(w, prev, cap);
+    if (!placed.empty() && good(placed)) return placed;
+  }
 
   // Step 3, groups on the nodes that hold most of their slots now; a small budget first.
   const std::vector<int32_t> kept_nodes =

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdint>
 #include <random>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -153,6 +154,45 @@ TEST(Sticky, TwoSlotsPerRankDriftMovesFewSlots) {
   ASSERT_NO_THROW(from_deepseek.validate());
   EXPECT_EQ(duplicates_on_ranks(from_deepseek, layout), 0);
   expect_within_tolerance(load, layout, from_deepseek, 0.01, false);
+}
+
+TEST(Sticky, OneSlotPerRankMovesTheFewestSlots) {
+  // 256 experts on 320 ranks of one slot: a placement is good exactly when every expert e has
+  // at least need_e replicas (the fewest with w_e / need_e <= cap), so the fewest moves any
+  // good placement has are the sum of need_e - (slots e held before) over the experts short.
+  const Layout layout = make_layout(256, 320, 320, 40, 8);
+  std::mt19937_64 rng(29);
+  LoadMatrix load = lognormal_load(6, 256, rng);
+  Placement previous = balanced(load, layout, false);
+  for (int step = 0; step < 3; ++step) {
+    SCOPED_TRACE("step " + std::to_string(step));
+    load = drift(load, rng, step == 2 ? 1.0 : 0.2);
+    const Placement out = sticky(load, layout, previous, 0.01, false);
+    ASSERT_NO_THROW(out.validate());
+    expect_within_tolerance(load, layout, out, 0.01, false);
+    const Placement fresh = balanced(load, layout, false);
+    for (int64_t l = 0; l < load.layers; ++l) {
+      const std::span<const double> w = load.row(l);
+      double total = 0;
+      for (const double v : w) total += v;
+      const double cap = total / static_cast<double>(layout.ranks) /
+                         (layer_balancedness(w, fresh.layer_phy2log(l), layout) - 0.01);
+      std::vector<int64_t> had(256, 0);
+      for (const int32_t e : previous.layer_phy2log(l)) ++had[e];
+      int64_t fewest = 0;
+      for (int64_t e = 0; e < 256; ++e) {
+        int64_t need = 1;
+        while (w[e] / static_cast<double>(need) > cap) ++need;
+        fewest += std::max<int64_t>(0, need - had[e]);
+      }
+      int64_t moved = 0;
+      for (int64_t p = 0; p < layout.physical; ++p) {
+        moved += previous.layer_phy2log(l)[p] != out.layer_phy2log(l)[p];
+      }
+      EXPECT_EQ(moved, fewest) << "layer " << l;
+    }
+    previous = out;
+  }
 }
 
 TEST(Sticky, HierarchicalDriftKeepsGroupsOnOneNode) {

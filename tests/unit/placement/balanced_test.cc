@@ -81,6 +81,10 @@ TEST(Balanced, HotExpertGetsReplicasOnDistinctRanks) {
   out.validate();
   EXPECT_EQ(out.replica_count[0], 4);
   EXPECT_EQ(duplicates_on_ranks(out, layout), 0);
+  // Once expert 0 holds a slot on every rank, the last extra replica goes to the next largest
+  // load per replica: expert 1. (Only expert 0 is above the mean load per slot, so this is the
+  // case where the candidates reach the cap and the counts start again with every expert.)
+  EXPECT_EQ(out.replica_count, (std::vector<int32_t>{4, 2, 1, 1, 1, 1, 1, 1}));
 }
 
 struct Shape {

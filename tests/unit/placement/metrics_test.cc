@@ -1,11 +1,15 @@
-// Tests of the placement metrics, on cases worked out by hand.
+// Tests of the placement metrics, on cases worked out by hand, and the lower bound against a
+// plain greedy on random layers.
 
 #include "eplb/placement/metrics.h"
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <limits>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -63,6 +67,42 @@ TEST(MetricsTest, LowerBoundIsTheLargestReplicaWhenItDominates) {
   // Same on 8 ranks: mean 12.875 < 20.
   EXPECT_DOUBLE_EQ(layer_lower_bound(std::vector<double>{100, 1, 1, 1}, make_layout(4, 8, 8)),
                    20.0);
+}
+
+TEST(MetricsTest, LowerBoundMatchesTheGreedyCountsOnRandomLayers) {
+  // The per-replica term against a plain greedy over every expert (each extra replica to the
+  // largest w / r, lowest expert on a tie), on lognormal, tied and zero loads.
+  std::mt19937_64 rng(31);
+  std::lognormal_distribution<double> dist(0.0, 1.5);
+  for (int trial = 0; trial < 200; ++trial) {
+    // From a few extra replicas to two and a half times as many slots as experts.
+    const int64_t experts = 4 + trial % 29, ranks = 1 + trial % 7;
+    const int64_t wanted = experts + experts * (trial % 7) / 4 + trial % 3;
+    const int64_t physical = ranks * ((wanted + ranks - 1) / ranks);
+    // With one slot per rank the mean rank load does not hide the per-replica term.
+    const Layout layout = make_layout(experts, physical, trial % 2 == 0 ? physical : ranks);
+    std::vector<double> w(static_cast<size_t>(experts));
+    for (double& v : w) v = trial % 4 == 0 ? std::round(dist(rng)) : dist(rng) * 100;
+    std::vector<int64_t> count(w.size(), 1);
+    for (int64_t extra = physical - experts; extra > 0; --extra) {
+      size_t best = 0;
+      for (size_t e = 1; e < w.size(); ++e) {
+        if (w[e] / static_cast<double>(count[e]) > w[best] / static_cast<double>(count[best])) {
+          best = e;
+        }
+      }
+      ++count[best];
+    }
+    double total = 0, per_replica = 0;
+    for (size_t e = 0; e < w.size(); ++e) {
+      total += w[e];
+      per_replica = std::max(per_replica, w[e] / static_cast<double>(count[e]));
+    }
+    if (layout.slots_per_rank() == 2) continue;  // the pairing bound also applies there
+    EXPECT_EQ(layer_lower_bound(w, layout),
+              std::max(total / static_cast<double>(layout.ranks), per_replica))
+        << "trial " << trial << ": " << experts << " experts, " << physical << " slots";
+  }
 }
 
 TEST(MetricsTest, MovedSlots) {

@@ -51,8 +51,7 @@ bool greedy(std::span<const double> w, std::span<const int32_t> candidates, int6
 
 }  // namespace
 
-std::vector<int32_t> greedy_replica_counts(std::span<const double> w, int64_t slots,
-                                           int64_t cap) {
+std::vector<int32_t> greedy_replica_counts(std::span<const double> w, int64_t slots, int64_t cap) {
   const int64_t n = static_cast<int64_t>(w.size());
   std::vector<int32_t> count(w.size(), 1);
   const int64_t extra = slots - n;

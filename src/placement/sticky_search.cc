@@ -282,11 +282,20 @@ inline void Incremental::swap_with_moved(int64_t g, double top, double limit, in
                                          Action& best) {
   index_moved();
   const double sx = slot_share_[a];
+  // Few moved slots pass the loads, and which do is not predictable: they are listed without
+  // branches first (the test does not depend on `best`), then considered in order.
+  listed_.resize(moved_slots_.size());
+  size_t n = 0;
   for (size_t i = 0; i < moved_slots_.size(); ++i) {
     const double delta = sx - moved_share_[i];
-    if (delta <= 0) continue;
     const double peak = std::max(top - delta, moved_rank_load_[i] + delta);
-    if (peak < limit) consider_swap(g, peak, a, moved_slots_[i], best);
+    listed_[n] = static_cast<int32_t>(i);
+    n += static_cast<size_t>((delta > 0) & (peak < limit));
+  }
+  for (size_t k = 0; k < n; ++k) {
+    const size_t i = static_cast<size_t>(listed_[k]);
+    const double delta = sx - moved_share_[i];
+    consider_swap(g, std::max(top - delta, moved_rank_load_[i] + delta), a, moved_slots_[i], best);
   }
 }
 
@@ -339,7 +348,7 @@ inline int32_t Incremental::lightest_addition(int64_t g) {
 }
 
 inline void Incremental::swap_with_all(int64_t g, double top, double limit, int64_t a,
-                                       int64_t min_cost, Action& best) const {
+                                       int64_t min_cost, Action& best) {
   const int32_t x = cur_[a];
   const double sx = slot_share_[a];
   // Also skipped: ranks where every slot is at least as heavy as x (no swap lowers g), or
@@ -371,8 +380,20 @@ inline void Incremental::swap_with_all(int64_t g, double top, double limit, int6
       return;
     }
   }
+  // The rules and the loads first, for every rank without branches (they do not depend on
+  // `best`, and which ranks pass is not predictable), then `best`'s bound, in rank order.
+  ranks_listed_.resize(static_cast<size_t>(ranks_));
+  size_t n = 0;
   for (int64_t h = 0; h < ranks_; ++h) {
-    if (skip_rank(h)) continue;
+    const double lh = load_[h];
+    const bool fits = (h != g) & (lh < limit) & (rank_min_share_[h] < sx) &
+                      (lh + (sx - rank_max_share_[h]) < limit) & !holds(h, x) & allowed(x, h);
+    ranks_listed_[n] = static_cast<int32_t>(h);
+    n += static_cast<size_t>(fits);
+  }
+  for (size_t k = 0; k < n; ++k) {
+    const int64_t h = ranks_listed_[k];
+    if (!best.beaten_by(min_cost, 0.5 * (top + load_[h]))) continue;
     for (int64_t b = h * spr_; b < (h + 1) * spr_; ++b) try_swap(g, top, limit, a, b, best);
   }
 }

@@ -136,7 +136,7 @@ class Incremental {
   // only a swap of cost <= 0 can still win, b must be moved too or hold a's previous expert
   // (a swap of moved a with unmoved b costs 1 otherwise), so only those are visited.
   void swap_with_all(int64_t g, double top, double limit, int64_t a, int64_t min_cost,
-                     Action& best) const;
+                     Action& best);
 
   // One action that lowers rank g below its load without lifting any other rank to it; see
   // Action for which. Candidates are visited by the least cost they can have, and a set is
@@ -181,6 +181,9 @@ class Incremental {
   // Per round (index_moved): [moved slots] side by side with moved_slots_.
   bool moved_indexed_ = false;
   std::vector<double> moved_share_, moved_rank_load_;
+  // Scratch of the swap scans: moved slots (swap_with_moved) and ranks (swap_with_all) that
+  // pass the loads and the rules.
+  std::vector<int32_t> listed_, ranks_listed_;
   // Per round (index_give_ups).
   bool give_ups_indexed_ = false;
   std::vector<double> give_up_peak_;     // [physical]

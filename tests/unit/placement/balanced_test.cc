@@ -98,7 +98,7 @@ const std::vector<Shape> kShapes = {
     {128, 160, 32, 4, 8},
     {64, 72, 8, 2, 4},
     {60, 72, 12, 3, 6},
-    // Kimi-K2-like, 7 slots per rank: the differencing start (on these loads some layers
+    // Kimi-K2-like, 7 slots per rank: the differencing start (on these loads some layers'
     // last merges trade partners with an earlier bin; packings of 3-8 bins in this suite
     // still fall back to longest processing time first).
     {384, 448, 64, 8, 8},

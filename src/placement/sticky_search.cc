@@ -351,12 +351,18 @@ inline void Incremental::swap_with_all(int64_t g, double top, double limit, int6
                                        int64_t min_cost, Action& best) {
   const int32_t x = cur_[a];
   const double sx = slot_share_[a];
-  // Also skipped: ranks where every slot is at least as heavy as x (no swap lowers g), or
-  // where even the heaviest would lift h to the limit.
+  // Ranks that can take x at all: not g, under the limit, with a slot lighter than x (or no
+  // swap lowers g) and a heaviest slot that would not lift h to the limit, without x, and
+  // allowed it. Evaluated without branches: they do not depend on `best`, and which ranks
+  // pass is not predictable.
+  auto fits = [&](int64_t h) {
+    const double lh = load_[h];
+    return (h != g) & (lh < limit) & (rank_min_share_[h] < sx) &
+           (lh + (sx - rank_max_share_[h]) < limit) & !holds(h, x) & allowed(x, h);
+  };
+  // And ranks where even the least cost and the best split of the two loads cannot win.
   auto skip_rank = [&](int64_t h) {
-    return h == g || load_[h] >= limit || rank_min_share_[h] >= sx ||
-           load_[h] + (sx - rank_max_share_[h]) >= limit || holds(h, x) || !allowed(x, h) ||
-           !best.beaten_by(min_cost, 0.5 * (top + load_[h]));
+    return !fits(h) || !best.beaten_by(min_cost, 0.5 * (top + load_[h]));
   };
   if (cur_[a] != prev_[a] && !best.beaten_by(1, -kInf)) {
     const int32_t was = prev_[a];
@@ -380,16 +386,12 @@ inline void Incremental::swap_with_all(int64_t g, double top, double limit, int6
       return;
     }
   }
-  // The rules and the loads first, for every rank without branches (they do not depend on
-  // `best`, and which ranks pass is not predictable), then `best`'s bound, in rank order.
+  // Every rank: the ranks that fit are listed first, then weighed against `best` in order.
   ranks_listed_.resize(static_cast<size_t>(ranks_));
   size_t n = 0;
   for (int64_t h = 0; h < ranks_; ++h) {
-    const double lh = load_[h];
-    const bool fits = (h != g) & (lh < limit) & (rank_min_share_[h] < sx) &
-                      (lh + (sx - rank_max_share_[h]) < limit) & !holds(h, x) & allowed(x, h);
     ranks_listed_[n] = static_cast<int32_t>(h);
-    n += static_cast<size_t>(fits);
+    n += static_cast<size_t>(fits(h));
   }
   for (size_t k = 0; k < n; ++k) {
     const int64_t h = ranks_listed_[k];

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <numeric>
 #include <span>
+#include <utility>
 #include <vector>
 
 #include "eplb/core/error.h"
@@ -462,27 +463,112 @@ inline bool Incremental::lower_top(int64_t g, double cap) {
   }
   if (best.b < 0) return false;
   moved_ += best.cost;
-  const int32_t old_b = cur_[best.b];
   if (best.a >= 0) {
-    // A swap changes the loads of its two ranks only.
-    const int32_t x = cur_[best.a];
-    const double delta = share_[x] - share_[old_b];
-    set(best.a, -1);
-    set(best.b, x);
-    set(best.a, old_b);
-    load_[rank_of(best.a)] -= delta;
-    load_[rank_of(best.b)] += delta;
-    slot_share_[best.a] = share_[old_b];
-    slot_share_[best.b] = share_[x];
-    refresh_rank_shares(rank_of(best.a));
-    refresh_rank_shares(rank_of(best.b));
+    apply_swap(best.a, best.b);
   } else {
+    const int32_t old_b = cur_[best.b];
     set(best.b, best.expert);
     update_shares(old_b);
     update_shares(best.expert);
     recompute_loads();
   }
   return true;
+}
+
+inline bool Incremental::swap_fits(int64_t g, int64_t a, int64_t b, double cap) const {
+  const int64_t h = rank_of(b);
+  const int32_t x = cur_[a], y = cur_[b];
+  return h != g && load_[h] + (slot_share_[a] - slot_share_[b]) <= cap && y != x &&
+         !holds(h, x) && !holds(g, y) && allowed(x, h) && allowed(y, g);
+}
+
+inline void Incremental::apply_swap(int64_t a, int64_t b) {
+  // A swap changes the loads of its two ranks only.
+  const int32_t x = cur_[a], y = cur_[b];
+  const double delta = share_[x] - share_[y];
+  set(a, -1);
+  set(b, x);
+  set(a, y);
+  load_[rank_of(a)] -= delta;
+  load_[rank_of(b)] += delta;
+  slot_share_[a] = share_[y];
+  slot_share_[b] = share_[x];
+  refresh_rank_shares(rank_of(a));
+  refresh_rank_shares(rank_of(b));
+}
+
+void Incremental::settle(double cap, int64_t budget) {
+  const int64_t slots = static_cast<int64_t>(cur_.size());
+  // The slots by the share of their expert; a swap trades the slots of two entries, so the
+  // shares stay sorted.
+  std::vector<std::pair<double, int64_t>> sorted(static_cast<size_t>(slots));
+  for (int64_t p = 0; p < slots; ++p) sorted[p] = {slot_share_[p], p};
+  std::sort(sorted.begin(), sorted.end());
+  std::vector<double> sorted_share(static_cast<size_t>(slots));
+  std::vector<int64_t> by_share(static_cast<size_t>(slots)), at(static_cast<size_t>(slots));
+  for (int64_t i = 0; i < slots; ++i) {
+    sorted_share[i] = sorted[i].first;
+    by_share[i] = sorted[i].second;
+    at[by_share[i]] = i;
+  }
+  std::vector<int64_t> over;
+  for (int64_t r = 0; r < ranks_; ++r) {
+    if (load_[r] > cap) over.push_back(r);
+  }
+  std::stable_sort(over.begin(), over.end(),
+                   [&](int64_t a, int64_t b) { return load_[a] > load_[b]; });
+  for (const int64_t g : over) {
+    for (int64_t tries = 0; tries < spr_ && load_[g] > cap; ++tries) {
+      if (moved_ > budget) return;
+      const double excess = load_[g] - cap;
+      const double room = cap - min_load();  // the most any rank can take
+      // A swap that brings g to the cap: b's share at most sa - excess, from the largest
+      // down, until the shift is more than any rank can take; the first that fits for each a.
+      int64_t best_a = -1, best_b = -1, best_cost = 3;
+      double best_delta = kInf;
+      for (int64_t a = g * spr_; a < (g + 1) * spr_ && room >= excess; ++a) {
+        const double sa = slot_share_[a];
+        int64_t i = std::upper_bound(sorted_share.begin(), sorted_share.end(), sa - excess) -
+                    sorted_share.begin();
+        for (--i; i >= 0 && sa - sorted_share[i] <= room; --i) {
+          const int64_t b = by_share[i];
+          if (!swap_fits(g, a, b, cap)) continue;
+          const int64_t c = cost(a, cur_[b]) + cost(b, cur_[a]);
+          const double delta = sa - sorted_share[i];
+          if (c < best_cost || (c == best_cost && delta < best_delta)) {
+            best_a = a;
+            best_b = b;
+            best_cost = c;
+            best_delta = delta;
+          }
+          break;
+        }
+      }
+      // Else the one that lowers g most: b's share just above sa - excess, upwards.
+      if (best_a < 0) {
+        best_delta = 0;
+        for (int64_t a = g * spr_; a < (g + 1) * spr_; ++a) {
+          const double sa = slot_share_[a];
+          int64_t i = std::upper_bound(sorted_share.begin(), sorted_share.end(), sa - excess) -
+                      sorted_share.begin();
+          for (; i < slots && sorted_share[i] < sa - best_delta; ++i) {
+            const int64_t b = by_share[i];
+            if (!swap_fits(g, a, b, cap)) continue;
+            best_a = a;
+            best_b = b;
+            best_cost = cost(a, cur_[b]) + cost(b, cur_[a]);
+            best_delta = sa - sorted_share[i];
+            break;
+          }
+        }
+      }
+      if (best_a < 0) break;
+      moved_ += best_cost;
+      std::swap(by_share[at[best_a]], by_share[at[best_b]]);
+      std::swap(at[best_a], at[best_b]);
+      apply_swap(best_a, best_b);
+    }
+  }
 }
 
 }  // namespace eplb::placement::sticky_search

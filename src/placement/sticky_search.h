@@ -29,6 +29,15 @@ class Incremental {
   // larger budget; it goes on from where it stopped.
   bool run(double cap, int64_t budget);
 
+  // Step 3a': before the search, each rank above `cap` (heaviest first) swaps slots with
+  // ranks that stay at most the cap: the swap that brings it to the cap, the cheapest in moved
+  // slots, then the smallest shift of load (for each of its slots, the partner is found by
+  // share in a sorted list of all slots); where none does, the one that lowers it most; up to
+  // one swap per slot of the rank. What is still above the cap is left to run(). Stops once
+  // more than `budget` slots have moved. Far cheaper per swap than run()'s rounds, which weigh
+  // every kind of action over every rank (at 7 slots per rank it leaves nothing to them).
+  void settle(double cap, int64_t budget);
+
   std::span<const int32_t> slots() const { return cur_; }
   int64_t moved() const { return moved_; }
 
@@ -88,6 +97,13 @@ class Incremental {
   // On the first use in a round: the loads of the moved slots and of their ranks, side by side
   // for the scans that swap with every moved slot.
   void index_moved();
+
+  // Whether slot a of rank g may swap with slot b: another rank, kept at most `cap`, and the
+  // rules.
+  bool swap_fits(int64_t g, int64_t a, int64_t b, double cap) const;
+
+  // Swaps the experts of slots a and b (on different ranks), keeping the loads current.
+  void apply_swap(int64_t a, int64_t b);
 
   // The best action found so far: least cost in moved slots, then lowest new peak (the
   // largest load among the ranks it changes), then first found.

@@ -17,8 +17,6 @@
 #include "eplb/placement/balanced.h"
 
 #include <algorithm>
-#include <array>
-#include <bit>
 #include <cstdint>
 #include <numeric>
 #include <span>
@@ -29,6 +27,7 @@
 #include "eplb/placement/deepseek.h"
 #include "eplb/placement/metrics.h"
 #include "placement/replicas.h"
+#include "placement/sort_keys.h"
 #include "placement/two_slots.h"
 
 namespace eplb::placement {
@@ -50,53 +49,6 @@ struct Packing {
   std::vector<int32_t> item;   // [bins][capacity]: the item in each place
   std::vector<double> load;    // [bins]: sum of the bin's item weights
 };
-
-// Sort keys for nonnegative doubles, whose bit patterns order as the values do: the top 40 bits
-// of the value (sign, exponent, 28 bits of mantissa), inverted, above a 24-bit index, so one
-// integer compare sorts by descending value, then ascending index. Values whose top 40 bits
-// agree (within about 4e-9 relative, in buckets) count as equal and go by index. The pair
-// compare this replaces was a sixth of the policy's time at 7 slots per rank. Indices stay
-// below 2^24 (a layer's slots).
-using SortKey = uint64_t;
-constexpr int kIndexBits = 24;
-constexpr uint64_t kIndexMask = (uint64_t{1} << kIndexBits) - 1;
-SortKey descending_key(double v, int64_t index) {
-  EPLB_CHECK(index >= 0 && static_cast<uint64_t>(index) <= kIndexMask, "sort index ", index,
-             " needs more than ", kIndexBits, " bits");
-  const uint64_t bits = std::bit_cast<uint64_t>(v + 0.0);  // + 0.0: -0 sorts as 0
-  return (~bits & ~kIndexMask) | static_cast<uint64_t>(index);
-}
-int64_t key_index(SortKey key) { return static_cast<int64_t>(key & kIndexMask); }
-
-// Sorts `keys`, built in ascending order of their index, ascending; `scratch` is working space.
-// From a few hundred keys on, one byte of the value at a time from the lowest (a stable
-// counting sort per byte, skipping bytes every key shares): a stable sort of keys in index
-// order leaves equal values by index, so the index bytes need no pass. A comparison sort
-// mispredicted about half its branches on these keys; sorting was a seventh of the policy's
-// time at 448 slots per layer. Keys are distinct, so every correct sort gives the same order.
-void sort_keys(std::vector<SortKey>& keys, std::vector<SortKey>& scratch) {
-  constexpr size_t kRadixFrom = 256;
-  if (keys.size() < kRadixFrom) {
-    std::sort(keys.begin(), keys.end());
-    return;
-  }
-  constexpr int kFirst = kIndexBits / 8, kBytes = sizeof(SortKey) - kFirst;
-  static_assert(kIndexBits % 8 == 0, "the index fills whole bytes");
-  std::array<std::array<uint32_t, 256>, kBytes> count{};
-  for (const SortKey k : keys) {
-    for (int d = 0; d < kBytes; ++d) ++count[d][(k >> (8 * (kFirst + d))) & 0xff];
-  }
-  scratch.resize(keys.size());
-  for (int d = 0; d < kBytes; ++d) {
-    const int shift = 8 * (kFirst + d);
-    std::array<uint32_t, 256>& at = count[d];
-    if (at[(keys[0] >> shift) & 0xff] == keys.size()) continue;
-    uint32_t sum = 0;
-    for (uint32_t& c : at) sum += std::exchange(c, sum);
-    for (const SortKey k : keys) scratch[at[(k >> shift) & 0xff]++] = k;
-    keys.swap(scratch);
-  }
-}
 
 // The items by descending weight (descending_key: near-equal weights go by index). [n]
 std::vector<int32_t> heaviest_first(std::span<const double> weight) {

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "eplb/core/error.h"
+#include "placement/sort_keys.h"
 
 namespace eplb::placement::sticky_search {
 namespace {
@@ -499,18 +500,24 @@ inline void Incremental::apply_swap(int64_t a, int64_t b) {
 
 void Incremental::settle(double cap, int64_t budget) {
   const int64_t slots = static_cast<int64_t>(cur_.size());
-  // The slots by the share of their expert; a swap trades the slots of two entries, so the
-  // shares stay sorted.
-  std::vector<std::pair<double, int64_t>> sorted(static_cast<size_t>(slots));
-  for (int64_t p = 0; p < slots; ++p) sorted[p] = {slot_share_[p], p};
-  std::sort(sorted.begin(), sorted.end());
+  // The slots by the share of their expert, descending (sort_keys.h); a swap trades the slots
+  // of two entries, so the shares stay in order.
+  std::vector<SortKey> keys(static_cast<size_t>(slots)), scratch;
+  for (int64_t p = 0; p < slots; ++p) keys[p] = descending_key(slot_share_[p], p);
+  sort_keys(keys, scratch);
   std::vector<double> sorted_share(static_cast<size_t>(slots));
   std::vector<int64_t> by_share(static_cast<size_t>(slots)), at(static_cast<size_t>(slots));
   for (int64_t i = 0; i < slots; ++i) {
-    sorted_share[i] = sorted[i].first;
-    by_share[i] = sorted[i].second;
+    by_share[i] = key_index(keys[i]);
+    sorted_share[i] = slot_share_[by_share[i]];
     at[by_share[i]] = i;
   }
+  // The first entry whose share is at most v.
+  auto first_at_most = [&](double v) {
+    return std::partition_point(sorted_share.begin(), sorted_share.end(),
+                                [v](double share) { return share > v; }) -
+           sorted_share.begin();
+  };
   std::vector<int64_t> over;
   for (int64_t r = 0; r < ranks_; ++r) {
     if (load_[r] > cap) over.push_back(r);
@@ -528,9 +535,8 @@ void Incremental::settle(double cap, int64_t budget) {
       double best_delta = kInf;
       for (int64_t a = g * spr_; a < (g + 1) * spr_ && room >= excess; ++a) {
         const double sa = slot_share_[a];
-        int64_t i = std::upper_bound(sorted_share.begin(), sorted_share.end(), sa - excess) -
-                    sorted_share.begin();
-        for (--i; i >= 0 && sa - sorted_share[i] <= room; --i) {
+        for (int64_t i = first_at_most(sa - excess); i < slots && sa - sorted_share[i] <= room;
+             ++i) {
           const int64_t b = by_share[i];
           if (!swap_fits(g, a, b, cap)) continue;
           const int64_t c = cost(a, cur_[b]) + cost(b, cur_[a]);
@@ -549,9 +555,8 @@ void Incremental::settle(double cap, int64_t budget) {
         best_delta = 0;
         for (int64_t a = g * spr_; a < (g + 1) * spr_; ++a) {
           const double sa = slot_share_[a];
-          int64_t i = std::upper_bound(sorted_share.begin(), sorted_share.end(), sa - excess) -
-                      sorted_share.begin();
-          for (; i < slots && sorted_share[i] < sa - best_delta; ++i) {
+          for (int64_t i = first_at_most(sa - excess) - 1;
+               i >= 0 && sorted_share[i] < sa - best_delta; --i) {
             const int64_t b = by_share[i];
             if (!swap_fits(g, a, b, cap)) continue;
             best_a = a;

@@ -111,6 +111,42 @@ TEST(Sticky, DriftScenarioMovesFewSlots) {
   EXPECT_LE(moved_fraction, 0.15);
 }
 
+TEST(Sticky, OneSwapSettlesAnOverloadedRank) {
+  // Rank 0 carries 12 against a mean of 9; swapping its 5 for rank 1's 2 (or its 4 for the 1)
+  // brings both to 9, the fewest moves that can (the counts cannot change: no redundant slot).
+  const Layout layout = make_layout(6, 6, 2, 1, 1);
+  Placement previous(1, 6, 6);
+  previous.phy2log = {0, 1, 2, 3, 4, 5};
+  previous.derive_from_phy2log();
+  LoadMatrix load(1, 6);
+  load.values = {5, 4, 3, 3, 2, 1};
+  const Placement out = sticky(load, layout, previous, 0.0, false);
+  ASSERT_NO_THROW(out.validate());
+  EXPECT_EQ(moved_slots(previous, out), 2);
+  EXPECT_DOUBLE_EQ(layer_balancedness(load.row(0), out.layer_phy2log(0), layout), 1.0);
+}
+
+TEST(Sticky, SevenSlotsPerRankDriftMovesFewSlots) {
+  // A 384-expert model on 64 ranks (7 slots each), where the swaps that settle the overloaded
+  // ranks do most of the work.
+  const Layout layout = make_layout(384, 448, 64, 8, 1);
+  std::mt19937_64 rng(17);
+  LoadMatrix load = lognormal_load(8, 384, rng);
+  Placement previous = balanced(load, layout, false);
+  for (int step = 0; step < 3; ++step) {
+    SCOPED_TRACE("step " + std::to_string(step));
+    load = drift(load, rng);
+    const Placement out = sticky(load, layout, previous, 0.01, false);
+    ASSERT_NO_THROW(out.validate());
+    EXPECT_EQ(duplicates_on_ranks(out, layout), 0);
+    expect_within_tolerance(load, layout, out, 0.01, false);
+    EXPECT_LE(static_cast<double>(moved_slots(previous, out)),
+              0.15 * static_cast<double>(load.layers * layout.physical));
+    EXPECT_EQ(sticky(load, layout, previous, 0.01, false).phy2log, out.phy2log);
+    previous = out;
+  }
+}
+
 TEST(Sticky, ManyRanksRelabelKeepsTheRules) {
   // Past 64 ranks the fallback's ranks are matched greedily: the result still follows every
   // rule, reaches the target, and an unchanged load still moves nothing.

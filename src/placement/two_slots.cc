@@ -25,6 +25,7 @@
 
 #include "eplb/core/error.h"
 #include "placement/replicas.h"
+#include "placement/sort_keys.h"
 
 namespace eplb::placement::two_slots {
 namespace {
@@ -93,12 +94,15 @@ void reorder(std::span<const double> share, std::vector<int32_t>& order, int32_t
 // Steps 1-2 from counts r: the experts in order, and their pairing's largest pair.
 Pairing sorted_pairing(std::span<const double> w, std::span<const int32_t> r, int64_t ranks) {
   Pairing p;
-  p.order.resize(w.size());
-  std::iota(p.order.begin(), p.order.end(), 0);
   std::vector<double> share(w.size());
-  for (size_t e = 0; e < w.size(); ++e) share[e] = w[e] / r[e];
-  std::sort(p.order.begin(), p.order.end(),
-            [&](int32_t a, int32_t b) { return heavier(share, a, b); });
+  std::vector<SortKey> keys(w.size()), scratch;
+  for (size_t e = 0; e < w.size(); ++e) {
+    share[e] = w[e] / r[e];
+    keys[e] = descending_key(share[e], static_cast<int64_t>(e));
+  }
+  sort_keys(keys, scratch);  // a comparison sort mispredicted half its compares here
+  p.order.resize(w.size());
+  for (size_t i = 0; i < keys.size(); ++i) p.order[i] = static_cast<int32_t>(key_index(keys[i]));
   pair_up(share, r, ranks, p);
   return p;
 }

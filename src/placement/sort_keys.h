@@ -1,6 +1,6 @@
 #pragma once
-// Sort keys for nonnegative doubles (balanced's packings, sticky's settle): one integer compare
-// per pair, and a radix sort from a few hundred keys on.
+// Sort keys for nonnegative doubles (balanced's packings, the sorted pairing, sticky's settle
+// and search): one integer compare per pair, and a radix sort from a few hundred keys on.
 
 #include <bit>
 #include <cstdint>
@@ -23,6 +23,13 @@ inline SortKey descending_key(double v, int64_t index) {
              " needs more than ", kIndexBits, " bits");
   const uint64_t bits = std::bit_cast<uint64_t>(v + 0.0);  // + 0.0: -0 sorts as 0
   return (~bits & ~kIndexMask) | static_cast<uint64_t>(index);
+}
+// The same, ascending by value.
+inline SortKey ascending_key(double v, int64_t index) {
+  EPLB_CHECK(index >= 0 && static_cast<uint64_t>(index) <= kIndexMask, "sort index ", index,
+             " needs more than ", kIndexBits, " bits");
+  const uint64_t bits = std::bit_cast<uint64_t>(v + 0.0);
+  return (bits & ~kIndexMask) | static_cast<uint64_t>(index);
 }
 inline int64_t key_index(SortKey key) { return static_cast<int64_t>(key & kIndexMask); }
 

@@ -241,10 +241,14 @@ inline void Incremental::index_give_ups(double limit) {
 inline std::span<const int64_t> Incremental::give_ups_by_load() {
   if (!give_ups_sorted_) {
     give_ups_sorted_ = true;
-    std::sort(give_ups_.begin(), give_ups_.end(), [&](int64_t a, int64_t b) {
-      const double la = load_[rank_of(a)], lb = load_[rank_of(b)];
-      return la < lb || (la == lb && a < b);
-    });
+    // One integer compare per pair (sort_keys.h), ascending: the compare of two rank loads
+    // through the slots' ranks was a tenth of the policy's time at 256 ranks.
+    give_up_keys_.resize(give_ups_.size());
+    for (size_t i = 0; i < give_ups_.size(); ++i) {
+      give_up_keys_[i] = ascending_key(load_[rank_of(give_ups_[i])], give_ups_[i]);
+    }
+    std::sort(give_up_keys_.begin(), give_up_keys_.end());
+    for (size_t i = 0; i < give_ups_.size(); ++i) give_ups_[i] = key_index(give_up_keys_[i]);
   }
   return give_ups_;
 }

@@ -205,6 +205,7 @@ class Incremental {
   std::vector<double> give_up_peak_;     // [physical]
   std::vector<int64_t> moved_give_ups_;  // moved slots with give_up_peak_ below the limit
   std::vector<int64_t> give_ups_;        // all such slots (give_ups_by_load)
+  std::vector<uint64_t> give_up_keys_;   // scratch of give_ups_by_load
   bool give_ups_sorted_ = false;
   int64_t moved_ = 0;
   int64_t rounds_ = 0;

@@ -58,7 +58,7 @@ using sticky_search::kInf;
 // relabelled fallback: a fresh packing relabelled keeps far fewer slots than that.
 constexpr int64_t kFewMoved = 8;
 // Step 0's budget: its target is at least balanced's, so what it reaches within 1/kFewMovedBound
-// of the slots is kept as it is (lognormal(0, 0.2) drift needs 12-15% at 7-13 slots per rank).
+// of the slots is kept as it is (lognormal(0, 0.2) drift needs 7-13% at 7-13 slots per rank).
 constexpr int64_t kFewMovedBound = 6;
 // Once balanced's target is known, a candidate moving at most 1/kFewMovedFresh of the slots is
 // kept without the relabelled fallback: relabelling moves most slots (80% at 64 ranks on

@@ -171,6 +171,7 @@ inline void Incremental::place_missing(int32_t e) {
 }
 
 inline void Incremental::recompute_loads() {
+  peaks_stale_ = true;
   std::fill(load_.begin(), load_.end(), 0.0);
   slot_share_.resize(cur_.size());
   for (size_t p = 0; p < cur_.size(); ++p) {
@@ -199,41 +200,47 @@ inline double Incremental::top_holder_except(int32_t e, int64_t rank) const {
   return top;
 }
 
+inline void Incremental::refresh_give_up_peaks(int32_t y) {
+  const int32_t* list = holder_.get() + static_cast<int64_t>(y) * ranks_;
+  if (count_[y] < 2) {
+    for (int32_t i = 0; i < count_[y]; ++i) give_up_peak_[list[i]] = kInf;
+    return;
+  }
+  // The two most loaded holders of y: each holder's "others" is the top one, or the second
+  // for the top one itself.
+  double first = -kInf, second = -kInf;
+  int32_t first_at = -1;
+  for (int32_t i = 0; i < count_[y]; ++i) {
+    const double l = load_[rank_of(list[i])];
+    if (l > first) {
+      second = first;
+      first = l;
+      first_at = i;
+    } else if (l > second) {
+      second = l;
+    }
+  }
+  const double rise = share_down_[y] - share_[y];
+  for (int32_t i = 0; i < count_[y]; ++i) {
+    give_up_peak_[list[i]] = (i == first_at ? second : first) + rise;
+  }
+}
+
 inline void Incremental::index_give_ups(double limit) {
   if (give_ups_indexed_) return;
   give_ups_indexed_ = true;
-  // Only the slots of the last index are finite.
-  give_up_peak_.resize(cur_.size(), kInf);
-  for (const int64_t b : give_ups_) give_up_peak_[b] = kInf;
-  give_ups_.clear();
-  for (const int32_t y : redundant_) {
-    // The two most loaded holders of y: each holder's "others" is the top one, or the
-    // second for the top one itself.
-    const int32_t* list = holder_.get() + static_cast<int64_t>(y) * ranks_;
-    double first = -kInf, second = -kInf;
-    int32_t first_at = -1;
-    for (int32_t i = 0; i < count_[y]; ++i) {
-      const double l = load_[rank_of(list[i])];
-      if (l > first) {
-        second = first;
-        first = l;
-        first_at = i;
-      } else if (l > second) {
-        second = l;
-      }
-    }
-    const double rise = share_down_[y] - share_[y];
-    for (int32_t i = 0; i < count_[y]; ++i) {
-      const double peak = (i == first_at ? second : first) + rise;
-      if (peak < limit) {
-        give_up_peak_[list[i]] = peak;
-        give_ups_.push_back(list[i]);
-      }
-    }
+  give_up_limit_ = limit;
+  if (peaks_stale_) {
+    peaks_stale_ = false;
+    give_up_peak_.assign(cur_.size(), kInf);
+    for (const int32_t y : redundant_) refresh_give_up_peaks(y);
+  } else {
+    for (const int32_t y : peaks_dirty_) refresh_give_up_peaks(y);
   }
+  peaks_dirty_.clear();
   moved_give_ups_.clear();
   for (const int64_t b : moved_slots_) {
-    if (give_up_peak_[b] < kInf) moved_give_ups_.push_back(b);
+    if (give_up_peak_[b] < limit) moved_give_ups_.push_back(b);
   }
   give_ups_sorted_ = false;
 }
@@ -243,11 +250,15 @@ inline std::span<const int64_t> Incremental::give_ups_by_load() {
     give_ups_sorted_ = true;
     // One integer compare per pair (sort_keys.h), ascending: the compare of two rank loads
     // through the slots' ranks was a tenth of the policy's time at 256 ranks.
-    give_up_keys_.resize(give_ups_.size());
-    for (size_t i = 0; i < give_ups_.size(); ++i) {
-      give_up_keys_[i] = ascending_key(load_[rank_of(give_ups_[i])], give_ups_[i]);
+    give_up_keys_.clear();
+    for (size_t b = 0; b < give_up_peak_.size(); ++b) {
+      if (give_up_peak_[b] < give_up_limit_) {
+        give_up_keys_.push_back(ascending_key(load_[rank_of(static_cast<int64_t>(b))],
+                                              static_cast<int64_t>(b)));
+      }
     }
     std::sort(give_up_keys_.begin(), give_up_keys_.end());
+    give_ups_.resize(give_up_keys_.size());
     for (size_t i = 0; i < give_ups_.size(); ++i) give_ups_[i] = key_index(give_up_keys_[i]);
   }
   return give_ups_;
@@ -500,6 +511,12 @@ inline void Incremental::apply_swap(int64_t a, int64_t b) {
   slot_share_[b] = share_[x];
   refresh_rank_shares(rank_of(a));
   refresh_rank_shares(rank_of(b));
+  // The loads of the two ranks changed: the give-up peaks of the experts on them.
+  if (!peaks_stale_) {
+    for (const int64_t r : {rank_of(a), rank_of(b)}) {
+      for (int64_t k = r * spr_; k < (r + 1) * spr_; ++k) peaks_dirty_.push_back(cur_[k]);
+    }
+  }
 }
 
 void Incremental::settle(double cap, int64_t budget) {

@@ -84,14 +84,18 @@ class Incremental {
   double top_holder_except(int32_t e, int64_t rank) const;
 
   // On the first use in a round: for each slot b whose expert y has 2+ replicas, the largest
-  // load of y's other holders once b gives y up (+inf when y has one replica, or when that
-  // reaches `limit`); it does not depend on the expert b takes instead. Also the moved slots
-  // where it stays below `limit`, ascending.
+  // load of y's other holders once b gives y up (+inf when y has one replica); it does not
+  // depend on the expert b takes instead. Kept between rounds: a swap changes only the peaks
+  // of the experts on its two ranks (refresh_give_up_peaks), any other action all of them.
+  // Also the moved slots where it stays below `limit`, ascending.
   void index_give_ups(double limit);
 
-  // The slots of index_give_ups by the load of their rank, then ascending (so by rank index
-  // on equal loads), sorted on the first use in a round: redundant slots on light ranks come
-  // first, so the first fitting one is usually the best.
+  // give_up_peak_ of the slots holding y.
+  void refresh_give_up_peaks(int32_t y);
+
+  // The slots of index_give_ups below its limit by the load of their rank, then ascending (so
+  // by rank index on equal loads), sorted on the first use in a round: redundant slots on
+  // light ranks come first, so the first fitting one is usually the best.
   std::span<const int64_t> give_ups_by_load();
 
   // On the first use in a round: the loads of the moved slots and of their ranks, side by side
@@ -200,9 +204,13 @@ class Incremental {
   // Scratch of the swap scans: moved slots (swap_with_moved) and ranks (swap_with_all) that
   // pass the loads and the rules.
   std::vector<int32_t> listed_, ranks_listed_;
-  // Per round (index_give_ups).
-  bool give_ups_indexed_ = false;
+  // index_give_ups: the peaks, current unless stale (every one) or their expert is listed in
+  // peaks_dirty_; the lists per round.
+  bool peaks_stale_ = true;
+  std::vector<int32_t> peaks_dirty_;
   std::vector<double> give_up_peak_;     // [physical]
+  bool give_ups_indexed_ = false;
+  double give_up_limit_ = 0;
   std::vector<int64_t> moved_give_ups_;  // moved slots with give_up_peak_ below the limit
   std::vector<int64_t> give_ups_;        // all such slots (give_ups_by_load)
   std::vector<uint64_t> give_up_keys_;   // scratch of give_ups_by_load

@@ -420,30 +420,47 @@ bool repair(std::span<const double> w, std::span<const int32_t> prev,
   // Ranks above the cap trade their lighter replica for a lighter one elsewhere.
   std::vector<double> load(static_cast<size_t>(ranks));
   for (int64_t g = 0; g < ranks; ++g) load[g] = share(out[2 * g]) + share(out[2 * g + 1]);
+  // The slots by the share of their replica, ascending (sort_keys.h); a trade swaps the
+  // replicas of two slots, so swapping their entries keeps the order (within equal shares it
+  // does not matter: the best trade is the least peak, then the lowest slot, whatever the scan
+  // order).
+  std::vector<SortKey> keys(static_cast<size_t>(slots)), scratch;
+  for (int64_t q = 0; q < slots; ++q) keys[q] = ascending_key(share(out[q]), q);
+  sort_keys(keys, scratch);
+  std::vector<int64_t> by_share(static_cast<size_t>(slots)), at(static_cast<size_t>(slots));
+  std::vector<double> sorted_share(static_cast<size_t>(slots));
+  for (int64_t i = 0; i < slots; ++i) {
+    by_share[i] = key_index(keys[i]);
+    sorted_share[i] = share(out[by_share[i]]);
+    at[by_share[i]] = i;
+  }
   for (int64_t round = 0; round < 2 * ranks; ++round) {
     const int64_t g = std::max_element(load.begin(), load.end()) - load.begin();
     if (load[g] <= cap) return true;
     const int64_t light = share(out[2 * g]) <= share(out[2 * g + 1]) ? 2 * g : 2 * g + 1;
     const int32_t x = out[mate(light)], y = out[light];
-    const double sy = share(y);
+    const double sx = share(x), sy = share(y);
     int64_t best = -1;
     double best_peak = load[g];
-    for (int64_t q = 0; q < slots; ++q) {
-      // A trade lowers g only for a lighter replica than y: the loads rule most slots out
-      // before the experts are compared.
+    // A trade lowers g only for a lighter replica than y, and its peak is at least
+    // sx + share(v): lighter replicas first, until that is above the best peak.
+    for (int64_t i = 0; i < slots && sorted_share[i] < sy && sx + sorted_share[i] <= best_peak;
+         ++i) {
+      const int64_t q = by_share[i];
       const int32_t v = out[q];
-      if (share(v) >= sy) continue;
       const int64_t h = q / 2;
       if (h == g) continue;
       const int32_t z = out[mate(q)];
       if (v == x || z == y || v == y) continue;
-      const double peak = std::max(share(x) + share(v), share(z) + share(y));
-      if (peak < best_peak) {
+      const double peak = std::max(sx + sorted_share[i], share(z) + sy);
+      if (peak < best_peak || (peak == best_peak && best >= 0 && q < best)) {
         best = q;
         best_peak = peak;
       }
     }
     if (best < 0) return false;
+    std::swap(by_share[at[light]], by_share[at[best]]);
+    std::swap(at[light], at[best]);
     std::swap(out[light], out[best]);
     load[g] = share(out[2 * g]) + share(out[2 * g + 1]);
     load[best / 2] = share(out[best & ~int64_t{1}]) + share(out[best | 1]);

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
+#include <functional>
 #include <numeric>
 #include <span>
 #include <utility>
@@ -245,23 +246,32 @@ inline void Incremental::index_give_ups(double limit) {
   give_ups_sorted_ = false;
 }
 
-inline std::span<const int64_t> Incremental::give_ups_by_load() {
+inline int64_t Incremental::give_up_by_load(size_t i) {
   if (!give_ups_sorted_) {
     give_ups_sorted_ = true;
     // One integer compare per pair (sort_keys.h), ascending: the compare of two rank loads
-    // through the slots' ranks was a tenth of the policy's time at 256 ranks.
-    give_up_keys_.clear();
+    // through the slots' ranks was a tenth of the policy's time at 256 ranks. Listed without
+    // branches (which slots pass is not predictable), then ordered lazily: the scans stop after
+    // about a tenth of them, so a heap costs a fraction of a sort.
+    give_up_keys_.resize(give_up_peak_.size());
+    size_t n = 0;
     for (size_t b = 0; b < give_up_peak_.size(); ++b) {
-      if (give_up_peak_[b] < give_up_limit_) {
-        give_up_keys_.push_back(ascending_key(load_[rank_of(static_cast<int64_t>(b))],
-                                              static_cast<int64_t>(b)));
-      }
+      give_up_keys_[n] =
+          ascending_key(load_[rank_of(static_cast<int64_t>(b))], static_cast<int64_t>(b));
+      n += static_cast<size_t>(give_up_peak_[b] < give_up_limit_);
     }
-    std::sort(give_up_keys_.begin(), give_up_keys_.end());
-    give_ups_.resize(give_up_keys_.size());
-    for (size_t i = 0; i < give_ups_.size(); ++i) give_ups_[i] = key_index(give_up_keys_[i]);
+    give_up_heap_end_ = n;
+    std::make_heap(give_up_keys_.begin(), give_up_keys_.begin() + static_cast<int64_t>(n),
+                   std::greater<>());
+    give_ups_.clear();
   }
-  return give_ups_;
+  while (give_ups_.size() <= i && give_up_heap_end_ > 0) {
+    std::pop_heap(give_up_keys_.begin(),
+                  give_up_keys_.begin() + static_cast<int64_t>(give_up_heap_end_),
+                  std::greater<>());
+    give_ups_.push_back(key_index(give_up_keys_[--give_up_heap_end_]));
+  }
+  return i < give_ups_.size() ? give_ups_[i] : -1;
 }
 
 inline void Incremental::index_moved() {
@@ -458,8 +468,9 @@ inline bool Incremental::lower_top(int64_t g, double cap) {
     const double rep_floor = top - share_[x] + share_up_[x];
     if (rep_floor < limit && best.beaten_by(1, rep_floor)) {
       index_give_ups(limit);
-      for (const int64_t b : give_ups_by_load()) {
-        if (!best.beaten_by(1, rep_floor)) break;
+      for (size_t i = 0; best.beaten_by(1, rep_floor); ++i) {
+        const int64_t b = give_up_by_load(i);
+        if (b < 0) break;
         try_replicate(g, top, limit, a, b, best);
       }
     }

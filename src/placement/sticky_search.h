@@ -93,10 +93,11 @@ class Incremental {
   // give_up_peak_ of the slots holding y.
   void refresh_give_up_peaks(int32_t y);
 
-  // The slots of index_give_ups below its limit by the load of their rank, then ascending (so
-  // by rank index on equal loads), sorted on the first use in a round: redundant slots on
-  // light ranks come first, so the first fitting one is usually the best.
-  std::span<const int64_t> give_ups_by_load();
+  // The i-th of the slots of index_give_ups below its limit by the load of their rank, then
+  // ascending (so by rank index on equal loads), -1 past the last; ordered on demand, from the
+  // first use in a round: redundant slots on light ranks come first, so the first fitting one
+  // is usually the best.
+  int64_t give_up_by_load(size_t i);
 
   // On the first use in a round: the loads of the moved slots and of their ranks, side by side
   // for the scans that swap with every moved slot.
@@ -212,8 +213,9 @@ class Incremental {
   bool give_ups_indexed_ = false;
   double give_up_limit_ = 0;
   std::vector<int64_t> moved_give_ups_;  // moved slots with give_up_peak_ below the limit
-  std::vector<int64_t> give_ups_;        // all such slots (give_ups_by_load)
-  std::vector<uint64_t> give_up_keys_;   // scratch of give_ups_by_load
+  std::vector<int64_t> give_ups_;        // give_up_by_load's order, as far as it was asked
+  std::vector<uint64_t> give_up_keys_;   // its heap of the others: [0, give_up_heap_end_)
+  size_t give_up_heap_end_ = 0;
   bool give_ups_sorted_ = false;
   int64_t moved_ = 0;
   int64_t rounds_ = 0;

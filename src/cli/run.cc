@@ -424,7 +424,9 @@ void add_run(CLI::App& app) {
       ->capture_default_str();
   cmd->add_option("--window", o.window, "Steps of load history a placement sees")
       ->capture_default_str();
-  cmd->add_option("--redundant", o.redundant, "Redundant slots per layer (-1: one per rank)")
+  cmd->add_option("--redundant", o.redundant,
+                  "Redundant slots per layer (-1: one per rank; with --kill-rank, at least that "
+                  "and enough for the survivors to hold every expert)")
       ->capture_default_str();
   cmd->add_option("--policy", o.policy, "deepseek, balanced or sticky")->capture_default_str();
   cmd->add_option("--mode", o.mode, "async, sync or off (no rebalancing)")->capture_default_str();

@@ -122,7 +122,8 @@ int64_t RunOptions::redundant_slots(int64_t experts) const {
 void RunOptions::validate(const Workload& workload) const {
   if (ranks < 1 || ranks > kMaxRanks) fail("--ranks ", ranks, " is outside [1, ", kMaxRanks, "]");
   if (redundant < -1) {
-    fail("--redundant ", redundant, " must not be negative (-1 means one per rank)");
+    fail("--redundant ", redundant, " must not be negative (-1 means one per rank, or with "
+         "--kill-rank enough for the survivors to hold every expert)");
   }
   if (redundant > kMaxPhysical - workload.experts) {
     fail("--redundant ", redundant, " gives more than ", kMaxPhysical,

@@ -190,8 +190,14 @@ class Rebalancer::Impl {
   // window for the monitor thread to measure under `phy2log`. A rebalance triggered at this
   // step all-reduced it already (that result is shared); with one in flight since an earlier
   // step there is no measurement (no collective queues up among its agreements); else one
-  // all-reduce, on every rank alike.
-  void submit_balancedness(std::vector<int32_t> phy2log);
+  // all-reduce, on every rank alike. `served_by`: the group's seats and usable slots when
+  // `phy2log` served (empty where all of them did).
+  struct ServedBy {
+    std::vector<int32_t> members;
+    std::vector<uint8_t> usable;
+  };
+  ServedBy served_by_now() const;
+  void submit_balancedness(std::vector<int32_t> phy2log, ServedBy served_by);
 
   // Ends the open record at this step; `raise` is what step_end throws under on_error=raise.
   void close_open(std::optional<Failure> raise);

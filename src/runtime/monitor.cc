@@ -18,6 +18,43 @@ double seconds_between(MonitorClock::time_point a, MonitorClock::time_point b) {
 
 }  // namespace
 
+std::optional<placement::PlacementMetrics> served_metrics(const LoadMatrix& load,
+                                                          const Placement& placement,
+                                                          const Layout& layout,
+                                                          std::span<const int32_t> members,
+                                                          std::span<const uint8_t> usable) {
+  const bool every_seat = members.empty() || static_cast<int64_t>(members.size()) == layout.ranks;
+  if (every_seat && usable.empty()) {
+    return placement::evaluate(load, placement, layout, nullptr, /*with_bound=*/false);
+  }
+  const int64_t spr = layout.slots_per_rank();
+  std::vector<uint8_t> member(static_cast<size_t>(layout.ranks), every_seat ? 1 : 0);
+  if (!every_seat) {
+    for (const int32_t g : members) member[static_cast<size_t>(g)] = 1;
+  }
+  Layout compact = layout;
+  compact.ranks = every_seat ? layout.ranks : static_cast<int64_t>(members.size());
+  compact.physical = compact.ranks * spr;
+  compact.nodes = 1;
+  Placement c(placement.layers, placement.experts, compact.physical);
+  std::vector<uint8_t> served(static_cast<size_t>(placement.experts));
+  for (int64_t l = 0; l < placement.layers; ++l) {
+    std::fill(served.begin(), served.end(), 0);
+    int64_t q = 0;
+    for (int64_t slot = 0; slot < layout.physical; ++slot) {
+      if (!member[static_cast<size_t>(slot / spr)]) continue;
+      const int32_t e = placement.phy2log[l * layout.physical + slot];
+      c.phy2log[l * compact.physical + q++] = e;
+      if (usable.empty() || usable[static_cast<size_t>(l * layout.physical + slot)]) {
+        served[static_cast<size_t>(e)] = 1;
+      }
+    }
+    if (std::find(served.begin(), served.end(), 0) != served.end()) return std::nullopt;
+  }
+  c.derive_from_phy2log();
+  return placement::evaluate(load, c, compact, nullptr, /*with_bound=*/false);
+}
+
 void Progress::start(int64_t index, int64_t trigger_step) {
   std::lock_guard<std::mutex> lock(mu_);
   const auto now = MonitorClock::now();
@@ -129,13 +166,15 @@ void Monitor::stop() {
 }
 
 void Monitor::measure(std::shared_future<CollectiveResult> window,
-                      std::vector<int32_t> phy2log, int64_t step, int64_t group) {
+                      std::vector<int32_t> phy2log, int64_t step, int64_t group,
+                      std::vector<int32_t> members, std::vector<uint8_t> usable) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (stop_) return;
     // The result is bounded by its own timeout, behind at most a few queued collectives.
     jobs_.push_back({std::move(window), std::move(phy2log), step,
-                     MonitorClock::now() + timeout_ * 8, group});
+                     MonitorClock::now() + timeout_ * 8, group, std::move(members),
+                     std::move(usable)});
   }
   cv_.notify_all();
 }
@@ -198,13 +237,25 @@ void Monitor::measure_now(Job& job) {
   Placement placement(layers, layout_.experts, layout_.physical);
   placement.phy2log = std::move(job.phy2log);
   placement.derive_from_phy2log();
-  const placement::PlacementMetrics m =
-      placement::evaluate(load, placement, layout_, nullptr, /*with_bound=*/false);
+  const std::optional<placement::PlacementMetrics> served =
+      served_metrics(load, placement, layout_, job.members, job.usable);
+  if (!served) {
+    // As the plans' predictions read it: some expert's tokens had nowhere to go.
+    metrics_.set_recorded_balancedness(0);
+    if (rank_ == 0) {
+      spdlog::info("eplb runtime: balancedness 0 at step {} (an expert had no usable slot on "
+                   "the group's ranks)",
+                   job.step);
+    }
+    return;
+  }
+  const placement::PlacementMetrics& m = *served;
   if (m.moe_layers == 0) return;  // nothing recorded yet: no figure rather than a perfect one
   metrics_.set_recorded_balancedness(m.balancedness_mean);
   if (rank_ == 0) {
     spdlog::info("eplb runtime: balancedness {:.4f} at step {} (the recorded window under the "
-                 "placement in force, mean over {} MoE layers; step-weighted {:.4f})",
+                 "placement in force over the slots that served, mean over {} MoE layers; "
+                 "step-weighted {:.4f})",
                  m.balancedness_mean, job.step, m.moe_layers, m.balancedness_step);
   }
 }

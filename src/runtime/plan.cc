@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <thread>
 #include <tuple>
 #include <utility>
@@ -61,38 +62,13 @@ bool wait_installs(const StageContext& context) {
   }
 }
 
-// The balancedness of `p` on `load` counting only the members' slots (the others serve no
-// token), over a layout of the members alone; 0 when some expert has no usable member slot
-// (the placement cannot serve every token).
-double member_balancedness(const LoadMatrix& load, const Placement& p, const Layout& layout,
-                           const std::vector<uint8_t>& member, std::span<const uint8_t> usable) {
-  const int64_t spr = layout.slots_per_rank();
-  int64_t live = 0;
-  for (const uint8_t m : member) live += m;
-  if (live == layout.ranks && usable.empty()) {
-    return placement::evaluate(load, p, layout, nullptr, false).balancedness_mean;
-  }
-  Layout compact = layout;
-  compact.ranks = live;
-  compact.physical = live * spr;
-  compact.nodes = 1;
-  Placement c(p.layers, p.experts, compact.physical);
-  std::vector<uint8_t> served(static_cast<size_t>(p.experts));
-  for (int64_t l = 0; l < p.layers; ++l) {
-    std::fill(served.begin(), served.end(), 0);
-    int64_t q = 0;
-    for (int64_t slot = 0; slot < layout.physical; ++slot) {
-      if (!member[static_cast<size_t>(slot / spr)]) continue;
-      const int32_t e = p.phy2log[l * layout.physical + slot];
-      c.phy2log[l * compact.physical + q++] = e;
-      if (usable.empty() || usable[static_cast<size_t>(l * layout.physical + slot)]) {
-        served[static_cast<size_t>(e)] = 1;
-      }
-    }
-    if (std::find(served.begin(), served.end(), 0) != served.end()) return 0;
-  }
-  c.derive_from_phy2log();
-  return placement::evaluate(load, c, compact, nullptr, false).balancedness_mean;
+// The balancedness of `p` on `load` over the slots that serve (served_metrics); 0 when some
+// expert has no usable member slot (the placement cannot serve every token).
+double served_balancedness(const LoadMatrix& load, const Placement& p, const Layout& layout,
+                           std::span<const int32_t> members, std::span<const uint8_t> usable) {
+  const std::optional<placement::PlacementMetrics> m =
+      served_metrics(load, p, layout, members, usable);
+  return m ? m->balancedness_mean : 0;
 }
 
 }  // namespace
@@ -144,8 +120,9 @@ RebalancePlan make_plan(std::span<const int64_t> window, std::span<const int32_t
   }
   const Placement after = placement::place(load, layout, options);
   // Over the slots that serve: the members', and before the move only the usable ones.
-  plan.balancedness_before = member_balancedness(load, before, layout, member, elastic.usable);
-  plan.balancedness_after = member_balancedness(load, after, layout, member, {});
+  plan.balancedness_before =
+      served_balancedness(load, before, layout, elastic.members, elastic.usable);
+  plan.balancedness_after = served_balancedness(load, after, layout, elastic.members, {});
   const double gain = plan.balancedness_after - plan.balancedness_before;
   if (gain < config.min_gain && !elastic.repair) {
     plan.skipped = true;

@@ -373,14 +373,18 @@ void Rebalancer::Impl::step_end() {
   // this step's protocol installs anything (sync mode installs a whole rebalance here).
   const bool measure = balancedness_period_ > 0 && step_ % balancedness_period_ == 0;
   std::vector<int32_t> served_with;
-  if (measure) served_with = phy2log_;
+  ServedBy served_by;
+  if (measure) {
+    served_with = phy2log_;
+    served_by = served_by_now();
+  }
   sync_window_.reset();
   if (config_.mode == Mode::kAsync) {
     step_end_async();
   } else {
     step_end_sync();
   }
-  if (measure) submit_balancedness(std::move(served_with));
+  if (measure) submit_balancedness(std::move(served_with), std::move(served_by));
   published_step_.store(step_, std::memory_order_release);
   const double ms = ms_between(start, Clock::now());
   metrics_->on_step();
@@ -392,16 +396,27 @@ void Rebalancer::Impl::step_end() {
   if (open_finished_) publish_open();
 }
 
-void Rebalancer::Impl::submit_balancedness(std::vector<int32_t> phy2log) {
+Rebalancer::Impl::ServedBy Rebalancer::Impl::served_by_now() const {
+  ServedBy by;
+  const bool all_usable =
+      std::all_of(usable_.begin(), usable_.end(), [](uint8_t u) { return u != 0; });
+  if (static_cast<int64_t>(members_.size()) < config_.layout.ranks) by.members = members_;
+  if (!all_usable) by.usable = usable_;
+  return by;
+}
+
+void Rebalancer::Impl::submit_balancedness(std::vector<int32_t> phy2log, ServedBy served_by) {
   // Triggered at this step: its window is this very window, all-reduced already.
   if (sync_window_) {
     std::promise<CollectiveResult> ready;
     ready.set_value({.values = *sync_window_, .failure = std::nullopt});
-    monitor_->measure(ready.get_future().share(), std::move(phy2log), step_, group_.load());
+    monitor_->measure(ready.get_future().share(), std::move(phy2log), step_, group_.load(),
+                      std::move(served_by.members), std::move(served_by.usable));
     return;
   }
   if (active_ && open_ && open_->trigger_step == step_) {
-    monitor_->measure(active_->window, std::move(phy2log), step_, group_.load());
+    monitor_->measure(active_->window, std::move(phy2log), step_, group_.load(),
+                      std::move(served_by.members), std::move(served_by.usable));
     return;
   }
   // In flight since an earlier step (its agreements must not wait behind a window), or a
@@ -412,7 +427,8 @@ void Rebalancer::Impl::submit_balancedness(std::vector<int32_t> phy2log) {
   monitor_->measure(control_->all_reduce(std::move(window), control::ReduceOp::kSum,
                                          config_.timeout)
                         .share(),
-                    std::move(phy2log), step_, group_.load());
+                    std::move(phy2log), step_, group_.load(), std::move(served_by.members),
+                    std::move(served_by.usable));
 }
 
 void Rebalancer::Impl::save_stats(const std::string& path, stats::LoadFormat format) const {

@@ -6,6 +6,7 @@
 #include <array>
 #include <cstdint>
 #include <functional>
+#include <initializer_list>
 #include <numeric>
 #include <span>
 #include <utility>
@@ -182,6 +183,34 @@ inline void Incremental::recompute_loads() {
   rank_min_share_.resize(static_cast<size_t>(ranks_));
   rank_max_share_.resize(static_cast<size_t>(ranks_));
   for (int64_t r = 0; r < ranks_; ++r) refresh_rank_shares(r);
+}
+
+inline void Incremental::refresh_rank(int64_t r) {
+  // Summed in slot order from zero, as recompute_loads() does: every rank's load is always
+  // the same sum of its slots, however it was reached.
+  double load = 0;
+  for (int64_t k = r * spr_; k < (r + 1) * spr_; ++k) load += slot_share_[k];
+  load_[r] = load;
+  refresh_rank_shares(r);
+  if (!peaks_stale_) {
+    for (int64_t k = r * spr_; k < (r + 1) * spr_; ++k) peaks_dirty_.push_back(cur_[k]);
+  }
+}
+
+inline void Incremental::refresh_experts(std::initializer_list<int32_t> experts) {
+  touched_ranks_.clear();
+  for (const int32_t e : experts) {
+    const int32_t* list = holder_.get() + static_cast<int64_t>(e) * ranks_;
+    for (int32_t i = 0; i < count_[e]; ++i) {
+      slot_share_[list[i]] = share_[e];
+      touched_ranks_.push_back(static_cast<int32_t>(rank_of(list[i])));
+    }
+    if (!peaks_stale_) peaks_dirty_.push_back(e);  // its rise changed with its count
+  }
+  std::sort(touched_ranks_.begin(), touched_ranks_.end());
+  touched_ranks_.erase(std::unique(touched_ranks_.begin(), touched_ranks_.end()),
+                       touched_ranks_.end());
+  for (const int32_t r : touched_ranks_) refresh_rank(r);
 }
 
 inline void Incremental::refresh_rank_shares(int64_t r) {
@@ -497,7 +526,8 @@ inline bool Incremental::lower_top(int64_t g, double cap) {
     set(best.b, best.expert);
     update_shares(old_b);
     update_shares(best.expert);
-    recompute_loads();
+    // Only the ranks holding the two experts change (slot b is among the new expert's).
+    refresh_experts({old_b, best.expert});
   }
   return true;
 }
@@ -512,22 +542,14 @@ inline bool Incremental::swap_fits(int64_t g, int64_t a, int64_t b, double cap) 
 inline void Incremental::apply_swap(int64_t a, int64_t b) {
   // A swap changes the loads of its two ranks only.
   const int32_t x = cur_[a], y = cur_[b];
-  const double delta = share_[x] - share_[y];
   set(a, -1);
   set(b, x);
   set(a, y);
-  load_[rank_of(a)] -= delta;
-  load_[rank_of(b)] += delta;
   slot_share_[a] = share_[y];
   slot_share_[b] = share_[x];
-  refresh_rank_shares(rank_of(a));
-  refresh_rank_shares(rank_of(b));
-  // The loads of the two ranks changed: the give-up peaks of the experts on them.
-  if (!peaks_stale_) {
-    for (const int64_t r : {rank_of(a), rank_of(b)}) {
-      for (int64_t k = r * spr_; k < (r + 1) * spr_; ++k) peaks_dirty_.push_back(cur_[k]);
-    }
-  }
+  // The loads of the two ranks changed, and the give-up peaks of the experts on them.
+  refresh_rank(rank_of(a));
+  refresh_rank(rank_of(b));
 }
 
 void Incremental::settle(double cap, int64_t budget) {

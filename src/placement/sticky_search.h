@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <initializer_list>
 #include <limits>
 #include <memory>
 #include <span>
@@ -73,6 +74,14 @@ class Incremental {
   void recompute_loads();
 
   void refresh_rank_shares(int64_t r);
+
+  // Rank r's load summed again from its slots' shares (and its least and largest), after its
+  // slots or their shares changed; its experts' give-up peaks go stale.
+  void refresh_rank(int64_t r);
+
+  // After the counts of `experts` changed (their shares are current): their slots' shares and
+  // the ranks holding them.
+  void refresh_experts(std::initializer_list<int32_t> experts);
 
   int64_t top_rank() const { return std::max_element(load_.begin(), load_.end()) - load_.begin(); }
 
@@ -205,6 +214,7 @@ class Incremental {
   // Scratch of the swap scans: moved slots (swap_with_moved) and ranks (swap_with_all) that
   // pass the loads and the rules.
   std::vector<int32_t> listed_, ranks_listed_;
+  std::vector<int32_t> touched_ranks_;  // scratch of refresh_experts
   // index_give_ups: the peaks, current unless stale (every one) or their expert is listed in
   // peaks_dirty_; the lists per round.
   bool peaks_stale_ = true;

@@ -183,6 +183,32 @@ inline void Incremental::recompute_loads() {
   rank_min_share_.resize(static_cast<size_t>(ranks_));
   rank_max_share_.resize(static_cast<size_t>(ranks_));
   for (int64_t r = 0; r < ranks_; ++r) refresh_rank_shares(r);
+  build_rank_trees();
+}
+
+inline void Incremental::build_rank_trees() {
+  const int64_t n = ranks_;
+  top_tree_.resize(static_cast<size_t>(2 * n));
+  min_tree_.resize(static_cast<size_t>(2 * n));
+  for (int64_t r = 0; r < n; ++r) {
+    top_tree_[n + r] = static_cast<int32_t>(r);
+    min_tree_[n + r] = load_[r];
+  }
+  for (int64_t i = n - 1; i >= 1; --i) {
+    const int32_t a = top_tree_[2 * i], b = top_tree_[2 * i + 1];
+    top_tree_[i] = load_[a] > load_[b] || (load_[a] == load_[b] && a < b) ? a : b;
+    min_tree_[i] = std::min(min_tree_[2 * i], min_tree_[2 * i + 1]);
+  }
+}
+
+inline void Incremental::update_rank_trees(int64_t r) {
+  const int64_t n = ranks_;
+  min_tree_[n + r] = load_[r];
+  for (int64_t i = (n + r) / 2; i >= 1; i /= 2) {
+    const int32_t a = top_tree_[2 * i], b = top_tree_[2 * i + 1];
+    top_tree_[i] = load_[a] > load_[b] || (load_[a] == load_[b] && a < b) ? a : b;
+    min_tree_[i] = std::min(min_tree_[2 * i], min_tree_[2 * i + 1]);
+  }
 }
 
 inline void Incremental::refresh_rank(int64_t r) {
@@ -191,6 +217,7 @@ inline void Incremental::refresh_rank(int64_t r) {
   double load = 0;
   for (int64_t k = r * spr_; k < (r + 1) * spr_; ++k) load += slot_share_[k];
   load_[r] = load;
+  update_rank_trees(r);
   refresh_rank_shares(r);
   if (!peaks_stale_) {
     for (int64_t k = r * spr_; k < (r + 1) * spr_; ++k) peaks_dirty_.push_back(cur_[k]);

@@ -83,10 +83,16 @@ class Incremental {
   // the ranks holding them.
   void refresh_experts(std::initializer_list<int32_t> experts);
 
-  int64_t top_rank() const { return std::max_element(load_.begin(), load_.end()) - load_.begin(); }
+  // The most loaded rank (the lowest index on a tie), from the tree over the rank loads.
+  int64_t top_rank() const { return top_tree_[1]; }
 
   // The lightest rank load, for the bound on swaps.
-  double min_load() const { return *std::min_element(load_.begin(), load_.end()); }
+  double min_load() const { return min_tree_[1]; }
+
+  // The trees over the rank loads: all of them (recompute_loads), or rank r's path after its
+  // load changed.
+  void build_rank_trees();
+  void update_rank_trees(int64_t r);
 
   // The largest load among the ranks holding e other than `rank` (-inf: none). e has at most
   // one replica per rank and few replicas, so walking its holders is cheap.
@@ -192,6 +198,11 @@ class Incremental {
   std::vector<int32_t> count_;       // [experts]
   std::vector<uint8_t> holds_;       // [ranks][experts]
   std::vector<double> load_;         // [ranks]
+  // Over load_: node i of [1, ranks) joins nodes 2i and 2i + 1, rank r is node ranks + r, so
+  // node 1 covers every rank. The most loaded rank of each node's ranks (ties: the lowest
+  // index), and the least load.
+  std::vector<int32_t> top_tree_;  // [2 ranks]
+  std::vector<double> min_tree_;   // [2 ranks]
   std::vector<int64_t> prev_start_;  // [experts + 1]: prev_slots_of(e) is
   std::vector<int64_t> prev_slots_;  // prev_slots_[prev_start_[e] .. prev_start_[e + 1])
   std::vector<double> share_, share_up_, share_down_;  // [experts]

@@ -186,29 +186,24 @@ inline void Incremental::recompute_loads() {
   build_rank_trees();
 }
 
+inline void Incremental::join_rank_node(int64_t i) {
+  const RankNode& a = rank_tree_[2 * i];
+  const RankNode& b = rank_tree_[2 * i + 1];
+  const bool left = a.top > b.top || (a.top == b.top && a.rank < b.rank);
+  rank_tree_[i] = {left ? a.top : b.top, std::min(a.least, b.least), left ? a.rank : b.rank};
+}
+
 inline void Incremental::build_rank_trees() {
   const int64_t n = ranks_;
-  top_tree_.resize(static_cast<size_t>(2 * n));
-  min_tree_.resize(static_cast<size_t>(2 * n));
-  for (int64_t r = 0; r < n; ++r) {
-    top_tree_[n + r] = static_cast<int32_t>(r);
-    min_tree_[n + r] = load_[r];
-  }
-  for (int64_t i = n - 1; i >= 1; --i) {
-    const int32_t a = top_tree_[2 * i], b = top_tree_[2 * i + 1];
-    top_tree_[i] = load_[a] > load_[b] || (load_[a] == load_[b] && a < b) ? a : b;
-    min_tree_[i] = std::min(min_tree_[2 * i], min_tree_[2 * i + 1]);
-  }
+  rank_tree_.resize(static_cast<size_t>(2 * n));
+  for (int64_t r = 0; r < n; ++r) rank_tree_[n + r] = {load_[r], load_[r], r};
+  for (int64_t i = n - 1; i >= 1; --i) join_rank_node(i);
 }
 
 inline void Incremental::update_rank_trees(int64_t r) {
   const int64_t n = ranks_;
-  min_tree_[n + r] = load_[r];
-  for (int64_t i = (n + r) / 2; i >= 1; i /= 2) {
-    const int32_t a = top_tree_[2 * i], b = top_tree_[2 * i + 1];
-    top_tree_[i] = load_[a] > load_[b] || (load_[a] == load_[b] && a < b) ? a : b;
-    min_tree_[i] = std::min(min_tree_[2 * i], min_tree_[2 * i + 1]);
-  }
+  rank_tree_[n + r] = {load_[r], load_[r], r};
+  for (int64_t i = (n + r) / 2; i >= 1; i /= 2) join_rank_node(i);
 }
 
 inline void Incremental::refresh_rank(int64_t r) {

@@ -84,10 +84,13 @@ class Incremental {
   void refresh_experts(std::initializer_list<int32_t> experts);
 
   // The most loaded rank (the lowest index on a tie), from the tree over the rank loads.
-  int64_t top_rank() const { return top_tree_[1]; }
+  int64_t top_rank() const { return rank_tree_[1].rank; }
 
   // The lightest rank load, for the bound on swaps.
-  double min_load() const { return min_tree_[1]; }
+  double min_load() const { return rank_tree_[1].least; }
+
+  // Node i from its children.
+  void join_rank_node(int64_t i);
 
   // The trees over the rank loads: all of them (recompute_loads), or rank r's path after its
   // load changed.
@@ -199,10 +202,15 @@ class Incremental {
   std::vector<uint8_t> holds_;       // [ranks][experts]
   std::vector<double> load_;         // [ranks]
   // Over load_: node i of [1, ranks) joins nodes 2i and 2i + 1, rank r is node ranks + r, so
-  // node 1 covers every rank. The most loaded rank of each node's ranks (ties: the lowest
-  // index), and the least load.
-  std::vector<int32_t> top_tree_;  // [2 ranks]
-  std::vector<double> min_tree_;   // [2 ranks]
+  // node 1 covers every rank. Each node holds the largest load of its ranks with its rank
+  // (ties: the lowest index) and the least load, side by side: a node's two children are read
+  // together, with no lookup of the ranks' loads.
+  struct RankNode {
+    double top = 0;
+    double least = 0;
+    int64_t rank = 0;
+  };
+  std::vector<RankNode> rank_tree_;  // [2 ranks]
   std::vector<int64_t> prev_start_;  // [experts + 1]: prev_slots_of(e) is
   std::vector<int64_t> prev_slots_;  // prev_slots_[prev_start_[e] .. prev_start_[e + 1])
   std::vector<double> share_, share_up_, share_down_;  // [experts]

@@ -128,7 +128,9 @@ TEST(CudaRoutingHost, KernelChooseSlotMatchesChooseSlotWithoutARank) {
           const int32_t slot = kernel_choose_slot(host, e, token, rank);
           ASSERT_EQ(slot, routing::choose_slot(t, DispatchPolicy::kHash, e, token, rank, state))
               << "seed " << seed << " experts " << shape.experts << " expert " << e;
-          if (t.replica_count[e] == 0) ASSERT_EQ(slot, -1);
+          if (t.replica_count[e] == 0) {
+            ASSERT_EQ(slot, -1);
+          }
         }
       }
     }

@@ -392,17 +392,19 @@ bool place_experts(std::span<const double> w, std::span<const int32_t> experts, 
   for (int64_t i = 0; i < n; ++i) local[i] = w[experts[i]];
   std::vector<int32_t> paired;  // two slots per rank: two_slots.h's placement
   double paired_top = 0;
+  std::vector<int32_t> count;  // the greedy counts (two_slots::place computes them too)
   if (slots_per_rank == 2) {
     paired.resize(static_cast<size_t>(2 * ranks));
     bool traded = false;
-    paired_top = two_slots::place(local, ranks, paired, traded);
+    paired_top = two_slots::place(local, ranks, paired, traded, count);
     // Unless a pair had to trade a replica (tiny layers), it beats any packing below.
     if (!traded) {
       write_pairs(paired, experts, first_slot, phy2log);
       return true;
     }
+  } else {
+    count = greedy_replica_counts(local, ranks * slots_per_rank, ranks);
   }
-  const std::vector<int32_t> count = greedy_replica_counts(local, ranks * slots_per_rank, ranks);
   // Where a pair traded a replica: any packing of these counts has a rank at least their sorted
   // pairing's largest pair, so where the pairs are not above that the packing below cannot win
   // (at 256 ranks it never did, and it was a sixth of balanced's time there).

@@ -353,12 +353,13 @@ bool out_of_reach(std::span<const double> w, int64_t ranks, double T) {
 }  // namespace
 
 double place(std::span<const double> w, int64_t ranks, std::span<int32_t> phy2log,
-             bool& traded) {
+             bool& traded, std::vector<int32_t>& greedy) {
   const int64_t experts = static_cast<int64_t>(w.size());
   EPLB_CHECK(experts >= 2 && experts <= 2 * ranks && phy2log.size() == static_cast<size_t>(2 * ranks),
              "two slots per rank: ", experts, " experts, ", ranks, " ranks, ", phy2log.size(),
              " slots");
-  std::vector<int32_t> r = greedy_replica_counts(w, 2 * ranks, ranks);
+  greedy = greedy_replica_counts(w, 2 * ranks, ranks);
+  std::vector<int32_t> r = greedy;
   Pairing p = sorted_pairing(w, r, ranks);
   search_counts(w, ranks, r, p);
   const std::vector<int32_t> slots = make_pairs(w, r, ranks, p, traded);

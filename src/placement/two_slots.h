@@ -22,8 +22,10 @@ namespace eplb::placement::two_slots {
 // ascending order, never the same twice) and returns its largest rank load. `traded` says
 // whether a pair holding one expert twice had to trade a replica: the result may then be above
 // the best (it happens on tiny layers; the caller can compare it with another packing).
+// `greedy` gets the counts it started from (greedy_replica_counts(w, 2 * ranks, ranks)), for
+// that comparison.
 double place(std::span<const double> w, int64_t ranks, std::span<int32_t> phy2log,
-             bool& traded);
+             bool& traded, std::vector<int32_t>& greedy);
 
 // A lower bound on the largest rank load any placement of `w` on `ranks` ranks of two slots
 // can have (two replicas of an expert on one rank included), by bisection on T. Never below

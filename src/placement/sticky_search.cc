@@ -306,10 +306,13 @@ inline int64_t Incremental::give_up_by_load(size_t i) {
     // about a tenth of them, so a heap costs a fraction of a sort.
     give_up_keys_.resize(give_up_peak_.size());
     size_t n = 0;
-    for (size_t b = 0; b < give_up_peak_.size(); ++b) {
-      give_up_keys_[n] =
-          ascending_key(load_[rank_of(static_cast<int64_t>(b))], static_cast<int64_t>(b));
-      n += static_cast<size_t>(give_up_peak_[b] < give_up_limit_);
+    for (int64_t r = 0; r < ranks_; ++r) {
+      // A rank's slots share its load's bits; only the index differs.
+      const SortKey rank_bits = ascending_key(load_[r], 0);
+      for (int64_t b = r * spr_; b < (r + 1) * spr_; ++b) {
+        give_up_keys_[n] = rank_bits | static_cast<SortKey>(b);
+        n += static_cast<size_t>(give_up_peak_[b] < give_up_limit_);
+      }
     }
     give_up_heap_end_ = n;
     std::make_heap(give_up_keys_.begin(), give_up_keys_.begin() + static_cast<int64_t>(n),

@@ -4,6 +4,10 @@
 #include <exception>
 #include <new>
 
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
+
 #include <CLI/CLI.hpp>
 #include <fmt/core.h>
 #include <spdlog/sinks/stdout_color_sinks.h>
@@ -15,6 +19,16 @@
 #include "eplb/core/memory.h"
 
 int main(int argc, char** argv) {
+#if defined(__GLIBC__)
+  // A placement's tables are a few MiB per call ([layers][experts][most replicas] int32:
+  // 6 MiB at 61 x 384 experts on 64 ranks). Above glibc's mmap threshold each call mapped fresh
+  // pages and faulted on every one of them (about 870 faults, 3 ms, per call there on a VM,
+  // more than the placement itself) until glibc's own threshold had grown past them a few calls
+  // later. Fixed thresholds keep such buffers in the heap, reused from one call (or one
+  // rebalance) to the next; larger ones are still mapped and given back when freed.
+  mallopt(M_MMAP_THRESHOLD, 64 << 20);
+  mallopt(M_TRIM_THRESHOLD, 256 << 20);
+#endif
   // Logs (the runtime's rebalances, the watchdog's warnings) go to standard error: standard
   // output is the commands' own (--json prints one object there, which a log line would break).
   spdlog::set_default_logger(spdlog::stderr_color_mt("eplb"));

@@ -467,17 +467,18 @@ bool repair(std::span<const double> w, std::span<const int32_t> prev,
   // Ranks above the cap trade their lighter replica for a lighter one elsewhere.
   std::vector<double> load(static_cast<size_t>(ranks));
   for (int64_t g = 0; g < ranks; ++g) load[g] = share(out[2 * g]) + share(out[2 * g + 1]);
-  // The slots by the share of their replica, ascending (sort_keys.h); a trade swaps the
-  // replicas of two slots, so swapping their entries keeps the order (within equal shares it
-  // does not matter: the best trade is the least peak, then the lowest slot, whatever the scan
-  // order).
-  std::vector<SortKey> keys(static_cast<size_t>(slots)), scratch;
-  for (int64_t q = 0; q < slots; ++q) keys[q] = ascending_key(share(out[q]), q);
-  sort_keys(keys, scratch);
+  // The slots by the share of their replica, ascending, exactly (the scan below stops on the
+  // shares; the integer sort keys order values that agree to 40 bits by index only); a trade
+  // swaps the replicas of two slots, so swapping their entries keeps the order (within equal
+  // shares it does not matter: the best trade is the least peak, then the lowest slot,
+  // whatever the scan order).
   std::vector<int64_t> by_share(static_cast<size_t>(slots)), at(static_cast<size_t>(slots));
+  std::iota(by_share.begin(), by_share.end(), int64_t{0});
+  std::sort(by_share.begin(), by_share.end(), [&](int64_t a, int64_t b) {
+    return share(out[a]) < share(out[b]) || (share(out[a]) == share(out[b]) && a < b);
+  });
   std::vector<double> sorted_share(static_cast<size_t>(slots));
   for (int64_t i = 0; i < slots; ++i) {
-    by_share[i] = key_index(keys[i]);
     sorted_share[i] = share(out[by_share[i]]);
     at[by_share[i]] = i;
   }

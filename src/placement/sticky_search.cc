@@ -216,6 +216,12 @@ inline void Incremental::refresh_rank(int64_t r) {
   refresh_rank_shares(r);
   if (!peaks_stale_) {
     for (int64_t k = r * spr_; k < (r + 1) * spr_; ++k) peaks_dirty_.push_back(cur_[k]);
+    // Rounds that never index the give-ups would let the list grow: past one entry per expert
+    // refreshing them all is no dearer.
+    if (peaks_dirty_.size() > static_cast<size_t>(experts_)) {
+      peaks_stale_ = true;
+      peaks_dirty_.clear();
+    }
   }
 }
 

@@ -1,7 +1,8 @@
 #pragma once
 // Rebalancer::Impl, the runtime behind the public Rebalancer, shared by the files that define
-// it: rebalancer.cc (construction, start-up, the forward thread, the public forwarding
-// methods), async.cc (the async protocol and the worker thread) and sync.cc (sync mode).
+// it: rebalancer.cc (construction, the forward thread, the public forwarding methods),
+// startup.cc (connect(), the threads and regions), async.cc (the async protocol and the worker
+// thread), sync.cc (sync mode) and elastic.cc (reconfigure() and lost slots).
 
 #include <atomic>
 #include <chrono>

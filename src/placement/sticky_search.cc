@@ -183,7 +183,7 @@ inline void Incremental::recompute_loads() {
   rank_min_share_.resize(static_cast<size_t>(ranks_));
   rank_max_share_.resize(static_cast<size_t>(ranks_));
   for (int64_t r = 0; r < ranks_; ++r) refresh_rank_shares(r);
-  build_rank_trees();
+  build_rank_tree();
 }
 
 inline void Incremental::join_rank_node(int64_t i) {
@@ -193,14 +193,14 @@ inline void Incremental::join_rank_node(int64_t i) {
   rank_tree_[i] = {left ? a.top : b.top, std::min(a.least, b.least), left ? a.rank : b.rank};
 }
 
-inline void Incremental::build_rank_trees() {
+inline void Incremental::build_rank_tree() {
   const int64_t n = ranks_;
   rank_tree_.resize(static_cast<size_t>(2 * n));
   for (int64_t r = 0; r < n; ++r) rank_tree_[n + r] = {load_[r], load_[r], r};
   for (int64_t i = n - 1; i >= 1; --i) join_rank_node(i);
 }
 
-inline void Incremental::update_rank_trees(int64_t r) {
+inline void Incremental::update_rank_tree(int64_t r) {
   const int64_t n = ranks_;
   rank_tree_[n + r] = {load_[r], load_[r], r};
   for (int64_t i = (n + r) / 2; i >= 1; i /= 2) join_rank_node(i);
@@ -212,7 +212,7 @@ inline void Incremental::refresh_rank(int64_t r) {
   double load = 0;
   for (int64_t k = r * spr_; k < (r + 1) * spr_; ++k) load += slot_share_[k];
   load_[r] = load;
-  update_rank_trees(r);
+  update_rank_tree(r);
   refresh_rank_shares(r);
   if (!peaks_stale_) {
     for (int64_t k = r * spr_; k < (r + 1) * spr_; ++k) peaks_dirty_.push_back(cur_[k]);

@@ -92,10 +92,10 @@ class Incremental {
   // Node i from its children.
   void join_rank_node(int64_t i);
 
-  // The trees over the rank loads: all of them (recompute_loads), or rank r's path after its
-  // load changed.
-  void build_rank_trees();
-  void update_rank_trees(int64_t r);
+  // The tree over the rank loads: all of it (recompute_loads), or rank r's path after its load
+  // changed.
+  void build_rank_tree();
+  void update_rank_tree(int64_t r);
 
   // The largest load among the ranks holding e other than `rank` (-inf: none). e has at most
   // one replica per rank and few replicas, so walking its holders is cheap.
@@ -103,8 +103,9 @@ class Incremental {
 
   // On the first use in a round: for each slot b whose expert y has 2+ replicas, the largest
   // load of y's other holders once b gives y up (+inf when y has one replica); it does not
-  // depend on the expert b takes instead. Kept between rounds: a swap changes only the peaks
-  // of the experts on its two ranks (refresh_give_up_peaks), any other action all of them.
+  // depend on the expert b takes instead. Kept between rounds: an action changes only the peaks
+  // of the experts on the ranks whose loads it changed, and of the experts whose counts it
+  // changed (refresh_rank, refresh_experts).
   // Also the moved slots where it stays below `limit`, ascending.
   void index_give_ups(double limit);
 

@@ -157,7 +157,7 @@ Pairing sorted_pairing(std::span<const double> w, std::span<const int32_t> r, in
 void search_counts(std::span<const double> w, int64_t ranks, std::vector<int32_t>& r,
                    Pairing& p) {
   const int64_t experts = static_cast<int64_t>(w.size());
-  Pairing trial;
+  std::vector<int32_t> trial;  // the experts in order under a trial's counts
   std::vector<int32_t> donors;
   std::vector<double> share(w.size());  // w / r, kept current with r
   for (size_t e = 0; e < w.size(); ++e) share[e] = w[e] / r[e];
@@ -187,9 +187,9 @@ void search_counts(std::span<const double> w, int64_t ranks, std::vector<int32_t
         --r[from];
         update(to);
         update(from);
-        trial.order = p.order;
-        reorder(share, trial.order, to, from);
-        const double top = top_from_both_ends(share, r, ranks, trial.order, best);
+        trial = p.order;
+        reorder(share, trial, to, from);
+        const double top = top_from_both_ends(share, r, ranks, trial, best);
         if (top < best) {
           best = top;
           best_to = to;

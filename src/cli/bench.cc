@@ -30,6 +30,7 @@ struct BenchPlacementArgs {
   std::string shape;
   std::string policy = "deepseek";
   bool hierarchical = false;
+  bool thorough = false;
   uint64_t seed = 0;
   int repeat = 20;
   std::string load_path;
@@ -77,6 +78,7 @@ PlacementRow measure_placement(const BenchPlacementArgs& args, const Layout& lay
   placement::PolicyOptions options;
   options.policy = placement::parse_policy(policy);
   options.hierarchical = args.hierarchical;
+  options.thorough = args.thorough;
   // sticky starts from the balanced placement of a drifted load, as a rebalance would.
   Placement previous;
   if (options.policy == placement::Policy::kSticky) {
@@ -86,6 +88,7 @@ PlacementRow measure_placement(const BenchPlacementArgs& args, const Layout& lay
     placement::PolicyOptions first;
     first.policy = placement::Policy::kBalanced;
     first.hierarchical = args.hierarchical;
+    first.thorough = args.thorough;
     previous = placement::place(before, layout, first);
     options.previous = &previous;
   }
@@ -227,6 +230,9 @@ void add_bench_placement(CLI::App& bench) {
   cmd->add_option("--policy", args->policy, "deepseek, balanced or sticky")
       ->capture_default_str();
   cmd->add_flag("--hierarchical", args->hierarchical);
+  cmd->add_flag("--thorough", args->thorough,
+                "balanced/sticky at two slots per rank: also build the replica counts level by "
+                "level (better balance at 256 ranks, slower; docs/placement.md)");
   cmd->add_option("--seed", args->seed)->capture_default_str();
   cmd->add_option("--load", args->load_path,
                   "Place these loads (any `eplb plan --load` format; sets layers and experts) "

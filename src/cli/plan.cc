@@ -31,6 +31,7 @@ struct PlanArgs {
   std::optional<int64_t> redundant;
   std::string policy;
   bool hierarchical = false;
+  bool thorough = false;
   std::string previous_path;
   double tolerance = 0.01;
   int64_t expert_bytes = 1 << 20;
@@ -122,6 +123,7 @@ void run_plan(const PlanArgs& args) {
                        ? (previous ? placement::Policy::kSticky : placement::Policy::kBalanced)
                        : placement::parse_policy(args.policy);
   options.hierarchical = args.hierarchical;
+  options.thorough = args.thorough;
   options.tolerance = args.tolerance;
   options.previous = previous ? &previous->placement : nullptr;
 
@@ -197,6 +199,9 @@ void add_plan(CLI::App& app) {
                   "deepseek, balanced or sticky (default: sticky with --previous, else balanced)");
   cmd->add_flag("--hierarchical", args->hierarchical,
                 "balanced/sticky: pack groups to nodes first, like deepseek");
+  cmd->add_flag("--thorough", args->thorough,
+                "balanced/sticky at two slots per rank: also build the replica counts level by "
+                "level (better balance at 256 ranks, slower; docs/placement.md)");
   cmd->add_option("--previous", args->previous_path,
                   "The placement in force now (eplb's or SGLang's physical_to_logical_map)");
   cmd->add_option("--tolerance", args->tolerance,

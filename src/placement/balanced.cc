@@ -386,7 +386,8 @@ void write_pairs(std::span<const int32_t> paired, std::span<const int32_t> exper
 // Returns false where the result may be beaten by another packing (two slots per rank, where a
 // pair had to trade a replica): Step 4 then compares it with deepseek's.
 bool place_experts(std::span<const double> w, std::span<const int32_t> experts, int64_t ranks,
-                   int64_t slots_per_rank, int64_t first_slot, std::span<int32_t> phy2log) {
+                   int64_t slots_per_rank, int64_t first_slot, std::span<int32_t> phy2log,
+                   bool thorough) {
   const int64_t n = static_cast<int64_t>(experts.size());
   std::vector<double> local(static_cast<size_t>(n));
   for (int64_t i = 0; i < n; ++i) local[i] = w[experts[i]];
@@ -396,7 +397,7 @@ bool place_experts(std::span<const double> w, std::span<const int32_t> experts, 
   if (slots_per_rank == 2) {
     paired.resize(static_cast<size_t>(2 * ranks));
     bool traded = false;
-    paired_top = two_slots::place(local, ranks, paired, traded, count);
+    paired_top = two_slots::place(local, ranks, paired, traded, count, thorough);
     // Unless a pair had to trade a replica (tiny layers), it beats any packing below.
     if (!traded) {
       write_pairs(paired, experts, first_slot, phy2log);
@@ -526,7 +527,8 @@ void check_balanced_inputs(const LoadMatrix& load, const Layout& layout, bool hi
   }
 }
 
-Placement balanced(const LoadMatrix& load, const Layout& layout, bool hierarchical) {
+Placement balanced(const LoadMatrix& load, const Layout& layout, bool hierarchical,
+                   bool thorough) {
   check_balanced_inputs(load, layout, hierarchical);
   Placement out(load.layers, layout.experts, layout.physical);
   const int64_t spr = layout.slots_per_rank();
@@ -538,7 +540,7 @@ Placement balanced(const LoadMatrix& load, const Layout& layout, bool hierarchic
     const std::span<const double> w = load.row(l);
     const std::span<int32_t> phy2log = out.layer_phy2log(l);
     if (!hierarchical) {
-      compare[l] = !place_experts(w, all, layout.ranks, spr, 0, phy2log);
+      compare[l] = !place_experts(w, all, layout.ranks, spr, 0, phy2log, thorough);
       continue;
     }
     const std::vector<int32_t> node_experts = experts_by_node(w, layout);
@@ -546,7 +548,7 @@ Placement balanced(const LoadMatrix& load, const Layout& layout, bool hierarchic
     const int64_t rpn = layout.ranks_per_node();
     for (int64_t n = 0; n < layout.nodes; ++n) {
       place_experts(w, std::span<const int32_t>(node_experts).subspan(n * per_node, per_node), rpn,
-                    spr, n * rpn * spr, phy2log);
+                    spr, n * rpn * spr, phy2log, thorough);
     }
     // balanced's nodes are its own packing of the groups; deepseek's may be better.
     compare[l] = spr <= 2;

@@ -79,10 +79,12 @@ Placement place_on_all_ranks(const LoadMatrix& load, const Layout& layout,
   switch (options.policy) {
     case Policy::kDeepseek: return deepseek(load, layout);
     case Policy::kBalanced:
-      return place_dense_layers(load, balanced(load, layout, hierarchical), previous);
+      return place_dense_layers(load, balanced(load, layout, hierarchical, options.thorough),
+                                previous);
     case Policy::kSticky:
       return place_dense_layers(
-          load, sticky(load, layout, *previous, options.tolerance, hierarchical), previous);
+          load, sticky(load, layout, *previous, options.tolerance, hierarchical, options.thorough),
+          previous);
   }
   fail("unknown policy");
 }

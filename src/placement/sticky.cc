@@ -308,7 +308,7 @@ void check_previous(const Placement& previous, const LoadMatrix& load, const Lay
 }
 
 Placement sticky(const LoadMatrix& load, const Layout& layout, const Placement& previous,
-                 double tolerance, bool hierarchical) {
+                 double tolerance, bool hierarchical, bool thorough) {
   if (!(tolerance >= 0 && tolerance < 1)) {
     fail("tolerance ", tolerance, " must be in [0, 1) (a loss of balancedness)");
   }
@@ -320,7 +320,7 @@ Placement sticky(const LoadMatrix& load, const Layout& layout, const Placement& 
     auto fresh_of = [&] {
       LoadMatrix one(1, load.experts);
       std::copy_n(load.row(l).begin(), load.experts, one.row(0).begin());
-      const Placement fresh = balanced(one, layout, hierarchical);
+      const Placement fresh = balanced(one, layout, hierarchical, thorough);
       return std::vector<int32_t>(fresh.layer_phy2log(0).begin(), fresh.layer_phy2log(0).end());
     };
     const std::vector<int32_t> slots = place_layer(load.row(l), previous.layer_phy2log(l), fresh_of,

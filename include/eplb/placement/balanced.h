@@ -7,7 +7,10 @@
 
 namespace eplb::placement {
 
-Placement balanced(const LoadMatrix& load, const Layout& layout, bool hierarchical);
+// `thorough`: at two slots per rank, also build the replica counts level by level (see
+// PolicyOptions::thorough).
+Placement balanced(const LoadMatrix& load, const Layout& layout, bool hierarchical,
+                   bool thorough = false);
 
 // The checks balanced makes of its inputs (InvalidArgument naming the value and the rule): the
 // layout, the load, and that a rank never needs two replicas of one expert.

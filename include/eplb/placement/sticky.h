@@ -8,8 +8,9 @@
 
 namespace eplb::placement {
 
+// `thorough`: the balanced placement it is held to is balanced's with `thorough`.
 Placement sticky(const LoadMatrix& load, const Layout& layout, const Placement& previous,
-                 double tolerance, bool hierarchical);
+                 double tolerance, bool hierarchical, bool thorough = false);
 
 // The checks sticky makes of `previous` (InvalidArgument naming the value and the rule): the
 // shape of `load` on `layout`, and every slot of its phy2log holding an expert in

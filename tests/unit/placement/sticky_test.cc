@@ -66,8 +66,8 @@ int64_t duplicates_on_ranks(const Placement& placement, const Layout& layout) {
 
 // Every layer's balancedness is at least balanced's minus the tolerance.
 void expect_within_tolerance(const LoadMatrix& load, const Layout& layout, const Placement& out,
-                             double tolerance, bool hierarchical) {
-  const Placement best = balanced(load, layout, hierarchical);
+                             double tolerance, bool hierarchical, bool thorough = false) {
+  const Placement best = balanced(load, layout, hierarchical, thorough);
   for (int64_t l = 0; l < load.layers; ++l) {
     EXPECT_GE(layer_balancedness(load.row(l), out.layer_phy2log(l), layout),
               layer_balancedness(load.row(l), best.layer_phy2log(l), layout) - tolerance - 1e-12)
@@ -214,6 +214,22 @@ TEST(Sticky, TwoSlotsAt256RanksWithEqualLoadsKeepsTheRules) {
   for (const double moved : sticky_under_drift(layout, load, previous, rng, 2)) {
     EXPECT_LE(moved, 0.25);  // 18% and 12% here: past the search's first budget, so both run
   }
+}
+
+TEST(Sticky, ThoroughIsHeldToThoroughBalanced) {
+  // With `thorough`, the balance sticky keeps within its tolerance is thorough balanced's (at
+  // 256 ranks 5-6% above the default's): the rules hold and every layer is within it.
+  const Layout layout = make_layout(256, 512, 256, 32, 8);
+  std::mt19937_64 rng(31);
+  LoadMatrix load = lognormal_load(3, 256, rng);
+  const Placement previous = balanced(load, layout, false, true);
+  std::lognormal_distribution<double> drift(0.0, 0.2);
+  for (double& v : load.values) v = std::round(v * drift(rng));
+  const Placement out = sticky(load, layout, previous, 0.01, false, true);
+  ASSERT_NO_THROW(out.validate());
+  EXPECT_EQ(duplicates_on_ranks(out, layout), 0);
+  expect_within_tolerance(load, layout, out, 0.01, false, true);
+  EXPECT_EQ(out.phy2log, sticky(load, layout, previous, 0.01, false, true).phy2log);
 }
 
 TEST(Sticky, OneSlotPerRankMovesTheFewestSlots) {

@@ -153,7 +153,8 @@ def _as_int(value, name, lo=_INT64_MIN, hi=_INT64_MAX):
 
 
 def rebalance_experts(weight, num_replicas, num_groups, num_nodes, num_gpus, *,
-                      policy="deepseek", previous=None, tolerance=0.01, hierarchical=False):
+                      policy="deepseek", previous=None, tolerance=0.01, hierarchical=False,
+                      thorough=False):
     """Expert placement for every layer: a drop-in for deepseek-ai/EPLB's ``rebalance_experts``.
 
     Parameters:
@@ -171,6 +172,9 @@ def rebalance_experts(weight, num_replicas, num_groups, num_nodes, num_gpus, *,
         previous: [layers, num_replicas] phy2log in force now; required by "sticky"
         tolerance: "sticky": accepted loss of balancedness, in [0, 1)
         hierarchical: "balanced" / "sticky": pack groups to nodes first, like deepseek
+        thorough: "balanced" / "sticky" at two slots per rank: also build the replica counts
+            level by level (at 256 ranks 0.987 instead of 0.930 on lognormal loads, about 3x
+            balanced's time; sticky then moves about three times the slots)
 
     Returns (int64; torch CPU tensors for a torch input, numpy arrays otherwise):
         phy2log: [layers, num_replicas], the logical expert of each physical slot
@@ -196,7 +200,7 @@ def rebalance_experts(weight, num_replicas, num_groups, num_nodes, num_gpus, *,
         # checks neither the groups' nor the nodes' divisibility: so do we.
         groups, nodes = 1, 1
     phy2log, log2phy, logcnt = _eplb.place(w, physical, ranks, nodes, groups, policy, prev,
-                                           float(tolerance), bool(hierarchical))
+                                           float(tolerance), bool(hierarchical), bool(thorough))
     if torch_in:
         import torch
         return torch.from_numpy(phy2log), torch.from_numpy(log2phy), torch.from_numpy(logcnt)

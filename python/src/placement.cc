@@ -19,7 +19,8 @@ py::array_t<double> doubles(const std::vector<double>& v) {
 // -> (phy2log [L][P], log2phy [L][E][max_replicas], replica_count [L][E]), all int64.
 py::tuple place(const LoadArray& weight, int64_t physical, int64_t ranks, int64_t nodes,
                 int64_t groups, const std::string& policy,
-                const std::optional<IndexArray>& previous, double tolerance, bool hierarchical) {
+                const std::optional<IndexArray>& previous, double tolerance, bool hierarchical,
+                bool thorough) {
   const LoadMatrix load = to_load(weight);
   const Layout layout{.experts = load.experts,
                       .physical = physical,
@@ -29,6 +30,7 @@ py::tuple place(const LoadArray& weight, int64_t physical, int64_t ranks, int64_
   placement::PolicyOptions options;
   options.policy = placement::parse_policy(policy);
   options.hierarchical = hierarchical;
+  options.thorough = thorough;
   options.tolerance = tolerance;
   std::optional<Placement> prev;
   if (previous) {
@@ -95,7 +97,7 @@ py::array_t<double> lower_bound(const LoadArray& weight, int64_t physical, int64
 void bind_placement(py::module_& m) {
   m.def("place", &place, py::arg("weight"), py::arg("physical"), py::arg("ranks"), py::arg("nodes"),
         py::arg("groups"), py::arg("policy"), py::arg("previous"), py::arg("tolerance"),
-        py::arg("hierarchical"),
+        py::arg("hierarchical"), py::arg("thorough") = false,
         "placement::place(): (phy2log [L][P], log2phy [L][E][max], replica_count [L][E]).");
   m.def("evaluate", &evaluate, py::arg("weight"), py::arg("phy2log"), py::arg("ranks"),
         "placement::evaluate() as a dict.");

@@ -5,6 +5,8 @@
 //          2. the sorted pairing of the replicas, and its largest pair;
 //          3. move one replica from a donor (an expert with 2+) to one of the two experts of
 //             the largest pair, the move that lowers the largest pair most, while one does;
+//          3b. thorough only: counts built level by level (level_sweep.h) for a bisection on
+//             the largest pair, step 3 from there, and the better of that and step 3 alone;
 //          4. ranks are the pairs; a pair holding one expert twice trades its light replica
 //             with another pair.
 //   bound: bisection on T between the old bound and the greedy counts' pairing; T is out of
@@ -24,6 +26,7 @@
 #include <vector>
 
 #include "eplb/core/error.h"
+#include "placement/level_sweep.h"
 #include "placement/replicas.h"
 #include "placement/sort_keys.h"
 
@@ -42,7 +45,8 @@ constexpr double kPrecision = 1e-5;
 constexpr int kLambdaSteps = 24;
 // Pairs the trial scan visits from the front before it seeks the middle (top_from_both_ends).
 constexpr int64_t kFirstPairs = 16;
-// Step 3b: its first T lies this far (relative) below step 3's top; at most this many sweeps.
+// Step 3b: its first T lies this far (relative) below the greedy counts' top; at most this many
+// sweeps.
 constexpr double kSweepFirst = 1e-3;
 constexpr int kSweeps = 14;
 
@@ -353,204 +357,10 @@ bool out_of_reach(std::span<const double> w, int64_t ranks, double T) {
   return false;
 }
 
-// Step 3b: counts whose sorted pairing has no pair above T, built level by level. A replica
-// heavier than T / 2 by h needs a partner lighter than T / 2 by at least h, so, from the
-// heaviest replica down, the replicas at least h above T / 2 may not outnumber those at least h
-// below it (the bound's condition, here made to hold). Each expert starts with the fewest
-// replicas none above T; where the condition fails at a level, the cheapest fix per replica it
-// buys there is taken: one more replica for the expert of that level (it sinks below the level),
-// or, for any expert not yet deep enough, the fewest more that bring all its replicas deep
-// enough (an expert with r replicas just short of the depth gains r + 1 for one slot). Spare
-// slots go to the heaviest replicas below T / 2 (deeper replicas only help). Greedy, so it can
-// miss counts that exist: false means only that this construction needs more than 2 * ranks.
-// At 512 slots for 256 experts it reaches within 1% of the mean where step 3 stops 6-8% above.
-class LevelSweep {
- public:
-  bool run(std::span<const double> w, int64_t ranks, double T, std::vector<int32_t>& r) {
-    const int64_t experts = static_cast<int64_t>(w.size());
-    const int64_t slots = 2 * ranks;
-    const double half = T / 2;
-    r.assign(w.size(), 0);
-    state_.assign(w.size(), kFree);
-    bigs_.clear();
-    pending_.clear();
-    waiting_.clear();
-    ready_.clear();
-    int64_t used = 0;
-    for (int64_t e = 0; e < experts; ++e) {
-      r[e] = static_cast<int32_t>(std::max(1.0, std::ceil(w[e] / T)));
-      while (r[e] > 1 && w[e] / (r[e] - 1) <= T) --r[e];  // ceil's rounding, one way
-      while (w[e] / r[e] > T) ++r[e];                     // and the other
-      if (r[e] > ranks) return false;
-      used += r[e];
-      const double share = w[e] / r[e];
-      (share > half ? bigs_ : pending_).push_back(
-          {share > half ? share - half : half - share, static_cast<int32_t>(e), r[e]});
-      if (r[e] < ranks) waiting_.push_back({-(w[e] / (r[e] + 1)), static_cast<int32_t>(e), r[e]});
-    }
-    for (auto* heap : {&bigs_, &pending_, &waiting_}) std::make_heap(heap->begin(), heap->end());
-    if (used > slots) return false;
-    int64_t above = 0, below = 0;  // replicas at least h above / below T / 2, at the level h
-    while (!bigs_.empty()) {
-      std::pop_heap(bigs_.begin(), bigs_.end());
-      const Entry top = bigs_.back();
-      bigs_.pop_back();
-      const int32_t e = top.expert;
-      if (top.count != r[e] || state_[e] != kFree) continue;  // stale
-      const double h = top.key;
-      state_[e] = kAbove;
-      above += r[e];
-      ready_now(w, r, ranks, e, half - h);
-      while (!pending_.empty() && pending_.front().key >= h) {
-        std::pop_heap(pending_.begin(), pending_.end());
-        const Entry s = pending_.back();
-        pending_.pop_back();
-        if (s.count != r[s.expert] || state_[s.expert] != kFree) continue;
-        state_[s.expert] = kBelow;
-        below += r[s.expert];
-      }
-      while (above > below) {
-        const int64_t deficit = above - below;
-        // Fix (i): the expert of this level, one more replica. Its gain: its replicas leave the
-        // level, and join the other side when they sink deep enough.
-        int32_t best = -1, best_to = 0;
-        double best_ratio = -1;
-        int64_t best_cost = 0;
-        auto consider = [&](int32_t f, int32_t to, int64_t gain) {
-          const int64_t cost = to - r[f];
-          const double ratio = static_cast<double>(std::min(gain, deficit)) / cost;
-          if (ratio > best_ratio || (ratio == best_ratio && cost < best_cost)) {
-            best = f;
-            best_to = to;
-            best_ratio = ratio;
-            best_cost = cost;
-          }
-        };
-        if (state_[e] == kAbove && r[e] < ranks) {
-          const int32_t to = r[e] + 1;
-          consider(e, to, r[e] + (half - w[e] / to >= h ? to : 0));
-        }
-        // Fix (ii) for one slot: the expert whose one more replica is deep enough and gains
-        // most. Where it, or fix (i), covers the deficit, no dearer fix can do better.
-        const double depth_load = half - h;  // a replica at most this is deep enough
-        if (best_ratio < static_cast<double>(deficit) && depth_load > 0) {
-          const Entry one = best_one_slot(w, r, depth_load);
-          if (one.expert >= 0) consider(one.expert, r[one.expert] + 1, static_cast<int64_t>(one.key));
-        }
-        // Fix (ii) for any number of slots, scanned.
-        if (best_ratio < static_cast<double>(deficit) && depth_load > 0) {
-          for (int32_t f = 0; f < experts; ++f) {
-            if (state_[f] == kBelow) continue;
-            const double need = std::ceil(w[f] / depth_load);
-            if (need > static_cast<double>(ranks)) continue;
-            int32_t to = std::max(r[f] + 1, static_cast<int32_t>(need));
-            while (w[f] / to > depth_load) ++to;  // ceil's rounding
-            if (to > ranks) continue;
-            consider(f, to, to + (state_[f] == kAbove ? r[f] : 0));
-          }
-        }
-        if (best < 0 || best_ratio <= 0) return false;
-        used += best_cost;
-        if (used > slots) return false;
-        if (state_[best] == kAbove) above -= r[best];
-        r[best] = best_to;
-        state_[best] = kFree;
-        const double share = w[best] / r[best];
-        if (share <= half && half - share >= h) {
-          state_[best] = kBelow;
-          below += r[best];
-        } else {
-          enqueue(w, r, half, best);  // still above T / 2 (lower than h) or not deep enough
-          wait(w, r, ranks, best);
-        }
-      }
-    }
-    // Spare slots: to the heaviest replicas below T / 2.
-    int64_t spare = slots - used;
-    if (spare > 0) {
-      pending_.clear();
-      for (int32_t e = 0; e < experts; ++e) {
-        if (w[e] / r[e] <= half && r[e] < ranks) pending_.push_back({w[e] / r[e], e, r[e]});
-      }
-      std::make_heap(pending_.begin(), pending_.end());
-      for (; spare > 0 && !pending_.empty(); --spare) {
-        std::pop_heap(pending_.begin(), pending_.end());
-        Entry s = pending_.back();
-        pending_.pop_back();
-        ++r[s.expert];
-        if (r[s.expert] < ranks) {
-          pending_.push_back({w[s.expert] / r[s.expert], s.expert, r[s.expert]});
-          std::push_heap(pending_.begin(), pending_.end());
-        }
-      }
-      if (spare > 0) return false;
-    }
-    return true;
-  }
-
- private:
-  enum State : uint8_t { kFree, kAbove, kBelow };
-  struct Entry {
-    double key;  // height above or depth below T / 2
-    int32_t expert, count;
-    // Max-heap on key; on a tie the lower index first.
-    bool operator<(const Entry& o) const {
-      return key < o.key || (key == o.key && expert > o.expert);
-    }
-  };
-
-  void enqueue(std::span<const double> w, std::span<const int32_t> r, double half, int32_t e) {
-    const double share = w[e] / r[e];
-    auto& heap = share > half ? bigs_ : pending_;
-    heap.push_back({share > half ? share - half : half - share, e, r[e]});
-    std::push_heap(heap.begin(), heap.end());
-  }
-
-  // The one-slot fixes: `waiting_` holds each expert not yet deep enough by the share one more
-  // replica would have (a min-heap: key negated); once that share is deep enough for the level
-  // (levels only sink, so it stays so) it moves to `ready_`, a max-heap by the fix's gain. Stale
-  // entries (the count or the side changed since) are dropped when they surface.
-  void wait(std::span<const double> w, std::span<const int32_t> r, int64_t ranks, int32_t e) {
-    if (state_[e] == kBelow || r[e] >= ranks) return;
-    waiting_.push_back({-(w[e] / (r[e] + 1)), e, r[e]});
-    std::push_heap(waiting_.begin(), waiting_.end());
-  }
-  void ready_now(std::span<const double> w, std::span<const int32_t> r, int64_t ranks, int32_t e,
-                 double depth_load) {
-    if (state_[e] == kBelow || r[e] >= ranks || w[e] / (r[e] + 1) > depth_load) return;
-    const int64_t gain = r[e] + 1 + (state_[e] == kAbove ? r[e] : 0);
-    ready_.push_back({static_cast<double>(gain), e, r[e]});
-    std::push_heap(ready_.begin(), ready_.end());
-  }
-  // The ready fix that gains most (key: its gain), or expert -1.
-  Entry best_one_slot(std::span<const double> w, std::span<const int32_t> r, double depth_load) {
-    while (!waiting_.empty() && -waiting_.front().key <= depth_load) {
-      std::pop_heap(waiting_.begin(), waiting_.end());
-      const Entry x = waiting_.back();
-      waiting_.pop_back();
-      if (x.count != r[x.expert]) continue;
-      ready_now(w, r, std::numeric_limits<int64_t>::max(), x.expert, depth_load);
-    }
-    while (!ready_.empty()) {
-      const Entry& x = ready_.front();
-      const int64_t gain = r[x.expert] + 1 + (state_[x.expert] == kAbove ? r[x.expert] : 0);
-      if (x.count == r[x.expert] && state_[x.expert] != kBelow &&
-          static_cast<double>(gain) == x.key) {
-        return x;
-      }
-      std::pop_heap(ready_.begin(), ready_.end());
-      ready_.pop_back();
-    }
-    return {0, -1, 0};
-  }
-
-  std::vector<State> state_;
-  std::vector<Entry> bigs_, pending_, waiting_, ready_;
-};
-
-// Step 3b's search: below the largest pair `p.top` of counts r, bisection on T for counts the
-// level sweep builds; r and p become the best found. Tried first just under the top: where even
-// that fails (at 144 ranks step 3 sits within 0.3% of the bound), nothing more is spent.
+// Step 3b: below the largest pair `p.top` of counts r, bisection on T (down to the mean rank
+// load) for counts the level sweep (level_sweep.h) builds; r and p become the best found, and
+// true says some were. Tried first just under the top: where even that fails, nothing more is
+// spent.
 bool sweep_counts(std::span<const double> w, int64_t ranks, std::vector<int32_t>& r,
                   Pairing& p) {
   bool found = false;
@@ -589,8 +399,24 @@ double place(std::span<const double> w, int64_t ranks, std::span<int32_t> phy2lo
   greedy = greedy_replica_counts(w, 2 * ranks, ranks);
   std::vector<int32_t> r = greedy;
   Pairing p = sorted_pairing(w, r, ranks);
-  search_counts(w, ranks, r, p);
-  if (sweep) sweep_counts(w, ranks, r, p);
+  if (sweep) {
+    // Step 3b from the greedy counts, step 3 after it; the better of that and step 3 alone (so
+    // never worse than without the sweep).
+    std::vector<int32_t> swept = r;
+    Pairing q = p;
+    if (sweep_counts(w, ranks, swept, q)) {
+      search_counts(w, ranks, swept, q);
+    } else {
+      swept.clear();
+    }
+    search_counts(w, ranks, r, p);
+    if (!swept.empty() && q.top < p.top) {
+      r = std::move(swept);
+      p = std::move(q);
+    }
+  } else {
+    search_counts(w, ranks, r, p);
+  }
   const std::vector<int32_t> slots = make_pairs(w, r, ranks, p, traded);
   std::copy(slots.begin(), slots.end(), phy2log.begin());
   return largest_rank(w, r, slots);

@@ -34,7 +34,8 @@ double place(std::span<const double> w, int64_t ranks, std::span<int32_t> phy2lo
 // A lower bound on the largest rank load any placement of `w` on `ranks` ranks of two slots
 // can have (two replicas of an expert on one rank included), by bisection on T. Never below
 // max(total / ranks, the smallest largest replica); on lognormal loads at 144 ranks within 0.3%
-// of balanced, but at 512 slots for 256 experts no tighter than the mean.
+// of balanced, and at 512 slots for 256 experts no tighter than the mean, which there is nearly
+// right (the thorough counts of `place` come within 1.5% of it).
 //
 // The condition: a largest rank load T is reachable only if there are counts r_e (sum 2 * ranks)
 // whose replicas can be paired. A replica heavier than T / 2 by h needs its own partner lighter

@@ -233,6 +233,19 @@ def test_balanced_policy(hierarchical):
     assert np.all(got.per_layer <= best.balancedness + 1e-9)
 
 
+def test_thorough_balanced_at_two_slots_per_rank():
+    # 512 slots for 256 experts on 256 ranks: thorough counts are never worse, and on lognormal
+    # loads far better, than the default's.
+    rng = np.random.default_rng(5)
+    w = np.round(rng.lognormal(0.0, 1.0, (2, 256)) * 1000)
+    fast = eplb.rebalance_experts(w, 512, 8, 32, 256, policy="balanced")
+    deep = eplb.rebalance_experts(w, 512, 8, 32, 256, policy="balanced", thorough=True)
+    check_placement(*deep, 256, 512)
+    got = eplb.balancedness(w, deep[0], 256).per_layer
+    assert np.all(got >= eplb.balancedness(w, fast[0], 256).per_layer - 1e-12)
+    assert got.mean() >= 0.97
+
+
 def test_sticky_policy_keeps_a_good_placement():
     w = tie_free_load(12, 4, 64)
     previous = eplb.rebalance_experts(w, 80, 8, 2, 8, policy="balanced")[0]

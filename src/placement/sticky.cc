@@ -14,6 +14,11 @@
 //             replicate   a slot elsewhere takes a second replica of an expert of the top rank
 //             replace     a slot of the top rank gives up a redundant replica for another
 //                         expert
+//           Where no single action lowers the top, one escape per search: a redundant slot
+//           takes a replica of an expert of the top rank, and the search goes on from there
+//           (undone when the top cannot follow). Once the top is at most the cap, moved slots
+//           given their old expert back (or traded with its holder) are undone while the cap
+//           still holds (Incremental::trim).
 //           In hierarchical mode, groups keep the node that holds most of their slots (or
 //           balanced's nodes, relabelled, when that assignment cannot reach the cap).
 //   Step 4: keep the candidate that reaches the target with the fewest moved slots. Step 3 runs

@@ -185,7 +185,23 @@ class Incremental {
   //     x before, 0 into a moved slot, 1 into any other redundant slot;
   //   swap: peak >= (top + lightest load) / 2; cost >= -1 + (a unmoved), and a swap of an
   //     unmoved a costs 2 unless b is moved or held x before.
-  bool lower_top(int64_t g, double cap);
+  // With `ceiling`, the action must also keep every rank it changes below it (escape()).
+  bool lower_top(int64_t g, double cap, double ceiling = kInf);
+
+  // Where no one action lowers the top rank g: a replicate of one of g's experts x into a
+  // redundant slot b that lowers g but lifts b's rank h to g's load or past it (the replicate
+  // lowers every holder of x, so it is what a rank of heavy replicas needs), then one action
+  // that brings h below g's old load (lower_top with that ceiling). Tried cheapest first, then
+  // by the load h reaches, at most kEscapeTries of them, each undone when h cannot follow. On
+  // the 256-rank preset the search got stuck on 2 of 58 layers, and the fallbacks there moved
+  // twice the slots.
+  bool escape(int64_t g, double cap);
+
+  // Once the top rank is at most `cap`: moves that later actions made unneeded are undone while
+  // every rank stays at most the cap. A moved slot takes its previous expert back (its current
+  // expert keeping another replica), or trades experts with a slot of that previous expert
+  // that moved too or held the current one before. Repeated until none applies.
+  void trim(double cap);
 
   // The slots that held expert e in the previous placement.
   std::span<const int64_t> prev_slots_of(int32_t e) const {
@@ -235,6 +251,14 @@ class Incremental {
   // pass the loads and the rules.
   std::vector<int32_t> listed_, ranks_listed_;
   std::vector<int32_t> touched_ranks_;  // scratch of refresh_experts
+  struct EscapeTry {
+    int64_t cost;
+    double load;  // of the one rank it lifts to the old top or past it
+    int64_t b;    // slot b takes a replicate of x
+    int32_t x;
+  };
+  std::vector<EscapeTry> escape_tries_;  // scratch of escape
+  std::vector<int64_t> trim_slots_;      // scratch of trim
   // index_give_ups: the peaks, current unless stale (every one) or their expert is listed in
   // peaks_dirty_; the lists per round.
   bool peaks_stale_ = true;
@@ -249,6 +273,8 @@ class Incremental {
   bool give_ups_sorted_ = false;
   int64_t moved_ = 0;
   int64_t rounds_ = 0;
+  int64_t escapes_ = 0;
+  double stuck_cap_ = -1;  // the cap run() last found no action for (state unchanged since)
 };
 
 }  // namespace eplb::placement::sticky_search

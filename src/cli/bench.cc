@@ -6,6 +6,7 @@
 #include <cmath>
 #include <random>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <fmt/core.h>
@@ -69,6 +70,7 @@ struct PlacementRow {
   std::vector<double> ms;  // ascending
   placement::PlacementMetrics metrics;
   bool identical = true;  // every repeat gave the same placement
+  bool thorough = false;
 };
 
 // `load` comes from `rng` (seeded), which then draws sticky's drift.
@@ -96,6 +98,7 @@ PlacementRow measure_placement(const BenchPlacementArgs& args, const Layout& lay
   PlacementRow row;
   row.shape = args.shape;
   row.policy = policy;
+  row.thorough = options.thorough;
   row.layers = load.layers;
   row.experts = load.experts;
   row.physical = layout.physical;
@@ -129,6 +132,7 @@ nlohmann::json row_json(const PlacementRow& row) {
                         {"gap_to_bound", m.lower_bound_mean - m.balancedness_mean},
                         {"identical_repeats", row.identical}};
   if (!row.shape.empty()) out["shape"] = row.shape;
+  if (row.policy != "deepseek") out["thorough"] = row.thorough;
   if (m.moved >= 0) {
     out["moved_slots"] = m.moved;
     out["moved_fraction"] =
@@ -154,7 +158,10 @@ void run_all_shapes(BenchPlacementArgs args) {
     for (const char* policy : {"deepseek", "balanced", "sticky"}) {
       std::mt19937_64 rng(args.seed);
       const LoadMatrix load = lognormal_load(s.layers, s.experts, 1.0, rng);
-      const PlacementRow row = measure_placement(args, layout, load, rng, policy);
+      // --thorough is balanced's and sticky's; deepseek is measured beside them as it is.
+      BenchPlacementArgs policy_args = args;
+      policy_args.thorough = args.thorough && std::string_view(policy) != "deepseek";
+      const PlacementRow row = measure_placement(policy_args, layout, load, rng, policy);
       if (deepseek_ms == 0) deepseek_ms = row.ms.front();
       nlohmann::json j = row_json(row);
       j["ms_min_vs_deepseek"] = row.ms.front() / deepseek_ms;

@@ -158,6 +158,7 @@ void run_plan(const PlanArgs& args) {
         {"ranks", layout.ranks},
         {"nodes", layout.nodes},
         {"groups", layout.groups},
+        {"thorough", options.thorough},
         {"balancedness", m.balancedness_mean},
         {"balancedness_step", m.balancedness_step},
         {"lower_bound_balancedness", m.lower_bound_mean},

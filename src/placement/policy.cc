@@ -213,6 +213,10 @@ Placement place(const LoadMatrix& load, const Layout& layout, const PolicyOption
   // Only the previous phy2log is read (sticky, dense layers, lost ranks' slots), so only that
   // is checked: the whole validate() was a fifth of sticky's time at 448 slots per layer.
   if (options.previous != nullptr) check_previous(*options.previous, load, layout);
+  if (options.thorough && options.policy == Policy::kDeepseek) {
+    fail("thorough applies to the balanced and sticky policies, not deepseek (whose replica "
+         "counts are the reference's own)");
+  }
   if (options.policy == Policy::kSticky && options.previous == nullptr) {
     fail("policy sticky needs the previous placement (--previous FILE)");
   }

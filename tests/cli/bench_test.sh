@@ -30,6 +30,12 @@ check placement-shape shape policy ms_min balancedness gap_to_bound identical_re
   --shape v3-ep144 --policy sticky --repeat 2
 check placement-all shapes v4-ep32 k2-ep64 v3-ep320 moved_fraction ms_min_vs_deepseek -- placement \
   --shape all --repeat 1
+check placement-thorough thorough balancedness -- placement --shape v3-ep144 --policy balanced \
+  --thorough --repeat 1
+grep -q '"thorough":true' "$tmp/out" || fail "placement --thorough: $(cat "$tmp/out")"
+check placement-all-thorough shapes -- placement --shape all --thorough --repeat 1
+grep -q '"policy":"sticky"[^}]*"thorough":true\|"thorough":true[^}]*"policy":"sticky"' "$tmp/out" \
+  || fail "placement --shape all --thorough: no thorough sticky row"
 check migration rounds rounds_lower_bound bytes_total -- migration --layers 2 --repeat 2
 check transport backend ranks bytes gbps memcpy_gbps ratio -- transport --backend shm --ranks 2 \
   --bytes 1048576
@@ -61,6 +67,8 @@ check runtime-engine async sync ratio_total weights -- runtime --ranks 2 --layer
 "$eplb" bench placement --shape nope >/dev/null 2>"$tmp/err"
 [ $? -eq 2 ] && grep -q "nope" "$tmp/err" && grep -q "v3-ep144" "$tmp/err" \
   || fail "bench placement --shape nope: $(cat "$tmp/err")"
+"$eplb" bench placement --policy deepseek --thorough >/dev/null 2>"$tmp/err"
+[ $? -eq 2 ] && grep -q "thorough" "$tmp/err" || fail "bench placement deepseek --thorough: $(cat "$tmp/err")"
 "$eplb" bench placement --policy nope >/dev/null 2>"$tmp/err"
 [ $? -eq 2 ] && grep -q "nope" "$tmp/err" || fail "bench placement --policy nope: $(cat "$tmp/err")"
 

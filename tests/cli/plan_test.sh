@@ -39,6 +39,27 @@ done
 grep -q '"policy":"sticky"' "$tmp/sticky.json" || fail "--previous does not default to sticky"
 grep -q '"moved_slots":0' "$tmp/sticky.json" || fail "sticky moved slots on an unchanged load: $(cat "$tmp/sticky.json")"
 
+# --thorough at two slots per rank, on DeepSeek-V3's real loads at 144 ranks: said in --json,
+# never less balanced than the default, never above the bound; sticky from it moves nothing.
+real="$src/data/deepseek-v3-sglang/prefill_in4096.json"
+for t in default thorough; do
+  flag=$([ $t = thorough ] && echo --thorough)
+  "$eplb" plan --load "$real" --ranks 144 --physical 288 --nodes 18 --policy balanced $flag \
+    -o "$tmp/$t.json" --json >"$tmp/$t.out" || fail "plan --policy balanced $flag failed"
+done
+grep -q '"thorough":false' "$tmp/default.out" || fail "--json lacks thorough false: $(cat "$tmp/default.out")"
+grep -q '"thorough":true' "$tmp/thorough.out" || fail "--json lacks thorough true: $(cat "$tmp/thorough.out")"
+field() { grep -o "\"$1\":[0-9.e-]*" "$2" | head -1 | cut -d: -f2; }
+awk -v d="$(field balancedness "$tmp/default.out")" -v t="$(field balancedness "$tmp/thorough.out")" \
+    -v b="$(field lower_bound_balancedness "$tmp/thorough.out")" \
+    'BEGIN { exit !(t >= d - 1e-12 && t <= b + 1e-9) }' \
+  || fail "thorough balancedness out of [default, bound]: $(cat "$tmp/default.out" "$tmp/thorough.out")"
+"$eplb" plan --load "$real" --ranks 144 --physical 288 --nodes 18 --thorough \
+  --previous "$tmp/thorough.json" --json >"$tmp/sticky-thorough.out" \
+  || fail "sticky --thorough from the thorough placement failed"
+grep -q '"moved_slots":0' "$tmp/sticky-thorough.out" \
+  || fail "sticky --thorough moved slots from balanced --thorough's placement: $(cat "$tmp/sticky-thorough.out")"
+
 # Every load format gives the same placement for the same loads.
 printf '{"load": [[5,1,1,1],[1,1,1,9]]}' >"$tmp/a.json"
 printf '{"load": [[[2,1,0,1],[1,0,1,4]],[[3,0,1,0],[0,1,0,5]]]}' >"$tmp/steps.json"
@@ -87,6 +108,8 @@ expect_error "groups" "groups 3 does not divide experts 4" \
 expect_error "redundant" "--redundant 3" plan --load "$tmp/ok.json" --redundant 3 --ranks 2
 expect_error "sticky without previous" "previous" \
   plan --load "$tmp/ok.json" --physical 8 --ranks 2 --policy sticky
+expect_error "thorough deepseek" "thorough applies to the balanced and sticky policies" \
+  plan --load "$tmp/ok.json" --physical 8 --ranks 2 --policy deepseek --thorough
 expect_error "unknown format" "xml" plan --load "$tmp/ok.json" --physical 8 --ranks 2 \
   --format xml
 printf '{"physical_to_logical_map": [[0,1,2]]}' >"$tmp/prev3.json"

@@ -244,6 +244,8 @@ def test_thorough_balanced_at_two_slots_per_rank():
     got = eplb.balancedness(w, deep[0], 256).per_layer
     assert np.all(got >= eplb.balancedness(w, fast[0], 256).per_layer - 1e-12)
     assert got.mean() >= 0.97
+    with pytest.raises(ValueError, match="thorough applies to the balanced and sticky"):
+        eplb.rebalance_experts(w, 512, 8, 32, 256, policy="deepseek", thorough=True)
 
 
 def test_sticky_policy_keeps_a_good_placement():

@@ -50,6 +50,7 @@ struct PolicyOptions {
   // reaches 0.98-0.99 instead of 0.93 on lognormal(0, 1) loads, in about 2-3x the time; sticky,
   // held to that balance, moves about three times the slots (48% instead of 16% under
   // lognormal(0, 0.2) drift) and takes several times longer. Other shapes: no effect.
+  // With deepseek: an error (its counts are the reference's).
   bool thorough = false;
   // sticky: required, the placement in force now (same layers, experts, physical). balanced
   // reads it only for its dense layers (no load), which keep it. Only its phy2log is read and

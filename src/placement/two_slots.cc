@@ -481,43 +481,80 @@ bool repair(std::span<const double> w, std::span<const int32_t> prev,
   // The previous load of each rank under the new shares, to free the slots of the most loaded.
   std::vector<double> old_load(static_cast<size_t>(ranks), 0.0);
   for (int64_t p = 0; p < slots; ++p) old_load[p / 2] += share(prev[p]);
-  // A rank holding one expert twice (deepseek's placements may) keeps only the first.
-  std::vector<std::vector<int64_t>> held(static_cast<size_t>(experts));
+  // A rank holding one expert twice (deepseek's placements may) keeps only the first. The
+  // slots each expert still holds, in slot order: held[start[e], start[e + 1]).
   std::vector<char> free_slot(static_cast<size_t>(slots), 0);
+  std::vector<int64_t> start(static_cast<size_t>(experts) + 1, 0);
   for (int64_t p = 0; p < slots; ++p) {
     if (p % 2 == 1 && prev[p] == prev[p - 1]) {
       free_slot[p] = 1;
       out[p] = -1;
     } else {
-      held[prev[p]].push_back(p);
+      ++start[prev[p] + 1];
+    }
+  }
+  std::partial_sum(start.begin(), start.end(), start.begin());
+  std::vector<int64_t> held(static_cast<size_t>(start[experts]));
+  {
+    std::vector<int64_t> next(start.begin(), start.end() - 1);
+    for (int64_t p = 0; p < slots; ++p) {
+      if (!free_slot[p]) held[next[prev[p]]++] = p;
     }
   }
   std::vector<std::pair<double, int32_t>> incoming;  // (-share, expert), one per new replica
   for (int32_t e = 0; e < experts; ++e) {
-    std::vector<int64_t>& mine = held[e];
-    const int64_t extra = static_cast<int64_t>(mine.size()) - counts[e];
+    const auto first = held.begin() + start[e], last = held.begin() + start[e + 1];
+    const int64_t extra = (last - first) - counts[e];
     if (extra > 0) {
-      std::sort(mine.begin(), mine.end(), [&](int64_t a, int64_t b) {
+      std::sort(first, last, [&](int64_t a, int64_t b) {
         return old_load[a / 2] > old_load[b / 2] || (old_load[a / 2] == old_load[b / 2] && a < b);
       });
       for (int64_t k = 0; k < extra; ++k) {
-        free_slot[mine[k]] = 1;
-        out[mine[k]] = -1;
+        free_slot[first[k]] = 1;
+        out[first[k]] = -1;
       }
     }
     for (int64_t k = extra; k < 0; ++k) incoming.emplace_back(-share(e), e);
   }
   std::sort(incoming.begin(), incoming.end());
-  // The new replicas, heaviest first, beside the lightest partner that is not the same expert.
+  // The new replicas, heaviest first, beside the lightest partner that is not the same expert
+  // (the lowest slot among equals): the free slots in a min-heap by (partner's load, slot). A
+  // slot whose partner is free too enters at 0 and again at its partner's share once that is
+  // filled; an entry whose key is no longer its partner's load is stale and dropped.
   auto load_of = [&](int64_t p) { return out[p] < 0 ? 0.0 : share(out[p]); };
+  using Entry = std::pair<double, int64_t>;
+  std::vector<Entry> heap;
+  for (int64_t p = 0; p < slots; ++p) {
+    if (free_slot[p]) heap.emplace_back(load_of(mate(p)), p);
+  }
+  std::make_heap(heap.begin(), heap.end(), std::greater<>());
+  std::vector<Entry> aside;  // free slots beside the same expert, back in after each placement
   for (const auto& [unused, e] : incoming) {
     int64_t best = -1;
-    for (int64_t p = 0; p < slots; ++p) {
-      if (!free_slot[p] || out[p] >= 0 || out[mate(p)] == e) continue;
-      if (best < 0 || load_of(mate(p)) < load_of(mate(best))) best = p;
+    while (!heap.empty()) {
+      std::pop_heap(heap.begin(), heap.end(), std::greater<>());
+      const Entry top = heap.back();
+      heap.pop_back();
+      const int64_t p = top.second;
+      if (out[p] >= 0 || top.first != load_of(mate(p))) continue;  // filled or stale
+      if (out[mate(p)] == e) {
+        aside.push_back(top);
+        continue;
+      }
+      best = p;
+      break;
     }
     if (best < 0) return false;
     out[best] = e;
+    for (const Entry& x : aside) {
+      heap.push_back(x);
+      std::push_heap(heap.begin(), heap.end(), std::greater<>());
+    }
+    aside.clear();
+    if (out[mate(best)] < 0) {
+      heap.emplace_back(share(e), mate(best));
+      std::push_heap(heap.begin(), heap.end(), std::greater<>());
+    }
   }
   // Ranks above the cap trade their lighter replica for a lighter one elsewhere.
   std::vector<double> load(static_cast<size_t>(ranks));
@@ -527,14 +564,14 @@ bool repair(std::span<const double> w, std::span<const int32_t> prev,
   // swaps the replicas of two slots, so swapping their entries keeps the order (within equal
   // shares it does not matter: the best trade is the least peak, then the lowest slot,
   // whatever the scan order).
+  std::vector<std::pair<double, int64_t>> keyed(static_cast<size_t>(slots));
+  for (int64_t p = 0; p < slots; ++p) keyed[p] = {share(out[p]), p};
+  std::sort(keyed.begin(), keyed.end());  // by share, then slot
   std::vector<int64_t> by_share(static_cast<size_t>(slots)), at(static_cast<size_t>(slots));
-  std::iota(by_share.begin(), by_share.end(), int64_t{0});
-  std::sort(by_share.begin(), by_share.end(), [&](int64_t a, int64_t b) {
-    return share(out[a]) < share(out[b]) || (share(out[a]) == share(out[b]) && a < b);
-  });
   std::vector<double> sorted_share(static_cast<size_t>(slots));
   for (int64_t i = 0; i < slots; ++i) {
-    sorted_share[i] = share(out[by_share[i]]);
+    sorted_share[i] = keyed[i].first;
+    by_share[i] = keyed[i].second;
     at[by_share[i]] = i;
   }
   for (int64_t round = 0; round < 2 * ranks; ++round) {

@@ -647,9 +647,9 @@ void Incremental::trim(double cap) {
       const int32_t x = cur_[p], z = prev_[p];
       if (x == z) continue;
       const int64_t r = rank_of(p);
-      if (holds(r, z) || !allowed(z, r)) {
-        // z stays on another slot of r, or may not be here: only a trade can help.
-      } else if (count_[x] >= 2) {
+      // z on another slot of r already, or not allowed there: neither an undo nor a trade.
+      if (holds(r, z) || !allowed(z, r)) continue;
+      if (count_[x] >= 2) {
         // The loads first: r's own, and x's other holders, which get heavier (z's get lighter).
         if (load_[r] - share_[x] + share_up_[z] <= cap &&
             top_holder_except(x, r) + (share_down_[x] - share_[x]) <= cap) {
@@ -669,12 +669,14 @@ void Incremental::trim(double cap) {
         }
       }
       // Trade with a holder q of z on another rank: worth it when q moved or held x before.
+      // The holders are copied: a swap tried and undone reorders z's holder list.
       const int32_t* held = holder_.get() + static_cast<int64_t>(z) * ranks_;
-      for (int32_t k = 0; k < count_[z]; ++k) {
-        const int64_t q = held[k], h = rank_of(q);
+      trim_holders_.assign(held, held + count_[z]);
+      for (const int32_t q : trim_holders_) {
+        const int64_t h = rank_of(q);
         if (h == r || (cur_[q] == prev_[q] && prev_[q] != x)) continue;
         const int64_t c = cost(p, z) + cost(q, x);
-        if (c >= 0 || holds(r, z) || holds(h, x) || !allowed(z, r) || !allowed(x, h)) continue;
+        if (c >= 0 || holds(h, x) || !allowed(x, h)) continue;
         if (load_[r] - slot_share_[p] + slot_share_[q] > cap ||
             load_[h] - slot_share_[q] + slot_share_[p] > cap) {
           continue;

@@ -259,6 +259,7 @@ class Incremental {
   };
   std::vector<EscapeTry> escape_tries_;  // scratch of escape
   std::vector<int64_t> trim_slots_;      // scratch of trim
+  std::vector<int32_t> trim_holders_;    // scratch of trim
   // index_give_ups: the peaks, current unless stale (every one) or their expert is listed in
   // peaks_dirty_; the lists per round.
   bool peaks_stale_ = true;

@@ -6,10 +6,11 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
-#include <numeric>
 #include <span>
 #include <utility>
 #include <vector>
+
+#include "placement/slots_by_expert.h"
 
 namespace eplb::placement {
 namespace {
@@ -130,14 +131,9 @@ std::vector<int32_t> relabel(std::span<const int32_t> fresh, std::span<const int
   const int64_t rpn = layout.ranks / nodes;
   // overlap[a][b]: how many slots of new rank a hold an expert that old rank b holds, from
   // the old ranks of each expert (a few each), as (a, b, overlap) for the positive ones.
-  std::vector<int64_t> old_start(static_cast<size_t>(layout.experts + 1), 0);
-  for (const int32_t e : prev) ++old_start[e + 1];
-  std::partial_sum(old_start.begin(), old_start.end(), old_start.begin());
-  std::vector<int64_t> old_rank(prev.size());
-  {
-    std::vector<int64_t> next(old_start.begin(), old_start.end() - 1);
-    for (size_t p = 0; p < prev.size(); ++p) old_rank[next[prev[p]]++] = static_cast<int64_t>(p) / spr;
-  }
+  std::vector<int64_t> old_start, old_rank;
+  slots_by_expert(prev, layout.experts, old_start, old_rank);
+  for (int64_t& p : old_rank) p /= spr;  // the slots' ranks
   struct Overlap {
     int64_t a, b, common;
   };

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "eplb/core/error.h"
+#include "placement/slots_by_expert.h"
 #include "placement/sort_keys.h"
 
 namespace eplb::placement::sticky_search {
@@ -52,8 +53,6 @@ Incremental::Incremental(std::span<const double> w, std::span<const int32_t> pre
       count_(static_cast<size_t>(experts_), 0),
       holds_(static_cast<size_t>(ranks_ * experts_), 0),
       load_(static_cast<size_t>(ranks_)),
-      prev_start_(static_cast<size_t>(experts_ + 1), 0),
-      prev_slots_(prev.size()),
       share_(static_cast<size_t>(experts_)),
       share_up_(share_.size()),
       share_down_(share_.size()),
@@ -62,12 +61,7 @@ Incremental::Incremental(std::span<const double> w, std::span<const int32_t> pre
   for (size_t p = 0; p < prev.size(); ++p) {
     slot_rank_[p] = static_cast<int32_t>(static_cast<int64_t>(p) / spr_);
   }
-  for (const int32_t e : prev) ++prev_start_[e + 1];
-  std::partial_sum(prev_start_.begin(), prev_start_.end(), prev_start_.begin());
-  std::vector<int64_t> next(prev_start_.begin(), prev_start_.end() - 1);
-  for (size_t p = 0; p < prev.size(); ++p) {
-    prev_slots_[next[prev[p]]++] = static_cast<int64_t>(p);
-  }
+  slots_by_expert(prev, experts_, prev_start_, prev_slots_);
   clear_and_fill();
   for (int32_t e = 0; e < experts_; ++e) update_shares(e);
   recompute_loads();

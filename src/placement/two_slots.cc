@@ -28,6 +28,7 @@
 #include "eplb/core/error.h"
 #include "placement/level_sweep.h"
 #include "placement/replicas.h"
+#include "placement/slots_by_expert.h"
 #include "placement/sort_keys.h"
 
 namespace eplb::placement::two_slots {
@@ -491,23 +492,14 @@ bool repair(std::span<const double> w, std::span<const int32_t> prev,
   // A rank holding one expert twice (deepseek's placements may) keeps only the first. The
   // slots each expert still holds, in slot order: held[start[e], start[e + 1]).
   std::vector<char> free_slot(static_cast<size_t>(slots), 0);
-  std::vector<int64_t> start(static_cast<size_t>(experts) + 1, 0);
-  for (int64_t p = 0; p < slots; ++p) {
-    if (p % 2 == 1 && prev[p] == prev[p - 1]) {
+  for (int64_t p = 1; p < slots; p += 2) {
+    if (prev[p] == prev[p - 1]) {
       free_slot[p] = 1;
       out[p] = -1;
-    } else {
-      ++start[prev[p] + 1];
     }
   }
-  std::partial_sum(start.begin(), start.end(), start.begin());
-  std::vector<int64_t> held(static_cast<size_t>(start[experts]));
-  {
-    std::vector<int64_t> next(start.begin(), start.end() - 1);
-    for (int64_t p = 0; p < slots; ++p) {
-      if (!free_slot[p]) held[next[prev[p]]++] = p;
-    }
-  }
+  std::vector<int64_t> start, held;
+  slots_by_expert(out, experts, start, held);
   std::vector<std::pair<double, int32_t>> incoming;  // (-share, expert), one per new replica
   for (int32_t e = 0; e < experts; ++e) {
     const auto first = held.begin() + start[e], last = held.begin() + start[e + 1];

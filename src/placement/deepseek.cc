@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "eplb/core/error.h"
+#include "placement/replicas.h"
 
 namespace eplb::placement {
 namespace {
@@ -187,15 +188,15 @@ void replicate_experts(std::span<const float> weight, int64_t slots,
 }  // namespace
 
 std::vector<int32_t> deepseek_global_counts(std::span<const double> w, int64_t slots) {
-  // replicate_experts' choice, with its keys in a heap: the keys are distinct, so the largest
-  // is the one its scan finds.
+  // replicate_experts' choice: by thresholds on its float keys (replicas.h), else with its keys
+  // in a heap (the keys are distinct, so the largest is the one its scan finds).
   std::vector<int32_t> count(w.size(), 1);
   std::vector<float> weight(w.size());
+  for (size_t e = 0; e < w.size(); ++e) weight[e] = to_float32(w[e]);
+  const int64_t extra = slots - static_cast<int64_t>(w.size());
+  if (counts_by_thresholds<float>(weight, extra, extra, count)) return count;
   std::vector<uint64_t> heap(w.size());
-  for (size_t e = 0; e < w.size(); ++e) {
-    weight[e] = to_float32(w[e]);
-    heap[e] = max_first_key(weight[e], static_cast<int64_t>(e));
-  }
+  for (size_t e = 0; e < w.size(); ++e) heap[e] = max_first_key(weight[e], static_cast<int64_t>(e));
   std::make_heap(heap.begin(), heap.end());
   for (int64_t j = static_cast<int64_t>(w.size()); j < slots; ++j) {
     std::pop_heap(heap.begin(), heap.end());

@@ -79,6 +79,9 @@ class Incremental {
   // slots or their shares changed; its experts' give-up peaks go stale.
   void refresh_rank(int64_t r);
 
+  // Lists e's give-up peaks for index_give_ups to refresh (once, however often it is marked).
+  void mark_peaks_dirty(int32_t e);
+
   // After the counts of `experts` changed (their shares are current): their slots' shares and
   // the ranks holding them.
   void refresh_experts(std::initializer_list<int32_t> experts);
@@ -165,9 +168,16 @@ class Incremental {
   // Slot a of the top rank gives up x (count >= 2) for y.
   void try_replace(int64_t g, double top, double limit, int64_t a, int32_t y, Action& best) const;
 
+  // Whether a adds less than b to a rank: a smaller load per replica after one more, or the
+  // same and a lower index.
+  bool lighter_addition(int32_t a, int32_t b) const {
+    return share_up_[a] < share_up_[b] || (share_up_[a] == share_up_[b] && a < b);
+  }
+
   // The expert that adds least to rank g: the smallest load per replica after one more.
-  // Looked up first among the slots_per_rank + 1 lightest experts (kept until the shares
-  // change): a rank cannot hold them all, so only a node rule sends it to the full scan.
+  // Looked up first among the slots_per_rank + 1 lightest experts (kept until a change of
+  // shares reaches them): a rank cannot hold them all, so only a node rule sends it to the full
+  // scan.
   int32_t lightest_addition(int64_t g);
 
   // Swap slot a with every slot of the ranks that can take its expert, skipping the ranks where
@@ -261,9 +271,11 @@ class Incremental {
   std::vector<int64_t> trim_slots_;      // scratch of trim
   std::vector<int32_t> trim_holders_;    // scratch of trim
   // index_give_ups: the peaks, current unless stale (every one) or their expert is listed in
-  // peaks_dirty_; the lists per round.
+  // peaks_dirty_ (each once: peaks_marked_ [experts], where it was listed once per change of
+  // its ranks or count, and refreshed as often); the lists per round.
   bool peaks_stale_ = true;
   std::vector<int32_t> peaks_dirty_;
+  std::vector<uint8_t> peaks_marked_;
   std::vector<double> give_up_peak_;     // [physical]
   bool give_ups_indexed_ = false;
   double give_up_limit_ = 0;

@@ -2,7 +2,7 @@
 // (k = 1 .. cap - 1) at the key w_e / k, so its counts are the `extra` largest keys of all
 // experts (ties: lower expert, then lower k): the heap run finds them one at a time, and at 512
 // slots for 256 experts that was a twentieth of sticky's time. They are found by thresholds
-// instead (select_by_thresholds): every key above t_hi is taken, every key at most t_lo is not,
+// instead (counts_by_thresholds): every key above t_hi is taken, every key at most t_lo is not,
 // and the few between are selected; where the thresholds cannot be confirmed, the heap runs.
 //
 // The heap run: only the experts that can get an extra replica enter it. Without the cap, each

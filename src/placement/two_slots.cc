@@ -138,9 +138,9 @@ double top_from_both_ends(std::span<const double> share, std::span<const int32_t
 // `order` with experts a (at position a_at) and b (at b_at) moved to their places under the
 // shares w / r of the current counts (the rest still sorted); returns the lowest position that
 // changed. The shares are divided once per change of a count: the comparisons divided for every
-// look, a third of the count search's time. The positions come from the caller, which finding
-// them by a scan (with the scan for the middle pair that now starts where a trial's order first
-// differs) made a tenth more instructions at 256 ranks.
+// look, a third of the count search's time. The positions come from the caller: finding them
+// by a scan, with the scan for the middle pair from the front (it now starts where a trial's
+// order first differs), was a tenth of the count search's instructions at 256 ranks.
 size_t reorder(std::span<const double> share, std::vector<int32_t>& order, int32_t a, size_t a_at,
                int32_t b, size_t b_at) {
   // Both leave before either comes back: the rest must be sorted for the binary search.

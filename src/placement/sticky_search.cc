@@ -64,6 +64,7 @@ Incremental::Incremental(std::span<const double> w, std::span<const int32_t> pre
   }
   slots_by_expert(prev, experts_, prev_start_, prev_slots_);
   peaks_marked_.assign(static_cast<size_t>(experts_), 0);
+  rank_order_marked_.assign(static_cast<size_t>(ranks_), 0);
   clear_and_fill();
   for (int32_t e = 0; e < experts_; ++e) update_shares(e);
   recompute_loads();
@@ -220,12 +221,49 @@ inline void Incremental::build_rank_tree() {
   rank_tree_.resize(static_cast<size_t>(2 * n));
   for (int64_t r = 0; r < n; ++r) rank_tree_[n + r] = {load_[r], load_[r], r};
   for (int64_t i = n - 1; i >= 1; --i) join_rank_node(i);
+  rank_order_stale_ = true;
 }
 
 inline void Incremental::update_rank_tree(int64_t r) {
   const int64_t n = ranks_;
   rank_tree_[n + r] = {load_[r], load_[r], r};
   for (int64_t i = (n + r) / 2; i >= 1; i /= 2) join_rank_node(i);
+  if (!rank_order_stale_ && !rank_order_marked_[r]) {
+    rank_order_marked_[r] = 1;
+    rank_order_dirty_.push_back(static_cast<int32_t>(r));
+  }
+}
+
+inline void Incremental::sync_rank_order() {
+  auto key_of = [&](int64_t r) { return ascending_key(load_[r], r); };
+  if (rank_order_stale_) {
+    rank_order_stale_ = false;
+    rank_key_.resize(static_cast<size_t>(ranks_));
+    rank_order_.resize(static_cast<size_t>(ranks_));
+    for (int64_t r = 0; r < ranks_; ++r) rank_order_[r] = rank_key_[r] = key_of(r);
+    sort_keys(rank_order_, rank_order_scratch_);
+  } else {
+    // Each rank whose key changed moves from its old place to its new one, the keys between
+    // shifting by one (sorting them all again, or merging the changed ones back in, cost more:
+    // about 13 ranks change between two uses at 256 ranks).
+    for (const int32_t r : rank_order_dirty_) {
+      const SortKey old_key = rank_key_[r], new_key = key_of(r);
+      if (new_key == old_key) continue;
+      rank_key_[r] = new_key;
+      const auto from = std::lower_bound(rank_order_.begin(), rank_order_.end(), old_key);
+      if (new_key > old_key) {
+        const auto to = std::lower_bound(from + 1, rank_order_.end(), new_key);
+        std::move(from + 1, to, from);
+        *(to - 1) = new_key;
+      } else {
+        const auto to = std::lower_bound(rank_order_.begin(), from, new_key);
+        std::move_backward(to, from, from + 1);
+        *to = new_key;
+      }
+    }
+  }
+  for (const int32_t r : rank_order_dirty_) rank_order_marked_[r] = 0;
+  rank_order_dirty_.clear();
 }
 
 inline void Incremental::refresh_rank(int64_t r) {
@@ -327,37 +365,19 @@ inline void Incremental::index_give_ups(double limit) {
 inline int64_t Incremental::give_up_by_load(size_t i) {
   if (!give_ups_sorted_) {
     give_ups_sorted_ = true;
-    // One integer compare per pair (sort_keys.h), ascending: the compare of two rank loads
-    // through the slots' ranks was a tenth of the policy's time at 256 ranks. Listed without
-    // branches (which slots pass is not predictable), then ordered lazily: the scans stop after
-    // about a tenth of them, so a heap costs a fraction of a sort.
-    // Through locals: a store of a key may alias the members (as far as the compiler knows),
-    // which were loaded again for every slot (5% of the search's instructions at 256 ranks).
-    give_up_keys_.resize(give_up_peak_.size());
-    SortKey* const keys = give_up_keys_.data();
-    const double* const peak = give_up_peak_.data();
-    const double* const load = load_.data();
-    const double limit = give_up_limit_;
-    const int64_t ranks = ranks_, spr = spr_;
-    size_t n = 0;
-    for (int64_t r = 0; r < ranks; ++r) {
-      // A rank's slots share its load's bits; only the index differs.
-      const SortKey rank_bits = ascending_key(load[r], 0);
-      for (int64_t b = r * spr; b < (r + 1) * spr; ++b) {
-        keys[n] = rank_bits | static_cast<SortKey>(b);
-        n += static_cast<size_t>(peak[b] < limit);
-      }
-    }
-    give_up_heap_end_ = n;
-    std::make_heap(give_up_keys_.begin(), give_up_keys_.begin() + static_cast<int64_t>(n),
-                   std::greater<>());
+    // The ranks by load (sync_rank_order), walked from the lightest as far as the scan asks,
+    // each rank's slots in order: the order of (rank load, slot) exactly. It stops after about
+    // a tenth of the slots that pass; listing every slot and ordering them by a heap each round
+    // was 30% of the search's instructions at 256 ranks (kept across rounds: a fifth).
+    sync_rank_order();
+    give_up_walk_ = 0;
     give_ups_.clear();
   }
-  while (give_ups_.size() <= i && give_up_heap_end_ > 0) {
-    std::pop_heap(give_up_keys_.begin(),
-                  give_up_keys_.begin() + static_cast<int64_t>(give_up_heap_end_),
-                  std::greater<>());
-    give_ups_.push_back(key_index(give_up_keys_[--give_up_heap_end_]));
+  while (give_ups_.size() <= i && give_up_walk_ < rank_order_.size()) {
+    const int64_t r = key_index(rank_order_[give_up_walk_++]);
+    for (int64_t b = r * spr_; b < (r + 1) * spr_; ++b) {
+      if (give_up_peak_[b] < give_up_limit_) give_ups_.push_back(b);
+    }
   }
   return i < give_ups_.size() ? give_ups_[i] : -1;
 }

@@ -121,6 +121,10 @@ class Incremental {
   // is usually the best.
   int64_t give_up_by_load(size_t i);
 
+  // rank_order_ made current: the ranks whose loads changed since (update_rank_tree lists them)
+  // move to their places, or all are sorted again when the tree was built again.
+  void sync_rank_order();
+
   // On the first use in a round: the loads of the moved slots and of their ranks, side by side
   // for the scans that swap with every moved slot.
   void index_moved();
@@ -281,9 +285,15 @@ class Incremental {
   double give_up_limit_ = 0;
   std::vector<int64_t> moved_give_ups_;  // moved slots with give_up_peak_ below the limit
   std::vector<int64_t> give_ups_;        // give_up_by_load's order, as far as it was asked
-  std::vector<uint64_t> give_up_keys_;   // its heap of the others: [0, give_up_heap_end_)
-  size_t give_up_heap_end_ = 0;
+  size_t give_up_walk_ = 0;              // the ranks of rank_order_ it has walked
   bool give_ups_sorted_ = false;
+  // The ranks by load: ascending_key(load, rank), ascending (sort_keys.h), and each rank's key
+  // in it; kept across rounds, made current when give_up_by_load first needs it in a round.
+  std::vector<uint64_t> rank_order_, rank_key_;  // [ranks]
+  std::vector<uint64_t> rank_order_scratch_;
+  bool rank_order_stale_ = true;
+  std::vector<int32_t> rank_order_dirty_;   // ranks whose load changed since, each once
+  std::vector<uint8_t> rank_order_marked_;  // [ranks]
   int64_t moved_ = 0;
   int64_t rounds_ = 0;
   int64_t escapes_ = 0;

@@ -139,7 +139,8 @@ bool counts_by_thresholds(std::span<const Value> w, int64_t extra, int64_t most,
   }
   // lo is ascending, so its places order the experts.
   const auto first = [](const Key& a, const Key& b) {
-    return a.value > b.value || (a.value == b.value && (a.at < b.at || (a.at == b.at && a.k < b.k)));
+    return a.value > b.value ||
+           (a.value == b.value && (a.at < b.at || (a.at == b.at && a.k < b.k)));
   };
   const int64_t wanted = extra - at_hi;
   if (wanted < static_cast<int64_t>(band.size())) {

@@ -285,8 +285,11 @@ class Incremental {
   double give_up_limit_ = 0;
   std::vector<int64_t> moved_give_ups_;  // moved slots with give_up_peak_ below the limit
   std::vector<int64_t> give_ups_;        // give_up_by_load's order, as far as it was asked
-  size_t give_up_walk_ = 0;              // the ranks of rank_order_ it has walked
   bool give_ups_sorted_ = false;
+  bool give_ups_walk_ = false;           // walking rank_order_ (else popping the heap)
+  size_t give_up_walk_ = 0;              // the ranks of rank_order_ it has walked
+  std::vector<uint64_t> give_up_keys_;   // the heap: [0, give_up_heap_end_)
+  size_t give_up_heap_end_ = 0;
   // The ranks by load: ascending_key(load, rank), ascending (sort_keys.h), and each rank's key
   // in it; kept across rounds, made current when give_up_by_load first needs it in a round.
   std::vector<uint64_t> rank_order_, rank_key_;  // [ranks]

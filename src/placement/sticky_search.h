@@ -275,8 +275,7 @@ class Incremental {
   std::vector<int64_t> trim_slots_;      // scratch of trim
   std::vector<int32_t> trim_holders_;    // scratch of trim
   // index_give_ups: the peaks, current unless stale (every one) or their expert is listed in
-  // peaks_dirty_ (each once: peaks_marked_ [experts], where it was listed once per change of
-  // its ranks or count, and refreshed as often); the lists per round.
+  // peaks_dirty_ (each expert once: peaks_marked_ [experts]); the lists per round.
   bool peaks_stale_ = true;
   std::vector<int32_t> peaks_dirty_;
   std::vector<uint8_t> peaks_marked_;

@@ -16,8 +16,6 @@
 #include "placement/replicas.h"
 
 #include <algorithm>
-#include <cmath>
-#include <limits>
 #include <numeric>
 #include <utility>
 

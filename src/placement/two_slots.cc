@@ -588,7 +588,25 @@ bool repair(std::span<const double> w, std::span<const int32_t> prev,
       best = p;
       break;
     }
-    if (best < 0) return false;
+    if (best < 0) {
+      // Every free slot left lies beside e (an expert on nearly every rank): e takes the slot
+      // q of a rank without it whose two replicas are lightest at their heavier one, and q's
+      // expert moves into the free slot, one slot more moved than the counts need.
+      if (aside.empty()) return false;
+      int64_t q = -1;
+      double q_peak = 0;
+      for (int64_t s = 0; s < slots; ++s) {
+        if (out[s] < 0 || out[s] == e || out[mate(s)] == e) continue;
+        const double peak = std::max(share(out[s]), load_of(mate(s)));
+        if (q < 0 || peak < q_peak) {
+          q = s;
+          q_peak = peak;
+        }
+      }
+      if (q < 0) return false;
+      out[aside.front().second] = out[q];
+      best = q;
+    }
     out[best] = e;
     for (const Entry& x : aside) {
       heap.push_back(x);

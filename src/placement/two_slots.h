@@ -57,8 +57,10 @@ double pairing_top(std::span<const double> w, std::span<const int32_t> counts, i
 // counts `counts` [experts] (balanced's) with every rank at most `cap`, keeping slots where it
 // can. Each expert keeps as many of its old slots as it still has replicas (giving up those on
 // the most loaded ranks); the new replicas go, heaviest first, to the freed slots beside the
-// lightest partners; then each rank above the cap trades its lighter replica with a lighter one
-// of a rank that can take it. Writes `out` and returns true when every rank is at most the cap.
+// lightest partners (where the only free slots left lie beside the same expert, it takes a slot
+// of a rank without it, whose expert moves to the free slot); then each rank above the cap
+// trades its lighter replica with a lighter one of a rank that can take it. Writes `out` and
+// returns true when every rank is at most the cap.
 bool repair(std::span<const double> w, std::span<const int32_t> prev,
             std::span<const int32_t> counts, int64_t ranks, double cap, std::span<int32_t> out);
 

@@ -61,7 +61,8 @@ TEST(ReplicaCounts, GreedyWithABindingCapIsTheOneAtATimeGreedy) {
     const int kind = trial % 6;
     const int64_t n = 1 + static_cast<int64_t>(rng() % 40);
     const int64_t cap = 1 + static_cast<int64_t>(rng() % 8);
-    const int64_t slots = n + static_cast<int64_t>(rng() % static_cast<uint64_t>(n * (cap - 1) + 1));
+    const int64_t slots =
+        n + static_cast<int64_t>(rng() % static_cast<uint64_t>(n * (cap - 1) + 1));
     const std::vector<double> w = loads_of_kind(kind, n, rng);
     const std::vector<int32_t> want = one_at_a_time(w, slots, cap);
     capped += std::count(want.begin(), want.end(), static_cast<int32_t>(cap)) > 0 && cap > 1;

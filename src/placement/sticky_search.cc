@@ -59,8 +59,9 @@ Incremental::Incremental(std::span<const double> w, std::span<const int32_t> pre
       share_down_(share_.size()),
       slot_rank_(prev.size()),
       holder_(new int32_t[static_cast<size_t>(experts_ * ranks_)]) {
-  for (size_t p = 0; p < prev.size(); ++p) {
-    slot_rank_[p] = static_cast<int32_t>(static_cast<int64_t>(p) / spr_);
+  // Rank by rank: a division per slot was a tenth of the constructor's time at 448 slots.
+  for (int64_t r = 0; r < ranks_; ++r) {
+    std::fill_n(slot_rank_.begin() + r * spr_, spr_, static_cast<int32_t>(r));
   }
   slots_by_expert(prev, experts_, prev_start_, prev_slots_);
   peaks_marked_.assign(static_cast<size_t>(experts_), 0);

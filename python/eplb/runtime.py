@@ -84,13 +84,14 @@ class Rebalancer:
         config: dict keyed by the C++ Config's field names: ``experts`` and ``physical``
             (required), ``ranks`` (default world_size), ``nodes``, ``groups``, ``interval``,
             ``window``, ``policy`` ("sticky", "balanced", "deepseek"), ``hierarchical``,
-            ``tolerance``, ``min_gain``, ``lag``, ``timeout_ms``, ``mode`` ("async", "sync"),
-            ``agreement`` ("internal", or "external": see agreement_result()),
+            ``tolerance``, ``thorough`` (balanced / sticky at two slots per rank: see
+            eplb.rebalance_experts), ``min_gain``, ``lag``, ``timeout_ms``, ``mode`` ("async",
+            "sync"), ``agreement`` ("internal", or "external": see agreement_result()),
             ``install`` ("swap"; "copy" keeps weights() at fixed addresses, at the cost of one
-            layer copy per installed layer), ``peers_per_round``, ``dispatch`` ("static", "random", "hash", "weighted": what
-            route() uses), ``on_error`` ("log", "raise"), ``backup_copies`` (host copies of
-            every expert kept across the ranks for elastic serving, default 0: see
-            fill_backup()); defaults as in docs/runtime.md.
+            layer copy per installed layer), ``peers_per_round``, ``dispatch`` ("static",
+            "random", "hash", "weighted": what route() uses), ``on_error`` ("log", "raise"),
+            ``backup_copies`` (host copies of every expert kept across the ranks for elastic
+            serving, default 0: see fill_backup()); defaults as in docs/runtime.md.
         rank, world_size: this rank and the number of ranks.
         control: control-plane backend, "shm" (processes of one machine), "gloo" (TCP; the
             rendezvous is a shared folder or redis://host:port), "inproc" (ranks are threads of

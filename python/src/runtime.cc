@@ -89,8 +89,8 @@ bool bool_of(const py::handle& value, const std::string& key) {
 
 constexpr const char* kConfigKeys =
     "experts, physical, ranks, nodes, groups, interval, window, policy, hierarchical, "
-    "tolerance, min_gain, lag, timeout_ms, mode, agreement, install, peers_per_round, dispatch, "
-    "on_error, stall_warn_ms, balancedness_period, backup_copies, metric_labels";
+    "tolerance, thorough, min_gain, lag, timeout_ms, mode, agreement, install, peers_per_round, "
+    "dispatch, on_error, stall_warn_ms, balancedness_period, backup_copies, metric_labels";
 
 // A runtime::Config from a dict whose keys are the C++ field names (the layout's flattened in,
 // timeout as timeout_ms). `ranks` defaults to the world size.
@@ -125,6 +125,8 @@ runtime::Config to_config(const py::dict& d, int world_size) {
       c.hierarchical = bool_of(v, key);
     } else if (key == "tolerance") {
       c.tolerance = float_of(v, key);
+    } else if (key == "thorough") {
+      c.thorough = bool_of(v, key);
     } else if (key == "min_gain") {
       c.min_gain = float_of(v, key);
     } else if (key == "lag") {
@@ -189,6 +191,7 @@ py::dict config_dict(const runtime::Config& c) {
   d["policy"] = std::string(placement::policy_name(c.policy));
   d["hierarchical"] = c.hierarchical;
   d["tolerance"] = c.tolerance;
+  d["thorough"] = c.thorough;
   d["min_gain"] = c.min_gain;
   d["lag"] = c.lag;
   d["timeout_ms"] = static_cast<int64_t>(c.timeout.count());

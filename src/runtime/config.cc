@@ -33,6 +33,7 @@ uint64_t config_fingerprint(const Config& c, const WeightSpec& w) {
   // The placement's options decide the plan (a rank that skips by min_gain while another
   // installs would diverge): compared bit for bit.
   mix(std::bit_cast<int64_t>(c.tolerance)), mix(std::bit_cast<int64_t>(c.min_gain));
+  mix(c.thorough);
   // Where lost experts come from decides the plans of a repair.
   mix(c.backup.copies), mix(c.backup.loader ? 1 : 0);
   mix(w.layers);
@@ -194,6 +195,10 @@ void Config::validate() const {
   }
   if (peers_per_round < 1) fail("peers_per_round ", peers_per_round, " must be at least 1");
   if (!(tolerance >= 0 && tolerance < 1)) fail("tolerance ", tolerance, " must be in [0, 1)");
+  if (thorough && policy == placement::Policy::kDeepseek) {
+    fail("thorough applies to the balanced and sticky policies, not deepseek (whose replica "
+         "counts are the reference's own)");
+  }
   if (!(min_gain >= -1 && min_gain <= 1)) fail("min_gain ", min_gain, " must be in [-1, 1]");
   if (agreement == Agreement::kExternal && mode != Mode::kAsync) {
     fail("agreement external needs mode async (mode ", mode_name(mode),

@@ -114,6 +114,7 @@ RebalancePlan make_plan(std::span<const int64_t> window, std::span<const int32_t
   options.policy = elastic.repair ? placement::Policy::kSticky : config.policy;
   options.hierarchical = config.hierarchical;
   options.tolerance = config.tolerance;
+  options.thorough = config.thorough;
   options.previous = &before;
   if (static_cast<int64_t>(elastic.members.size()) < layout.ranks) {
     options.live_ranks = elastic.members;

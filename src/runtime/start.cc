@@ -41,6 +41,7 @@ Placement placement_from_load(const std::string& path, const Config& config) {
   options.policy = config.policy;
   options.hierarchical = config.hierarchical;
   options.tolerance = config.tolerance;
+  options.thorough = config.thorough;
   options.previous = &trivial;
   return placement::place(load, config.layout, options);
 }

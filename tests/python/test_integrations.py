@@ -255,6 +255,22 @@ def test_make_policy():
         vllm.make_policy(tolerance=1.5)
 
 
+def test_thorough_reaches_the_engines():
+    # Two slots per rank, where thorough counts differ from the default ones.
+    w = np.random.default_rng(3).lognormal(0, 1, (2, 256))
+    want = eplb.rebalance_experts(w, 512, 8, 1, 256, policy="balanced", thorough=True)[0]
+    assert not np.array_equal(want, eplb.rebalance_experts(w, 512, 8, 1, 256,
+                                                           policy="balanced")[0])
+    cls = vllm.make_policy(policy="balanced", thorough=True)
+    assert cls.thorough and not vllm.EplbPolicy.thorough
+    assert np.array_equal(cls.rebalance_experts(w, 512, 8, 1, 256), want)
+    assert np.array_equal(sglang.rebalance_experts(w, 512, 2, 8, 1, thorough=True)[0], want)
+    with pytest.raises(ValueError, match="thorough applies"):
+        vllm.make_policy(policy="deepseek", thorough=True)
+    with pytest.raises(ValueError, match="thorough applies"):
+        sglang.rebalance_experts(w, 512, 2, 8, 1, "deepseek", thorough=True)
+
+
 def test_legacy_triple():
     torch = torch_or_skip()
     w = torch.from_numpy(tie_free_load(7, 3, 32))

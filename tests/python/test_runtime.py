@@ -86,6 +86,7 @@ def test_single_rank_api(tmp_path):
         assert rb.slots_per_rank == PHYSICAL
         assert rb.tensors == ["w13", "w2"]
         assert rb.config["policy"] == "deepseek" and rb.config["ranks"] == 1
+        assert rb.config["thorough"] is False
         held = rb.connect()
         assert held == (LAYERS + 1) * PHYSICAL * (24 + 10)
         assert rb.bytes_held == held
@@ -211,6 +212,8 @@ def test_initial_placement_forms(tmp_path):
     ({"install": "move"}, "choose swap or copy"),
     ({"interval": 0}, "interval 0 must be at least 1"),
     ({"lag": "2"}, "must be an integer"),
+    ({"thorough": 1}, r"config\['thorough'\] must be True or False"),
+    ({"thorough": True}, "thorough applies to the balanced and sticky policies, not deepseek"),
     ({"physical": 6}, "physical"),
 ])
 def test_config_errors(changes, message):

@@ -728,6 +728,7 @@ TEST(RuntimeConfig, ConnectRefusesRanksThatDifferInPlanOptions) {
   };
   for (const auto& change : std::vector<std::function<void(Config&)>>{
            [](Config& c) { c.min_gain = 0.01; }, [](Config& c) { c.tolerance = 0.02; },
+           [](Config& c) { c.thorough = true; },
            [](Config& c) { c.agreement = Agreement::kExternal; }}) {
     for (const std::string& e : differ(change)) {
       EXPECT_NE(e.find("different configuration"), std::string::npos) << "[" << e << "]";
@@ -767,6 +768,12 @@ TEST(RuntimeConfig, RefusesWhatCouldOnlyFailLater) {
   EXPECT_NE(message([](Config& c) { c.timeout = std::chrono::milliseconds::max(); })
                 .find("is outside [1, 86400000] ms"),
             std::string::npos);
+  EXPECT_NE(message([](Config& c) {
+              c.policy = placement::Policy::kDeepseek;
+              c.thorough = true;
+            }).find("thorough applies to the balanced and sticky policies, not deepseek"),
+            std::string::npos);
+  EXPECT_EQ(message([](Config& c) { c.thorough = true; }), "accepted");
   EXPECT_EQ(message([](Config&) {}), "accepted");
   // A window is checked against the memory it needs when the recorder is made.
   EXPECT_THROW(stats::LoadRecorder(58, 256, int64_t{1} << 40), InvalidArgument);

@@ -237,6 +237,7 @@ struct Config {
   placement::Policy policy = placement::Policy::kSticky;
   bool hierarchical = false;   // pack groups to nodes first
   double tolerance = 0.01;     // sticky: accepted balancedness loss against balanced
+  bool thorough = false;       // balanced / sticky: thorough counts at two slots per rank
   double min_gain = 0;         // skip when predicted balancedness gain is smaller than this
   int64_t lag = 2;             // agreement of step s is acted on at step s + lag, in [1, kMaxLag]
   std::chrono::milliseconds timeout{30'000};  // every collective and every batch of reads

@@ -44,7 +44,7 @@ def _algorithm_name(policy):
 
 def rebalance_experts(tokens_per_expert, num_physical_experts, num_local_physical_experts,
                       num_groups, num_nodes, policy="balanced", *, previous=None,
-                      tolerance=0.01, hierarchical=False):
+                      tolerance=0.01, hierarchical=False, thorough=False):
     """Expert placement for every layer, in the argument order of SGLang's
     ``eplb_algorithms.rebalance_experts``.
 
@@ -64,6 +64,8 @@ def rebalance_experts(tokens_per_expert, num_physical_experts, num_local_physica
         previous: [layers, P], the phy2log in force (sticky)
         tolerance: sticky: the balancedness it may give up against balanced, in [0, 1)
         hierarchical: balanced / sticky: pack groups to nodes first
+        thorough: balanced / sticky at two slots per rank: also build the replica counts level
+            by level (see eplb.rebalance_experts); not with the deepseek names
 
     Returns SGLang's triple, int64 (torch tensors on tokens_per_expert's device for a tensor,
     numpy arrays otherwise): physical_to_logical_map [layers, P], logical_to_physical_map
@@ -105,7 +107,8 @@ def rebalance_experts(tokens_per_expert, num_physical_experts, num_local_physica
     core = "deepseek" if name.startswith("deepseek") else name
     out = eplb.rebalance_experts(load, physical, groups, nodes, ranks, policy=core,
                                  previous=prev if core == "sticky" else None,
-                                 tolerance=tolerance, hierarchical=hierarchical)
+                                 tolerance=tolerance, hierarchical=hierarchical,
+                                 thorough=thorough)
     return tuple(_like(a, tokens_per_expert) for a in out)
 
 

@@ -83,6 +83,9 @@ class EplbPolicy:
             (the reference algorithm: with old indices, exactly vLLM's DefaultEplbPolicy)
         tolerance: "sticky": the balancedness it may give up against "balanced", in [0, 1)
         hierarchical: "balanced" / "sticky": pack expert groups to nodes first, like deepseek
+        thorough: "balanced" / "sticky" at two slots per rank (wide decode): also build the
+            replica counts level by level, several times slower, better balanced (see
+            eplb.rebalance_experts); not with "deepseek"
 
     Stateless: any thread may call it. The placement is computed on the CPU.
     """
@@ -90,6 +93,7 @@ class EplbPolicy:
     policy = None
     tolerance = 0.01
     hierarchical = False
+    thorough = False
 
     @classmethod
     def rebalance_experts(cls, weight, num_replicas, num_groups, num_nodes, num_ranks,
@@ -172,14 +176,16 @@ class EplbPolicy:
             prev = _previous_placement(previous, experts)
         phy2log, _, _ = eplb.rebalance_experts(w, physical, groups, nodes, ranks, policy=policy,
                                                previous=prev, tolerance=float(cls.tolerance),
-                                               hierarchical=bool(cls.hierarchical))
+                                               hierarchical=bool(cls.hierarchical),
+                                               thorough=bool(cls.thorough))
         if previous is not None:
             # Same experts on every GPU, each kept where it was: free, and never worse.
             phy2log = _preserve(phy2log, ranks, previous)
         return phy2log, experts
 
 
-def make_policy(policy=None, tolerance=0.01, hierarchical=False, name=None, legacy=False):
+def make_policy(policy=None, tolerance=0.01, hierarchical=False, name=None, legacy=False,
+                thorough=False):
     """A subclass of EplbPolicy with these class attributes (see EplbPolicy), named `name`
     (default: from the policy). legacy=True: its rebalance_experts returns older vLLM's triple
     (rebalance_experts_with_maps)."""
@@ -190,10 +196,14 @@ def make_policy(policy=None, tolerance=0.01, hierarchical=False, name=None, lega
     if not 0 <= tolerance < 1:
         raise eplb.InvalidArgument(f"tolerance {tolerance} must be in [0, 1) (a loss of "
                                    f"balancedness)")
+    if thorough and policy == "deepseek":
+        raise eplb.InvalidArgument("thorough applies to the balanced and sticky policies (and "
+                                   "None), not deepseek, whose replica counts are the "
+                                   "reference's own")
     if name is None:
         name = "EplbPolicy" + (policy or "auto").capitalize() + ("Legacy" if legacy else "")
     attrs = {"policy": policy, "tolerance": tolerance, "hierarchical": bool(hierarchical),
-             "__module__": __name__, "__doc__": EplbPolicy.__doc__}
+             "thorough": bool(thorough), "__module__": __name__, "__doc__": EplbPolicy.__doc__}
     if legacy:
         attrs["rebalance_experts"] = classmethod(EplbPolicy.rebalance_experts_with_maps.__func__)
     return type(name, (EplbPolicy,), attrs)

@@ -18,6 +18,7 @@
 #include "eplb/placement/deepseek.h"
 #include "eplb/placement/metrics.h"
 #include "eplb/placement/policy.h"
+#include "unit/placement/greedy_reference.h"
 
 namespace eplb::placement {
 namespace {
@@ -214,17 +215,6 @@ TEST(Balanced, OneSlotPerRankIsExact) {
 // zeros, every expert equal, loads one apart) they are what handing the replicas out one at a
 // time gives, the largest w / count first and the lowest index on a tie.
 TEST(Balanced, OneSlotCountsAreTheGreedysOnEveryKindOfLoad) {
-  auto one_at_a_time = [](std::span<const double> w, int64_t slots) {
-    std::vector<int32_t> count(w.size(), 1);
-    for (int64_t j = static_cast<int64_t>(w.size()); j < slots; ++j) {
-      size_t best = 0;
-      for (size_t e = 1; e < w.size(); ++e) {
-        if (w[e] / count[e] > w[best] / count[best]) best = e;
-      }
-      ++count[best];
-    }
-    return count;
-  };
   std::mt19937_64 rng(11);
   for (int trial = 0; trial < 2000; ++trial) {
     const int64_t experts = 1 + static_cast<int64_t>(rng() % (trial < 100 ? 300 : 40));
@@ -232,23 +222,14 @@ TEST(Balanced, OneSlotCountsAreTheGreedysOnEveryKindOfLoad) {
     const int kind = trial % 6;
     std::lognormal_distribution<double> lognormal(0.0, 1.0 + static_cast<double>(rng() % 3));
     LoadMatrix load(1, experts);
-    for (double& v : load.values) {
-      switch (kind) {
-        case 0: v = std::round(lognormal(rng) * 1000.0); break;
-        case 1: v = static_cast<double>(rng() % 4); break;        // ties and zeros
-        case 2: v = 6.0 * static_cast<double>(rng() % 3); break;  // keys that divide evenly
-        case 3: v = lognormal(rng) * 1e-3; break;
-        case 4: v = 5.0; break;                                   // every expert equal
-        default: v = 1e6 + static_cast<double>(rng() % 3); break; // one apart, far from 0
-      }
-    }
+    for (double& v : load.values) v = testing::load_of_kind(kind, lognormal, rng);
     SCOPED_TRACE("trial " + std::to_string(trial) + ": " + std::to_string(experts) +
                  " experts, " + std::to_string(physical) + " slots, kind " +
                  std::to_string(kind));
     const Placement out = balanced(load, make_layout(experts, physical, physical, 1, 1), false);
     ASSERT_EQ(std::vector<int32_t>(out.layer_replica_count(0).begin(),
                                    out.layer_replica_count(0).end()),
-              one_at_a_time(load.row(0), physical));
+              testing::greedy_one_at_a_time(load.row(0), physical));
   }
 }
 

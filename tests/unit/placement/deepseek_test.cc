@@ -14,6 +14,7 @@
 
 #include "eplb/core/error.h"
 #include "eplb/placement/policy.h"
+#include "unit/placement/greedy_reference.h"
 
 namespace eplb::placement {
 namespace {
@@ -389,22 +390,6 @@ TEST(DeepseekTest, PropertiesOnRandomLoads) {
 // w / count first, in float32, the lowest index on a tie), and what deepseek's own global
 // placement counts.
 TEST(DeepseekTest, GlobalCountsAreTheGreedysOnEveryKindOfLoad) {
-  auto one_at_a_time = [](const std::vector<double>& w, int64_t slots) {
-    std::vector<int32_t> count(w.size(), 1);
-    std::vector<float> weight(w.size());
-    for (size_t e = 0; e < w.size(); ++e) weight[e] = w[e] > 0 ? static_cast<float>(w[e]) : 0.0f;
-    for (int64_t j = static_cast<int64_t>(w.size()); j < slots; ++j) {
-      size_t best = 0;
-      for (size_t e = 1; e < w.size(); ++e) {
-        if (weight[e] / static_cast<float>(count[e]) >
-            weight[best] / static_cast<float>(count[best])) {
-          best = e;
-        }
-      }
-      ++count[best];
-    }
-    return count;
-  };
   std::mt19937_64 rng(7);
   for (int trial = 0; trial < 3000; ++trial) {
     const int64_t experts = 1 + static_cast<int64_t>(rng() % (trial < 200 ? 300 : 40));
@@ -412,20 +397,11 @@ TEST(DeepseekTest, GlobalCountsAreTheGreedysOnEveryKindOfLoad) {
     const int kind = trial % 6;
     std::lognormal_distribution<double> lognormal(0.0, 1.0 + static_cast<double>(rng() % 3));
     std::vector<double> w(static_cast<size_t>(experts));
-    for (double& v : w) {
-      switch (kind) {
-        case 0: v = std::round(lognormal(rng) * 1000.0); break;
-        case 1: v = static_cast<double>(rng() % 4); break;           // ties and zeros
-        case 2: v = 6.0 * static_cast<double>(rng() % 3); break;     // keys that divide evenly
-        case 3: v = lognormal(rng) * 1e-3; break;
-        case 4: v = 5.0; break;                                      // every expert equal
-        default: v = 1e6 + static_cast<double>(rng() % 3); break;    // one apart, far from 0
-      }
-    }
+    for (double& v : w) v = testing::load_of_kind(kind, lognormal, rng);
     SCOPED_TRACE("trial " + std::to_string(trial) + ": " + std::to_string(experts) +
                  " experts, " + std::to_string(slots) + " slots, kind " + std::to_string(kind));
     const std::vector<int32_t> counts = deepseek_global_counts(w, slots);
-    ASSERT_EQ(counts, one_at_a_time(w, slots));
+    ASSERT_EQ(counts, testing::greedy_one_at_a_time<float>(w, slots));
     if (trial % 10 == 0) {
       // deepseek's own global placement (groups % nodes != 0) counts the same.
       Layout layout;

@@ -44,8 +44,8 @@ constexpr int kBisections = 30;
 // The bisection stops when the range is this narrow (relative).
 constexpr double kPrecision = 1e-5;
 constexpr int kLambdaSteps = 24;
-// Pairs the trial scan visits from the front before it seeks the middle (top_from_both_ends).
-constexpr int64_t kFirstPairs = 16;
+// Pairs top_of_replicas visits from one end before it turns to the other.
+constexpr int64_t kPairRun = 16;
 // Step 3b: its first T lies this far (relative) below the greedy counts' top; at most this many
 // sweeps.
 constexpr double kSweepFirst = 1e-3;
@@ -88,51 +88,56 @@ void pair_up(std::span<const double> share, std::span<const int32_t> r, int64_t 
   }
 }
 
-// The largest pair of the same pairing, or a pair at least `limit` (then it stops), visited
-// from both ends of k at once: pair k and pair ranks - 1 - k in turn, for the trial counts of
-// the search, where only the largest pair's value matters. A trial that does not lower the
-// largest pair usually has a pair at the limit near its old place, which at 144 ranks of
-// lognormal loads is among the first pairs and at 256 ranks among the last (the forward scan
-// went through 237 of 256 pairs on average there). The middle (the expert of replica
-// ranks - 1) is sought from `start` on, where the counts of order[0 .. start) sum to
-// `start_replicas` (start is at most the middle; the caller usually knows it exactly).
-double top_from_both_ends(std::span<const double> share, std::span<const int32_t> r,
-                          int64_t ranks, std::span<const int32_t> order, double limit,
-                          int64_t start, int64_t start_replicas) {
-  const int64_t last = static_cast<int64_t>(order.size()) - 1;
-  // Forward: pair k, the experts of replicas k and 2 ranks - 1 - k.
-  int64_t fi = 0, fj = last;
-  int64_t left_fi = r[order[fi]], left_fj = r[order[fj]];
+// The largest pair of a pairing given as its replicas' shares in order, heaviest first
+// (`replicas` [2 ranks]: pair k is replicas k and 2 ranks - 1 - k), or a pair at least `limit`
+// (then it stops). Pairs are visited a run at a time from both ends of k in turn: a trial that
+// does not lower the largest pair usually has a pair at the limit near its old place, which at
+// 144 ranks of lognormal loads is among the first pairs and at 256 ranks among the last. Four
+// maxima side by side keep the adds off one chain; the maximum of the same values in any order
+// is the same, so the result does not depend on the order of the visit.
+double top_of_replicas(std::span<const double> replicas, int64_t ranks, double limit) {
+  const double* s = replicas.data();
+  const int64_t last = 2 * ranks - 1;
   double top = -1;
-  auto step_forward = [&] {
-    top = std::max(top, share[order[fi]] + share[order[fj]]);
-    if (--left_fi == 0 && fi < last) left_fi = r[order[++fi]];
-    if (--left_fj == 0 && fj > 0) left_fj = r[order[--fj]];
+  auto visit = [&](int64_t begin, int64_t end) {
+    double m[4] = {top, top, top, top};
+    int64_t k = begin;
+    for (; k + 4 <= end; k += 4) {
+      for (int i = 0; i < 4; ++i) m[i] = std::max(m[i], s[k + i] + s[last - k - i]);
+    }
+    for (; k < end; ++k) m[0] = std::max(m[0], s[k] + s[last - k]);
+    top = std::max(std::max(m[0], m[1]), std::max(m[2], m[3]));
   };
-  // The first pairs alone: where the pair at the limit is among them, the middle is not sought.
-  int64_t lo = 0;
-  for (; lo < std::min<int64_t>(kFirstPairs, ranks); ++lo) {
-    step_forward();
+  int64_t lo = 0, hi = ranks;  // pairs [lo, hi) are still to visit
+  while (lo < hi) {
+    const int64_t front = std::min(hi, lo + kPairRun);
+    visit(lo, front);
+    lo = front;
     if (top >= limit) return top;
-  }
-  if (lo == ranks) return top;
-  // Backward: pair ranks - 1 - k. The expert of replica ranks - 1 (block [begin, end) of the
-  // sorted replicas) and of replica ranks, with how many of their replicas lie on the outward
-  // side of each.
-  int64_t bi = start, begin = start_replicas;
-  while (begin + r[order[bi]] <= ranks - 1) begin += r[order[bi++]];
-  int64_t left_bi = ranks - begin;  // replicas begin .. ranks - 1
-  int64_t bj = bi, end = begin + r[order[bi]];
-  while (end <= ranks) end += r[order[++bj]];
-  int64_t left_bj = end - ranks;  // replicas ranks .. end - 1
-  for (int64_t hi = ranks - 1; lo <= hi; ++lo, --hi) {
-    top = std::max(top, share[order[bi]] + share[order[bj]]);
-    if (lo < hi) step_forward();
+    const int64_t back = std::max(lo, hi - kPairRun);
+    visit(back, hi);
+    hi = back;
     if (top >= limit) return top;
-    if (--left_bi == 0 && bi > 0) left_bi = r[order[--bi]];
-    if (--left_bj == 0 && bj < last) left_bj = r[order[++bj]];
   }
   return top;
+}
+
+// std::lower_bound's steps over positions [0, n) of a sequence read through `at` (the same
+// probes, so the same answer on a sequence that is not quite sorted): the first position whose
+// element `before` does not put ahead of its own.
+template <class At, class Before>
+size_t lower_bound_of(size_t n, const At& at, const Before& before) {
+  size_t first = 0, len = n;
+  while (len > 0) {
+    const size_t half = len >> 1;
+    if (before(at(first + half))) {
+      first += half + 1;
+      len -= half + 1;
+    } else {
+      len = half;
+    }
+  }
+  return first;
 }
 
 // `order` with experts a (at position a_at) and b (at b_at) moved to their places under the
@@ -174,11 +179,16 @@ Pairing sorted_pairing(std::span<const double> w, std::span<const int32_t> r, in
   return p;
 }
 
-// Step 3.
+// Step 3. A trial moves one replica from a donor to one of the two experts of the largest pair;
+// its pairing is read off the round's replicas in order: the two experts leave their places
+// and come back at the places reorder() would give them (found by the same binary searches,
+// on the round's order read around the two), and the runs between are copied as they are.
+// Copying the order and moving the two in it was a third of the count search's time at 256
+// ranks, and walking the pairs through the order a third more.
 void search_counts(std::span<const double> w, int64_t ranks, std::vector<int32_t>& r,
                    Pairing& p) {
   const int64_t experts = static_cast<int64_t>(w.size());
-  std::vector<int32_t> trial;  // the experts in order under a trial's counts
+  const size_t n = p.order.size();
   std::vector<int32_t> donors;
   std::vector<double> share(w.size());  // w / r, kept current with r
   // w / (r - 1), a donor's share after giving a replica up (r >= 2), kept current too: the
@@ -191,20 +201,37 @@ void search_counts(std::span<const double> w, int64_t ranks, std::vector<int32_t
   };
   for (int32_t e = 0; e < experts; ++e) update(e);
   // Per round, of p.order under the round's counts: each expert's position, the replicas
-  // before each position, and the middle (the position of the expert of replica ranks - 1). A
-  // trial moves two experts and changes their counts by one, so its replicas before a position
-  // follow from these in a few steps (trial_before), and its middle lies a step or two from
-  // the round's: seeking it from the front was a tenth of the count search's instructions at
-  // 256 ranks (now 4% fewer in all).
+  // before each position, and the replicas' shares in order; per trial, its replicas' shares.
   std::vector<size_t> at(w.size());
   std::vector<int64_t> before(w.size() + 1);
+  std::vector<double> round_replicas(static_cast<size_t>(2 * ranks));
+  std::vector<double> trial_replicas(static_cast<size_t>(2 * ranks));
   for (int64_t round = 0; round < 4 * experts; ++round) {
-    for (size_t i = 0; i < p.order.size(); ++i) {
+    for (size_t i = 0; i < n; ++i) {
       at[p.order[i]] = i;
       before[i + 1] = before[i] + r[p.order[i]];
+      std::fill_n(round_replicas.begin() + before[i], r[p.order[i]], share[p.order[i]]);
     }
-    int64_t middle = 0;
-    while (before[middle + 1] <= ranks - 1) ++middle;
+    // The round's largest pair (the first on a tie, as pair_up finds it) and its experts, read
+    // off the replicas: walking the pairs through the order was a seventh of balanced's time.
+    if (round > 0) {
+      const int64_t last = 2 * ranks - 1;
+      int64_t top_k = 0;
+      p.top = -1;
+      for (int64_t k = 0; k < ranks; ++k) {
+        const double sum = round_replicas[k] + round_replicas[last - k];
+        if (sum > p.top) {
+          p.top = sum;
+          top_k = k;
+        }
+      }
+      auto expert_of = [&](int64_t replica) {
+        const auto it = std::upper_bound(before.begin(), before.begin() + n + 1, replica);
+        return p.order[static_cast<size_t>(it - before.begin()) - 1];
+      };
+      p.top_heavy = expert_of(top_k);
+      p.top_light = expert_of(last - top_k);
+    }
     double best = p.top - kMinGain * p.top;
     int32_t best_to = -1, best_from = -1;
     donors.clear();
@@ -229,27 +256,49 @@ void search_counts(std::span<const double> w, int64_t ranks, std::vector<int32_t
         --r[from];
         update(to);
         update(from);
-        trial = p.order;
-        const auto [to_at, from_at] = reorder(share, trial, to, at[to], from, at[from]);
-        // The trial's replicas before its position i: the unmoved experts before it are the
-        // first q of the round's order (skipping to's and from's old places), with the moved
-        // ones added where they now stand before i.
-        const size_t low_old = std::min(at[to], at[from]), high_old = std::max(at[to], at[from]);
-        auto trial_before = [&](int64_t i) {
-          const size_t q = static_cast<size_t>(i) - (to_at < static_cast<size_t>(i) ? 1 : 0) -
-                           (from_at < static_cast<size_t>(i) ? 1 : 0);
-          size_t j = q;
-          if (low_old < j) ++j;
-          if (high_old < j) ++j;
-          return before[j] - (at[to] < j ? r[to] - 1 : 0) - (at[from] < j ? r[from] + 1 : 0) +
-                 (to_at < static_cast<size_t>(i) ? r[to] : 0) +
-                 (from_at < static_cast<size_t>(i) ? r[from] : 0);
+        // The round's order without the two (their old places low < high)...
+        const size_t low = std::min(at[to], at[from]), high = std::max(at[to], at[from]);
+        auto rest = [&](size_t i) {
+          size_t j = i;
+          if (j >= low) ++j;
+          if (j >= high) ++j;
+          return p.order[j];
         };
-        int64_t start = middle;
-        while (trial_before(start + 1) <= ranks - 1) ++start;
-        while (start > 0 && trial_before(start) > ranks - 1) --start;
-        const double top =
-            top_from_both_ends(share, r, ranks, trial, best, start, trial_before(start));
+        // ...with `to` back at to_rest, then `from` at from_at (reorder's steps).
+        const size_t to_rest = lower_bound_of(n - 2, rest, [&](int32_t u) {
+          return heavier(share, u, to);
+        });
+        const size_t from_at = lower_bound_of(
+            n - 1,
+            [&](size_t i) { return i == to_rest ? to : rest(i - (i > to_rest ? 1 : 0)); },
+            [&](int32_t u) { return heavier(share, u, from); });
+        const size_t to_at = to_rest + (from_at <= to_rest ? 1 : 0);
+        // The trial's replicas: the runs of the round's between the two places, copied.
+        double* out = trial_replicas.data();
+        size_t next = 0;  // the round's position the next run starts at
+        auto copy_rest = [&](size_t count) {
+          while (count > 0) {
+            if (next == low || next == high) {
+              ++next;
+              continue;
+            }
+            const size_t stop = next < low ? low : next < high ? high : n;
+            const size_t m = std::min(count, stop - next);
+            out = std::copy(round_replicas.begin() + before[next],
+                            round_replicas.begin() + before[next + m], out);
+            next += m;
+            count -= m;
+          }
+        };
+        const bool to_first = to_at < from_at;
+        const size_t first_at = to_first ? to_at : from_at, second_at = to_first ? from_at : to_at;
+        const int32_t first = to_first ? to : from, second = to_first ? from : to;
+        copy_rest(first_at);
+        out = std::fill_n(out, r[first], share[first]);
+        copy_rest(second_at - first_at - 1);
+        out = std::fill_n(out, r[second], share[second]);
+        copy_rest(n - second_at - 1);
+        const double top = top_of_replicas(trial_replicas, ranks, best);
         if (top < best) {
           best = top;
           best_to = to;
@@ -268,8 +317,8 @@ void search_counts(std::span<const double> w, int64_t ranks, std::vector<int32_t
     update(best_to);
     update(best_from);
     reorder(share, p.order, best_to, at[best_to], best_from, at[best_from]);
-    pair_up(share, r, ranks, p);
   }
+  pair_up(share, r, ranks, p);  // the round limit was reached: the last move's pairing
 }
 
 // Step 4: the pairs, [ranks][2]; a pair of one expert twice trades its light replica with the

@@ -47,6 +47,7 @@ struct SimulateArgs {
   std::string policies = "none,deepseek,balanced,sticky";
   bool hierarchical = false;
   double tolerance = 0.01;
+  bool thorough = false;
   int64_t tokens_per_step = 256;
   int64_t expert_bytes = kDeepseekV3ExpertBytes;
   double token_us = 0;  // one token through one expert on one rank; 0: MoE time in token units
@@ -375,6 +376,7 @@ void run_simulate(const SimulateArgs& args) {
   options.window = args.window;
   options.hierarchical = args.hierarchical;
   options.tolerance = args.tolerance;
+  options.thorough = args.thorough;
   if (!(args.spread >= 0) || !std::isfinite(args.spread)) {
     fail("--spread ", args.spread, " must be a finite number of standard deviations >= 0");
   }
@@ -449,6 +451,7 @@ void run_simulate(const SimulateArgs& args) {
         {"window", args.window},
         {"expert_bytes", args.expert_bytes},
         {"peers_per_round", args.peers_per_round},
+        {"thorough", args.thorough},
         {"first_scored_step", result.first_scored_step},
         {"rebalance_steps", result.rebalance_steps},
         {"lower_bound_balancedness", result.lower_bound_balancedness},
@@ -519,6 +522,9 @@ void add_simulate(CLI::App& app) {
   cmd->add_option("--tolerance", args->tolerance,
                   "sticky: balancedness it may give up against balanced")
       ->capture_default_str();
+  cmd->add_flag("--thorough", args->thorough,
+                "balanced/sticky at two slots per rank: also build the replica counts level by "
+                "level (better balance at 256 ranks, slower; docs/placement.md)");
   cmd->add_option("--tokens-per-step", args->tokens_per_step,
                   "Routing traces: tokens per step (a trailing partial step is dropped)")
       ->capture_default_str();

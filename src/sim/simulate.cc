@@ -348,6 +348,7 @@ SimResult simulate(const stats::LoadHistory& history, const SimOptions& options)
       po.policy = run.policy->policy;
       po.hierarchical = options.hierarchical;
       po.tolerance = options.tolerance;
+      po.thorough = options.thorough;
       // Only sticky reads the previous placement (place() checks whatever it is given).
       po.previous = po.policy == placement::Policy::kSticky ? &run.current : nullptr;
       Placement next = placement::place(window, layout, po);

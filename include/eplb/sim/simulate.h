@@ -48,6 +48,7 @@ struct SimOptions {
   std::vector<SimPolicy> policies;  // at least one
   bool hierarchical = false;        // balanced / sticky: pack groups to nodes first
   double tolerance = 0.01;          // sticky: accepted balancedness loss against balanced
+  bool thorough = false;            // balanced / sticky: PolicyOptions::thorough
   // Migration accounting of each rebalance (expert_bytes >= 1, peers per round).
   migration::MigrationOptions migration;
   // Place from each expert's window sum plus `spread` standard deviations of its per-step

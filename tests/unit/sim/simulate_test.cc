@@ -387,6 +387,47 @@ TEST(Simulate, IntervalPastTheEndRebalancesOnce) {
   }
 }
 
+// `thorough` reaches the policies: each rebalance serves what place() gives its window with
+// PolicyOptions::thorough, at two slots per rank where it applies.
+TEST(Simulate, ThoroughIsThePoliciesThorough) {
+  std::mt19937_64 rng(11);
+  std::lognormal_distribution<double> draw(0.0, 1.0);
+  stats::LoadHistory h;
+  h.steps = 12;
+  h.layers = 2;
+  h.experts = 48;
+  for (int64_t i = 0; i < h.steps * h.layers * h.experts; ++i) {
+    h.values.push_back(std::floor(draw(rng) * 50));
+  }
+  const Layout layout{.experts = 48, .physical = 64, .ranks = 32, .nodes = 4, .groups = 1};
+  for (const bool thorough : {false, true}) {
+    SCOPED_TRACE(thorough ? "thorough" : "default");
+    SimOptions o = options_for(layout, 4, 4, "balanced,sticky");
+    o.thorough = thorough;
+    o.keep_placements = true;
+    const SimResult r = simulate(h, o);
+    for (const PolicyResult& p : r.policies) {
+      SCOPED_TRACE(p.policy);
+      Placement current = trivial_placement(h.layers, h.experts, layout.physical);
+      ASSERT_EQ(p.placements.size(), r.rebalance_steps.size());
+      for (size_t k = 0; k < r.rebalance_steps.size(); ++k) {
+        LoadMatrix w(h.layers, h.experts);
+        for (int64_t t = r.rebalance_steps[k] - o.window; t < r.rebalance_steps[k]; ++t) {
+          for (size_t i = 0; i < w.values.size(); ++i) {
+            w.values[i] += h.values[t * h.layers * h.experts + i];
+          }
+        }
+        placement::PolicyOptions po;
+        po.policy = placement::parse_policy(p.policy);
+        po.previous = &current;
+        po.thorough = thorough;
+        current = placement::place(w, layout, po);
+        EXPECT_EQ(p.placements[k].phy2log, current.phy2log) << "rebalance " << k;
+      }
+    }
+  }
+}
+
 TEST(HistoryFromTrace, GroupsConsecutiveTokens) {
   stats::RoutingTrace t;
   t.layers = 2;

@@ -122,6 +122,30 @@ double top_of_replicas(std::span<const double> replicas, int64_t ranks, double l
   return top;
 }
 
+// p's largest pair and its experts (the first on a tie, as pair_up finds it), read off its
+// replicas' shares in order (`replicas` [2 ranks]), where `before` [experts + 1] holds the
+// replicas ahead of each position of p.order: walking the pairs through the order was a
+// seventh of balanced's time at 256 ranks.
+void largest_pair(std::span<const double> replicas, std::span<const int64_t> before,
+                  int64_t ranks, Pairing& p) {
+  const int64_t last = 2 * ranks - 1;
+  int64_t top_k = 0;
+  p.top = -1;
+  for (int64_t k = 0; k < ranks; ++k) {
+    const double sum = replicas[k] + replicas[last - k];
+    if (sum > p.top) {
+      p.top = sum;
+      top_k = k;
+    }
+  }
+  auto expert_of = [&](int64_t replica) {
+    const auto it = std::upper_bound(before.begin(), before.end(), replica);
+    return p.order[static_cast<size_t>(it - before.begin()) - 1];
+  };
+  p.top_heavy = expert_of(top_k);
+  p.top_light = expert_of(last - top_k);
+}
+
 // std::lower_bound's steps over positions [0, n) of a sequence read through `at` (the same
 // probes, so the same answer on a sequence that is not quite sorted): the first position whose
 // element `before` does not put ahead of its own.
@@ -212,26 +236,7 @@ void search_counts(std::span<const double> w, int64_t ranks, std::vector<int32_t
       before[i + 1] = before[i] + r[p.order[i]];
       std::fill_n(round_replicas.begin() + before[i], r[p.order[i]], share[p.order[i]]);
     }
-    // The round's largest pair (the first on a tie, as pair_up finds it) and its experts, read
-    // off the replicas: walking the pairs through the order was a seventh of balanced's time.
-    if (round > 0) {
-      const int64_t last = 2 * ranks - 1;
-      int64_t top_k = 0;
-      p.top = -1;
-      for (int64_t k = 0; k < ranks; ++k) {
-        const double sum = round_replicas[k] + round_replicas[last - k];
-        if (sum > p.top) {
-          p.top = sum;
-          top_k = k;
-        }
-      }
-      auto expert_of = [&](int64_t replica) {
-        const auto it = std::upper_bound(before.begin(), before.begin() + n + 1, replica);
-        return p.order[static_cast<size_t>(it - before.begin()) - 1];
-      };
-      p.top_heavy = expert_of(top_k);
-      p.top_light = expert_of(last - top_k);
-    }
+    largest_pair(round_replicas, std::span(before).first(n + 1), ranks, p);
     double best = p.top - kMinGain * p.top;
     int32_t best_to = -1, best_from = -1;
     donors.clear();

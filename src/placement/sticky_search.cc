@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
-#include <functional>
 #include <initializer_list>
 #include <numeric>
 #include <span>
@@ -65,7 +64,6 @@ Incremental::Incremental(std::span<const double> w, std::span<const int32_t> pre
   }
   slots_by_expert(prev, experts_, prev_start_, prev_slots_);
   peaks_marked_.assign(static_cast<size_t>(experts_), 0);
-  rank_order_marked_.assign(static_cast<size_t>(ranks_), 0);
   clear_and_fill();
   for (int32_t e = 0; e < experts_; ++e) update_shares(e);
   recompute_loads();
@@ -222,49 +220,12 @@ inline void Incremental::build_rank_tree() {
   rank_tree_.resize(static_cast<size_t>(2 * n));
   for (int64_t r = 0; r < n; ++r) rank_tree_[n + r] = {load_[r], load_[r], r};
   for (int64_t i = n - 1; i >= 1; --i) join_rank_node(i);
-  rank_order_stale_ = true;
 }
 
 inline void Incremental::update_rank_tree(int64_t r) {
   const int64_t n = ranks_;
   rank_tree_[n + r] = {load_[r], load_[r], r};
   for (int64_t i = (n + r) / 2; i >= 1; i /= 2) join_rank_node(i);
-  if (!rank_order_stale_ && !rank_order_marked_[r]) {
-    rank_order_marked_[r] = 1;
-    rank_order_dirty_.push_back(static_cast<int32_t>(r));
-  }
-}
-
-inline void Incremental::sync_rank_order() {
-  auto key_of = [&](int64_t r) { return ascending_key(load_[r], r); };
-  if (rank_order_stale_) {
-    rank_order_stale_ = false;
-    rank_key_.resize(static_cast<size_t>(ranks_));
-    rank_order_.resize(static_cast<size_t>(ranks_));
-    for (int64_t r = 0; r < ranks_; ++r) rank_order_[r] = rank_key_[r] = key_of(r);
-    sort_keys(rank_order_, rank_order_scratch_);
-  } else {
-    // Each rank whose key changed moves from its old place to its new one, the keys between
-    // shifting by one (sorting them all again, or merging the changed ones back in, cost more:
-    // about 13 ranks change between two uses at 256 ranks).
-    for (const int32_t r : rank_order_dirty_) {
-      const SortKey old_key = rank_key_[r], new_key = key_of(r);
-      if (new_key == old_key) continue;
-      rank_key_[r] = new_key;
-      const auto from = std::lower_bound(rank_order_.begin(), rank_order_.end(), old_key);
-      if (new_key > old_key) {
-        const auto to = std::lower_bound(from + 1, rank_order_.end(), new_key);
-        std::move(from + 1, to, from);
-        *(to - 1) = new_key;
-      } else {
-        const auto to = std::lower_bound(rank_order_.begin(), from, new_key);
-        std::move_backward(to, from, from + 1);
-        *to = new_key;
-      }
-    }
-  }
-  for (const int32_t r : rank_order_dirty_) rank_order_marked_[r] = 0;
-  rank_order_dirty_.clear();
 }
 
 inline void Incremental::refresh_rank(int64_t r) {
@@ -360,60 +321,35 @@ inline void Incremental::index_give_ups(double limit) {
   for (const int64_t b : moved_slots_) {
     if (give_up_peak_[b] < limit) moved_give_ups_.push_back(b);
   }
-  give_ups_sorted_ = false;
+  give_ups_listed_ = false;
 }
 
-inline int64_t Incremental::give_up_by_load(size_t i) {
-  if (!give_ups_sorted_) {
-    give_ups_sorted_ = true;
-    give_ups_.clear();
-    // Only redundant slots can pass (the others' peaks are +inf). Where they are at most half
-    // the slots (at 288 slots for 256 experts at most 64), they are listed with their rank-load
-    // keys and ordered through a heap popped as far as the scan asks; where they are more (at
-    // 512 slots for 256 experts always), the ranks kept sorted by load across rounds
-    // (sync_rank_order) are walked from the lightest instead, each rank's slots in order. Both
-    // give the order of (rank load, slot) exactly. Listing every slot and ordering them through
-    // a heap each round was 30% of the search's instructions at 256 ranks; listing only the
-    // redundant ones took a quarter off the search at 144.
-    const int64_t slots = static_cast<int64_t>(cur_.size());
-    const int64_t redundant_slots = slots - experts_ + static_cast<int64_t>(redundant_.size());
-    give_ups_walk_ = 2 * redundant_slots > slots;
-    if (give_ups_walk_) {
-      sync_rank_order();
-      give_up_walk_ = 0;
-    } else {
-      give_up_keys_.clear();
-      const double limit = give_up_limit_;
-      for (const int32_t y : redundant_) {
-        const int32_t* list = holder_.get() + static_cast<int64_t>(y) * ranks_;
-        for (int32_t k = 0; k < count_[y]; ++k) {
-          const int64_t b = list[k];
-          if (give_up_peak_[b] < limit) {
-            give_up_keys_.push_back(ascending_key(load_[rank_of(b)], 0) |
-                                    static_cast<SortKey>(b));
-          }
-        }
-      }
-      give_up_heap_end_ = give_up_keys_.size();
-      std::make_heap(give_up_keys_.begin(), give_up_keys_.end(), std::greater<>());
-    }
-  }
-  if (give_ups_walk_) {
-    while (give_ups_.size() <= i && give_up_walk_ < rank_order_.size()) {
-      const int64_t r = key_index(rank_order_[give_up_walk_++]);
-      for (int64_t b = r * spr_; b < (r + 1) * spr_; ++b) {
-        if (give_up_peak_[b] < give_up_limit_) give_ups_.push_back(b);
-      }
+inline void Incremental::list_give_ups() {
+  if (give_ups_listed_) return;
+  give_ups_listed_ = true;
+  // Only redundant slots can pass (the others' peaks are +inf). Where they are at most half the
+  // slots (at 288 slots for 256 experts at most 64), their experts' holders are tested; where
+  // they are more (at 512 slots for 256 experts always), every slot is, without branches:
+  // which pass is not predictable.
+  const int64_t slots = static_cast<int64_t>(cur_.size());
+  const int64_t redundant_slots = slots - experts_ + static_cast<int64_t>(redundant_.size());
+  give_ups_.resize(cur_.size());
+  size_t n = 0;
+  if (2 * redundant_slots > slots) {
+    for (int64_t b = 0; b < slots; ++b) {
+      give_ups_[n] = b;
+      n += static_cast<size_t>(give_up_peak_[b] < give_up_limit_);
     }
   } else {
-    while (give_ups_.size() <= i && give_up_heap_end_ > 0) {
-      std::pop_heap(give_up_keys_.begin(),
-                    give_up_keys_.begin() + static_cast<int64_t>(give_up_heap_end_),
-                    std::greater<>());
-      give_ups_.push_back(key_index(give_up_keys_[--give_up_heap_end_]));
+    for (const int32_t y : redundant_) {
+      const int32_t* list = holder_.get() + static_cast<int64_t>(y) * ranks_;
+      for (int32_t k = 0; k < count_[y]; ++k) {
+        give_ups_[n] = list[k];
+        n += static_cast<size_t>(give_up_peak_[list[k]] < give_up_limit_);
+      }
     }
   }
-  return i < give_ups_.size() ? give_ups_[i] : -1;
+  give_ups_.resize(n);
 }
 
 inline void Incremental::index_moved() {
@@ -479,6 +415,59 @@ inline void Incremental::try_replicate(int64_t g, double top, double limit, int6
   const int64_t c = cost(b, x);
   if (!best.beaten_by(c, peak) || h == g || holds(h, x) || !allowed(x, h)) return;
   best.take(c, peak, -1, b, x);
+}
+
+inline void Incremental::replicate_anywhere(int64_t g, double top, double limit, int64_t a,
+                                            Action& best) {
+  list_give_ups();
+  const int32_t x = cur_[a];
+  // Every candidate's peak is at least rep_floor: a replicate lowers g by that much at most.
+  const double rep_floor = top - share_[x] + share_up_[x];
+  const double least = std::max(rep_floor, best.floor);
+  // The walk's order: rank load (as sort_keys.h buckets it), then slot.
+  auto walk_key = [&](int64_t b) { return ascending_key(load_[rank_of(b)], 0) | b; };
+  Action found = best;  // the best of the candidates that do not stop the walk
+  SortKey found_key = 0;
+  bool found_here = false;
+  int64_t stop_b = -1, stop_cost = 0;
+  double stop_peak = 0;
+  SortKey stop_key = 0;
+  for (const int64_t b : give_ups_) {
+    const int32_t y = cur_[b];
+    if (y == x) continue;
+    const int64_t h = rank_of(b);
+    const double peak =
+        std::max({rep_floor, load_[h] - share_[y] + share_up_[x], give_up_peak_[b]});
+    if (!(peak < limit) || h == g || holds(h, x) || !allowed(x, h)) continue;
+    const int64_t c = cost(b, x);
+    if (c <= 0 || (c == 1 && std::max(peak, best.floor) <= least)) {
+      const SortKey key = walk_key(b);
+      if (stop_b < 0 || key < stop_key) {
+        stop_b = b;
+        stop_cost = c;
+        stop_peak = peak;
+        stop_key = key;
+      }
+      continue;
+    }
+    if (stop_b >= 0) continue;  // it wins whatever else comes
+    if (found.beaten_by(c, peak)) {
+      found.take(c, peak, -1, b, x);
+      found_key = walk_key(b);
+      found_here = true;
+    } else if (found_here && c == found.cost && std::max(peak, found.floor) == found.peak) {
+      const SortKey key = walk_key(b);
+      if (key < found_key) {
+        found.take(c, peak, -1, b, x);
+        found_key = key;
+      }
+    }
+  }
+  if (stop_b >= 0) {
+    best.take(stop_cost, stop_peak, -1, stop_b, x);
+  } else {
+    best = found;
+  }
 }
 
 inline void Incremental::try_replace(int64_t g, double top, double limit, int64_t a, int32_t y,
@@ -608,11 +597,7 @@ inline bool Incremental::lower_top(int64_t g, double cap, double ceiling) {
     const double rep_floor = top - share_[x] + share_up_[x];
     if (rep_floor < limit && best.beaten_by(1, rep_floor)) {
       index_give_ups(limit);
-      for (size_t i = 0; best.beaten_by(1, rep_floor); ++i) {
-        const int64_t b = give_up_by_load(i);
-        if (b < 0) break;
-        try_replicate(g, top, limit, a, b, best);
-      }
+      replicate_anywhere(g, top, limit, a, best);
     }
     if (count_[x] >= 2 && best.beaten_by(1, swap_floor)) {
       if (light < 0) light = lightest_addition(g);

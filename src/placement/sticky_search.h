@@ -115,15 +115,9 @@ class Incremental {
   // give_up_peak_ of the slots holding y.
   void refresh_give_up_peaks(int32_t y);
 
-  // The i-th of the slots of index_give_ups below its limit by the load of their rank, then
-  // ascending (so by rank index on equal loads), -1 past the last; ordered on demand, from the
-  // first use in a round: redundant slots on light ranks come first, so the first fitting one
-  // is usually the best.
-  int64_t give_up_by_load(size_t i);
-
-  // rank_order_ made current: the ranks whose loads changed since (update_rank_tree lists them)
-  // move to their places, or all are sorted again when the tree was built again.
-  void sync_rank_order();
+  // The slots of index_give_ups below its limit (in no particular order), listed on the first
+  // use in a round.
+  void list_give_ups();
 
   // On the first use in a round: the loads of the moved slots and of their ranks, side by side
   // for the scans that swap with every moved slot.
@@ -168,6 +162,17 @@ class Incremental {
   // Every holder of x gets lighter; the other holders of y get heavier.
   // Needs index_give_ups of this round.
   void try_replicate(int64_t g, double top, double limit, int64_t a, int64_t b, Action& best) const;
+
+  // Pass 2's replicate of x = cur_[a] into any slot of list_give_ups: the action that trying
+  // them in the order of (their rank's load, slot), lightest first, would leave in `best`,
+  // stopping once no action of cost 1 can beat it. Redundant slots on light ranks usually come
+  // first there, so that order was a walk over the ranks kept sorted by load; the walk went
+  // about 92 ranks deep per round at 256 ranks for about 14 candidates, and keeping the ranks
+  // sorted was a twelfth of the policy's time. All of them are weighed here instead, with the
+  // order deciding only ties and where the walk would stop: at the first candidate (in that
+  // order) of cost at most 0, or of cost 1 at the least peak any replicate of x can have,
+  // which beats everything before it.
+  void replicate_anywhere(int64_t g, double top, double limit, int64_t a, Action& best);
 
   // Slot a of the top rank gives up x (count >= 2) for y.
   void try_replace(int64_t g, double top, double limit, int64_t a, int32_t y, Action& best) const;
@@ -283,19 +288,8 @@ class Incremental {
   bool give_ups_indexed_ = false;
   double give_up_limit_ = 0;
   std::vector<int64_t> moved_give_ups_;  // moved slots with give_up_peak_ below the limit
-  std::vector<int64_t> give_ups_;        // give_up_by_load's order, as far as it was asked
-  bool give_ups_sorted_ = false;
-  bool give_ups_walk_ = false;           // walking rank_order_ (else popping the heap)
-  size_t give_up_walk_ = 0;              // the ranks of rank_order_ it has walked
-  std::vector<uint64_t> give_up_keys_;   // the heap: [0, give_up_heap_end_)
-  size_t give_up_heap_end_ = 0;
-  // The ranks by load: ascending_key(load, rank), ascending (sort_keys.h), and each rank's key
-  // in it; kept across rounds, made current when give_up_by_load first needs it in a round.
-  std::vector<uint64_t> rank_order_, rank_key_;  // [ranks]
-  std::vector<uint64_t> rank_order_scratch_;
-  bool rank_order_stale_ = true;
-  std::vector<int32_t> rank_order_dirty_;   // ranks whose load changed since, each once
-  std::vector<uint8_t> rank_order_marked_;  // [ranks]
+  std::vector<int64_t> give_ups_;        // list_give_ups's slots, this round's
+  bool give_ups_listed_ = false;
   int64_t moved_ = 0;
   int64_t rounds_ = 0;
   int64_t escapes_ = 0;

@@ -270,6 +270,7 @@ class Incremental {
   // pass the loads and the rules.
   std::vector<int32_t> listed_, ranks_listed_;
   std::vector<int32_t> touched_ranks_;  // scratch of refresh_experts
+  std::vector<uint8_t> rank_touched_;   // [ranks]: listed in touched_ranks_ (all 0 between uses)
   struct EscapeTry {
     int64_t cost;
     double load;  // of the one rank it lifts to the old top or past it

@@ -216,6 +216,61 @@ TEST(Sticky, TwoSlotsAt256RanksWithEqualLoadsKeepsTheRules) {
   }
 }
 
+// Loads of a few tokens from a fixed generator (splitmix64, the same on every platform): most
+// replicas tie with others on their load per replica, and many ranks on their load.
+LoadMatrix few_token_load(int64_t layers, int64_t experts, uint64_t seed, uint64_t most) {
+  LoadMatrix load(layers, experts);
+  for (double& v : load.values) {
+    uint64_t z = (seed += 0x9e3779b97f4a7c15ULL);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+    v = static_cast<double>((z ^ (z >> 31)) % (most + 1));
+  }
+  return load;
+}
+
+uint64_t fnv1a(std::span<const int32_t> values) {
+  uint64_t h = 0xcbf29ce484222325ULL;
+  for (const int32_t v : values) {
+    h ^= static_cast<uint32_t>(v);
+    h *= 0x100000001b3ULL;
+  }
+  return h;
+}
+
+TEST(Sticky, TwoSlotsSearchPlacementsArePinned) {
+  // The search's choices at two slots per rank on tie-heavy loads, pinned to the placements it
+  // gave when its give-up slots were still walked rank by rank in load order (each candidate
+  // tried in that order, stopping once nothing of cost 1 could win): weighing them all at once
+  // must take the same action, ties and the walk's stop included. Redundant slots more than
+  // half the slots (the walk over ranks) and at most half (the heap), tolerance 0.01 and 0. A
+  // change meant to alter the search's choices updates these hashes.
+  struct Case {
+    int64_t experts, physical, ranks;
+    uint64_t most, seed;
+    double tolerance;
+    uint64_t hash;
+  };
+  const Case cases[] = {
+      {16, 32, 16, 9, 1, 0.01, 7469157885115782272ULL},
+      {16, 32, 16, 3, 2, 0.0, 13200340704078833986ULL},
+      {16, 18, 9, 9, 3, 0.01, 13961045217438768184ULL},
+      {32, 36, 18, 4, 4, 0.0, 10683431529049249114ULL},
+      {64, 128, 64, 6, 5, 0.01, 1927964424388303320ULL},
+      {256, 512, 256, 8, 6, 0.01, 7883450559038726250ULL},
+  };
+  for (const Case& k : cases) {
+    const Layout layout = make_layout(k.experts, k.physical, k.ranks, 1, 1);
+    const LoadMatrix before = few_token_load(12, k.experts, k.seed, k.most);
+    const LoadMatrix after = few_token_load(12, k.experts, k.seed + 100, k.most);
+    const Placement previous = balanced(before, layout, false);
+    const Placement placed = sticky(after, layout, previous, k.tolerance, false);
+    EXPECT_EQ(fnv1a(placed.phy2log), k.hash)
+        << k.experts << " experts, " << k.physical << " slots, " << k.ranks << " ranks, seed "
+        << k.seed << ", tolerance " << k.tolerance;
+  }
+}
+
 TEST(Sticky, ThoroughIsHeldToThoroughBalanced) {
   // With `thorough`, the balance sticky keeps within its tolerance is thorough balanced's (at
   // 256 ranks 5-6% above the default's): the rules hold and every layer is within it.

@@ -439,15 +439,10 @@ inline void Incremental::replicate_anywhere(int64_t g, double top, double limit,
   const int32_t x = cur_[a];
   // Every candidate's peak is at least rep_floor: a replicate lowers g by that much at most.
   const double rep_floor = top - share_[x] + share_up_[x];
-  const double least = std::max(rep_floor, best.floor);
   // The walk's order: rank load (as sort_keys.h buckets it), then slot.
   auto walk_key = [&](int64_t b) { return ascending_key(load_[rank_of(b)], 0) | b; };
-  Action found = best;  // the best of the candidates that do not stop the walk
-  SortKey found_key = 0;
-  bool found_here = false;
-  int64_t stop_b = -1, stop_cost = 0;
-  double stop_peak = 0;
-  SortKey stop_key = 0;
+  bool taken = false;  // best is one of these, at taken_key
+  SortKey taken_key = 0;
   for (const int64_t b : give_ups_) {
     const int32_t y = cur_[b];
     if (y == x) continue;
@@ -456,33 +451,17 @@ inline void Incremental::replicate_anywhere(int64_t g, double top, double limit,
         std::max({rep_floor, load_[h] - share_[y] + share_up_[x], give_up_peak_[b]});
     if (!(peak < limit) || h == g || holds(h, x) || !allowed(x, h)) continue;
     const int64_t c = cost(b, x);
-    if (c <= 0 || (c == 1 && std::max(peak, best.floor) <= least)) {
+    if (best.beaten_by(c, peak)) {
+      best.take(c, peak, -1, b, x);
+      taken = true;
+      taken_key = walk_key(b);
+    } else if (taken && c == best.cost && std::max(peak, best.floor) == best.peak) {
       const SortKey key = walk_key(b);
-      if (stop_b < 0 || key < stop_key) {
-        stop_b = b;
-        stop_cost = c;
-        stop_peak = peak;
-        stop_key = key;
-      }
-      continue;
-    }
-    if (stop_b >= 0) continue;  // it wins whatever else comes
-    if (found.beaten_by(c, peak)) {
-      found.take(c, peak, -1, b, x);
-      found_key = walk_key(b);
-      found_here = true;
-    } else if (found_here && c == found.cost && std::max(peak, found.floor) == found.peak) {
-      const SortKey key = walk_key(b);
-      if (key < found_key) {
-        found.take(c, peak, -1, b, x);
-        found_key = key;
+      if (key < taken_key) {
+        best.take(c, peak, -1, b, x);
+        taken_key = key;
       }
     }
-  }
-  if (stop_b >= 0) {
-    best.take(stop_cost, stop_peak, -1, stop_b, x);
-  } else {
-    best = found;
   }
 }
 

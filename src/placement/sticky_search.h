@@ -163,15 +163,15 @@ class Incremental {
   // Needs index_give_ups of this round.
   void try_replicate(int64_t g, double top, double limit, int64_t a, int64_t b, Action& best) const;
 
-  // Pass 2's replicate of x = cur_[a] into any slot of list_give_ups: the action that trying
-  // them in the order of (their rank's load, slot), lightest first, would leave in `best`,
-  // stopping once no action of cost 1 can beat it. Redundant slots on light ranks usually come
-  // first there, so that order was a walk over the ranks kept sorted by load; the walk went
-  // about 92 ranks deep per round at 256 ranks for about 14 candidates, and keeping the ranks
-  // sorted was a twelfth of the policy's time. All of them are weighed here instead, with the
-  // order deciding only ties and where the walk would stop: at the first candidate (in that
-  // order) of cost at most 0, or of cost 1 at the least peak any replicate of x can have,
-  // which beats everything before it.
+  // Pass 2's replicate of x = cur_[a] into any slot of list_give_ups: the least cost, then the
+  // lowest peak, then the first in the order of (their rank's load, slot), lightest first.
+  // That order was a walk over the ranks kept sorted by load, trying each slot and stopping
+  // once no action of cost 1 could win; the walk went about 92 ranks deep per round at 256
+  // ranks for about 14 candidates, and keeping the ranks sorted was a twelfth of the policy's
+  // time. Weighing all of them takes the walk's action: where pass 2 runs, pass 1 has tried
+  // every replicate of cost at most 0 (into x's previous slots and the moved give-up slots)
+  // and none could win, so the walk stopped only at the first of cost 1 at the least peak,
+  // which is the action weighed here.
   void replicate_anywhere(int64_t g, double top, double limit, int64_t a, Action& best);
 
   // Slot a of the top rank gives up x (count >= 2) for y.

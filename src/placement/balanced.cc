@@ -394,10 +394,11 @@ bool place_experts(std::span<const double> w, std::span<const int32_t> experts, 
   std::vector<int32_t> paired;  // two slots per rank: two_slots.h's placement
   double paired_top = 0;
   std::vector<int32_t> count;  // the greedy counts (two_slots::place computes them too)
+  double greedy_top = 0;       // two slots: their sorted pairing's largest pair
   if (slots_per_rank == 2) {
     paired.resize(static_cast<size_t>(2 * ranks));
     bool traded = false;
-    paired_top = two_slots::place(local, ranks, paired, traded, count, thorough);
+    paired_top = two_slots::place(local, ranks, paired, traded, count, greedy_top, thorough);
     // Unless a pair had to trade a replica (tiny layers), it beats any packing below.
     if (!traded) {
       write_pairs(paired, experts, first_slot, phy2log);
@@ -408,8 +409,9 @@ bool place_experts(std::span<const double> w, std::span<const int32_t> experts, 
   }
   // Where a pair traded a replica: any packing of these counts has a rank at least their sorted
   // pairing's largest pair, so where the pairs are not above that the packing below cannot win
-  // (at 256 ranks it never did, and it was a sixth of balanced's time there).
-  if (!paired.empty() && paired_top <= two_slots::pairing_top(local, count, ranks)) {
+  // (at 256 ranks it never did, and it was a sixth of balanced's time there). two_slots::place
+  // has that pairing already (taking it again was 4% of balanced's time at 256 ranks).
+  if (!paired.empty() && paired_top <= greedy_top) {
     write_pairs(paired, experts, first_slot, phy2log);
     return false;
   }
@@ -527,22 +529,25 @@ void check_balanced_inputs(const LoadMatrix& load, const Layout& layout, bool hi
   }
 }
 
-Placement balanced(const LoadMatrix& load, const Layout& layout, bool hierarchical,
-                   bool thorough) {
-  check_balanced_inputs(load, layout, hierarchical);
-  Placement out(load.layers, layout.experts, layout.physical);
+namespace {
+
+// Steps 1-3 for one layer into phy2log; returns whether Step 4 must compare it with deepseek's:
+// on small shapes (2-3 slots per rank) the local search can stop above deepseek's packing.
+// deepseek runs only on the layers the search left more than kCloseEnough above the lower
+// bound: on the others it could gain that much at most, and computing it cost as much as the
+// rest of the policy at 256 ranks.
+// With one or two slots per rank and all experts on all ranks, the layer is already the best
+// packing of counts that only improve on deepseek's greedy ones (with one slot the counts are
+// optimal; with two the sorted pairing is the best packing of any counts), unless a pair had to
+// trade a replica; those layers, and hierarchical ones, are compared, unless even the best
+// packing of deepseek's counts is above ours (deepseek_cannot_win).
+bool place_layer(std::span<const double> w, const Layout& layout, bool hierarchical,
+                 bool thorough, std::span<const int32_t> all, std::span<int32_t> phy2log) {
   const int64_t spr = layout.slots_per_rank();
-  std::vector<int32_t> all(static_cast<size_t>(layout.experts));
-  std::iota(all.begin(), all.end(), 0);
-  // Layers where one or two slots per rank did not give the best packing of any counts.
-  std::vector<char> compare(static_cast<size_t>(load.layers), 0);
-  for (int64_t l = 0; l < load.layers; ++l) {
-    const std::span<const double> w = load.row(l);
-    const std::span<int32_t> phy2log = out.layer_phy2log(l);
-    if (!hierarchical) {
-      compare[l] = !place_experts(w, all, layout.ranks, spr, 0, phy2log, thorough);
-      continue;
-    }
+  bool compare = false;
+  if (!hierarchical) {
+    compare = !place_experts(w, all, layout.ranks, spr, 0, phy2log, thorough);
+  } else {
     const std::vector<int32_t> node_experts = experts_by_node(w, layout);
     const int64_t per_node = layout.experts / layout.nodes;
     const int64_t rpn = layout.ranks_per_node();
@@ -551,70 +556,88 @@ Placement balanced(const LoadMatrix& load, const Layout& layout, bool hierarchic
                     spr, n * rpn * spr, phy2log, thorough);
     }
     // balanced's nodes are its own packing of the groups; deepseek's may be better.
-    compare[l] = spr <= 2;
+    compare = spr <= 2;
   }
-  // Step 4: on small shapes (2-3 slots per rank) the local search can stop above deepseek's
-  // packing; where deepseek's layer is better and keeps the rules, take it (each rank's experts
-  // in ascending order). Where deepseek's better layer puts two replicas of an expert on one
-  // rank it cannot be taken; that happens only with 2-3 slots per rank.
-  // deepseek is hierarchical exactly when groups % nodes == 0, so its layers keep whole groups
-  // on one node whenever `hierarchical` is allowed.
-  // deepseek runs only on the layers the search left more than kCloseEnough above the lower
-  // bound: on the others it could gain that much at most, and computing it cost as much as
-  // the rest of the policy at 256 ranks.
-  // With one or two slots per rank and all experts on all ranks, the layer is already the best
-  // packing of counts that only improve on deepseek's greedy ones (with one slot the counts
-  // are optimal; with two the sorted pairing is the best packing of any counts), unless a
-  // pair had to trade a replica; those layers, and hierarchical ones, are compared, unless
-  // even the best packing of deepseek's counts is above ours (deepseek_cannot_win).
+  if (spr <= 2) {
+    return compare &&
+           !(spr == 2 && deepseek_is_global(layout) && deepseek_cannot_win(w, phy2log, layout));
+  }
+  const std::vector<double> ranks = rank_loads(w, phy2log, layout);
+  double total = 0, most = 0;
+  for (const double r : ranks) {
+    total += r;
+    most = std::max(most, r);
+  }
+  // The bound is at least the mean rank load: a layer within kCloseEnough of the mean needs no
+  // bound (it cost a tenth of the policy).
+  const double close = 1 + kCloseEnough;
+  return most > total / static_cast<double>(layout.ranks) * close &&
+         most > layer_lower_bound(w, layout) * close;
+}
+
+// Step 4 for one layer: deepseek's layer `theirs` replaces `ours` where it is better and keeps
+// at most one replica of an expert per rank (each rank's experts in ascending order). Where
+// deepseek's better layer puts two replicas of an expert on one rank it cannot be taken; that
+// happens only with 2-3 slots per rank. deepseek is hierarchical exactly when groups % nodes ==
+// 0, so its layers keep whole groups on one node whenever `hierarchical` is allowed.
+void take_if_better(std::span<const double> w, std::span<const int32_t> theirs,
+                    const Layout& layout, std::span<int32_t> ours) {
+  const int64_t spr = layout.slots_per_rank();
+  if (layer_balancedness(w, theirs, layout) <= layer_balancedness(w, ours, layout) ||
+      !one_replica_per_rank(theirs, spr)) {
+    return;
+  }
+  std::copy(theirs.begin(), theirs.end(), ours.begin());
+  for (int64_t r = 0; r < layout.ranks; ++r) {
+    std::sort(ours.begin() + r * spr, ours.begin() + (r + 1) * spr);
+  }
+}
+
+std::vector<int32_t> all_experts(const Layout& layout) {
+  std::vector<int32_t> all(static_cast<size_t>(layout.experts));
+  std::iota(all.begin(), all.end(), 0);
+  return all;
+}
+
+}  // namespace
+
+Placement balanced(const LoadMatrix& load, const Layout& layout, bool hierarchical,
+                   bool thorough) {
+  check_balanced_inputs(load, layout, hierarchical);
+  Placement out(load.layers, layout.experts, layout.physical);
+  const std::vector<int32_t> all = all_experts(layout);
+  // Steps 1-3; the layers Step 4 compares with deepseek's, which runs on them all at once.
   std::vector<int64_t> open_layers;
   for (int64_t l = 0; l < load.layers; ++l) {
-    if (spr <= 2) {
-      if (compare[l] && !(spr == 2 && deepseek_is_global(layout) &&
-                          deepseek_cannot_win(load.row(l), out.layer_phy2log(l), layout))) {
-        open_layers.push_back(l);
-      }
-      continue;
-    }
-    const std::vector<double> ranks = rank_loads(load.row(l), out.layer_phy2log(l), layout);
-    double total = 0, most = 0;
-    for (const double r : ranks) {
-      total += r;
-      most = std::max(most, r);
-    }
-    // The bound is at least the mean rank load: a layer within kCloseEnough of the mean needs
-    // no bound (it cost a tenth of the policy).
-    const double close = 1 + kCloseEnough;
-    if (most > total / static_cast<double>(layout.ranks) * close &&
-        most > layer_lower_bound(load.row(l), layout) * close) {
+    if (place_layer(load.row(l), layout, hierarchical, thorough, all, out.layer_phy2log(l))) {
       open_layers.push_back(l);
     }
   }
-  if (open_layers.empty()) {
-    out.derive_from_phy2log();
-    return out;
-  }
-  LoadMatrix open_load(static_cast<int64_t>(open_layers.size()), load.experts);
-  for (size_t i = 0; i < open_layers.size(); ++i) {
-    std::copy_n(load.row(open_layers[i]).begin(), load.experts,
-                open_load.row(static_cast<int64_t>(i)).begin());
-  }
-  const Placement reference = deepseek(open_load, layout);
-  for (size_t i = 0; i < open_layers.size(); ++i) {
-    const int64_t l = open_layers[i];
-    const std::span<const int32_t> theirs = reference.layer_phy2log(static_cast<int64_t>(i));
-    const std::span<int32_t> ours = out.layer_phy2log(l);
-    if (layer_balancedness(load.row(l), theirs, layout) <=
-            layer_balancedness(load.row(l), ours, layout) ||
-        !one_replica_per_rank(theirs, spr)) {
-      continue;
+  if (!open_layers.empty()) {
+    LoadMatrix open_load(static_cast<int64_t>(open_layers.size()), load.experts);
+    for (size_t i = 0; i < open_layers.size(); ++i) {
+      std::copy_n(load.row(open_layers[i]).begin(), load.experts,
+                  open_load.row(static_cast<int64_t>(i)).begin());
     }
-    std::copy(theirs.begin(), theirs.end(), ours.begin());
-    for (int64_t r = 0; r < layout.ranks; ++r) {
-      std::sort(ours.begin() + r * spr, ours.begin() + (r + 1) * spr);
+    const Placement reference = deepseek(open_load, layout);
+    for (size_t i = 0; i < open_layers.size(); ++i) {
+      const int64_t l = open_layers[i];
+      take_if_better(load.row(l), reference.layer_phy2log(static_cast<int64_t>(i)), layout,
+                     out.layer_phy2log(l));
     }
   }
   out.derive_from_phy2log();
+  return out;
+}
+
+std::vector<int32_t> balanced_layer(std::span<const double> w, const Layout& layout,
+                                    bool hierarchical, bool thorough) {
+  std::vector<int32_t> out(static_cast<size_t>(layout.physical));
+  if (place_layer(w, layout, hierarchical, thorough, all_experts(layout), out)) {
+    LoadMatrix one(1, layout.experts);
+    std::copy(w.begin(), w.end(), one.row(0).begin());
+    take_if_better(w, deepseek(one, layout).layer_phy2log(0), layout, out);
+  }
   return out;
 }
 

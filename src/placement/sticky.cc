@@ -322,12 +322,7 @@ Placement sticky(const LoadMatrix& load, const Layout& layout, const Placement& 
   Placement out(load.layers, layout.experts, layout.physical);
   for (int64_t l = 0; l < load.layers; ++l) {
     // balanced's placement of this one layer, only when Step 0 does not suffice.
-    auto fresh_of = [&] {
-      LoadMatrix one(1, load.experts);
-      std::copy_n(load.row(l).begin(), load.experts, one.row(0).begin());
-      const Placement fresh = balanced(one, layout, hierarchical, thorough);
-      return std::vector<int32_t>(fresh.layer_phy2log(0).begin(), fresh.layer_phy2log(0).end());
-    };
+    auto fresh_of = [&] { return balanced_layer(load.row(l), layout, hierarchical, thorough); };
     const std::vector<int32_t> slots = place_layer(load.row(l), previous.layer_phy2log(l), fresh_of,
                                                    layout, tolerance, hierarchical);
     std::copy(slots.begin(), slots.end(), out.layer_phy2log(l).begin());

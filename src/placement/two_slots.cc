@@ -499,7 +499,7 @@ bool sweep_counts(std::span<const double> w, int64_t ranks, std::vector<int32_t>
 }  // namespace
 
 double place(std::span<const double> w, int64_t ranks, std::span<int32_t> phy2log,
-             bool& traded, std::vector<int32_t>& greedy, bool sweep) {
+             bool& traded, std::vector<int32_t>& greedy, double& greedy_top, bool sweep) {
   const int64_t experts = static_cast<int64_t>(w.size());
   EPLB_CHECK(experts >= 2 && experts <= 2 * ranks && phy2log.size() == static_cast<size_t>(2 * ranks),
              "two slots per rank: ", experts, " experts, ", ranks, " ranks, ", phy2log.size(),
@@ -507,6 +507,7 @@ double place(std::span<const double> w, int64_t ranks, std::span<int32_t> phy2lo
   greedy = greedy_replica_counts(w, 2 * ranks, ranks);
   std::vector<int32_t> r = greedy;
   Pairing p = sorted_pairing(w, r, ranks);
+  greedy_top = p.top;
   if (sweep) {
     // Step 3b from the greedy counts, step 3 after it; the better of that and step 3 alone (so
     // never worse than without the sweep).

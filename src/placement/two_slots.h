@@ -22,14 +22,14 @@ namespace eplb::placement::two_slots {
 // ascending order, never the same twice) and returns its largest rank load. `traded` says
 // whether a pair holding one expert twice had to trade a replica: the result may then be above
 // the best (it happens on tiny layers; the caller can compare it with another packing).
-// `greedy` gets the counts it started from (greedy_replica_counts(w, 2 * ranks, ranks)), for
-// that comparison. With `sweep`, counts are also built level by level for a bisection on the
+// `greedy` gets the counts it started from (greedy_replica_counts(w, 2 * ranks, ranks)) and
+// `greedy_top` their pairing's largest pair (pairing_top of them), for that comparison. With `sweep`, counts are also built level by level for a bisection on the
 // largest pair (the bound's condition made to hold, greedily), and the better counts are kept:
 // at 512 slots for 256 experts the move search stops 6-8% above the mean and the sweep within
 // 1.5% of it; at 288 slots for 256 experts it finds nothing better. It takes several times the
 // move search's time there (two_slots.cc says why).
 double place(std::span<const double> w, int64_t ranks, std::span<int32_t> phy2log,
-             bool& traded, std::vector<int32_t>& greedy, bool sweep = false);
+             bool& traded, std::vector<int32_t>& greedy, double& greedy_top, bool sweep = false);
 
 // A lower bound on the largest rank load any placement of `w` on `ranks` ranks of two slots
 // can have (two replicas of an expert on one rank included), by bisection on T. Never below

@@ -3,6 +3,10 @@
 // replicas of one expert on a rank, then local search (moves and swaps off the most loaded rank)
 // until it stops helping. With `hierarchical`, groups are packed to nodes first, as deepseek does.
 
+#include <cstdint>
+#include <span>
+#include <vector>
+
 #include "eplb/core/types.h"
 
 namespace eplb::placement {
@@ -11,6 +15,12 @@ namespace eplb::placement {
 // PolicyOptions::thorough).
 Placement balanced(const LoadMatrix& load, const Layout& layout, bool hierarchical,
                    bool thorough = false);
+
+// balanced's placement of one layer `w` [experts]: phy2log [physical], the same as layer 0 of
+// balanced() on a one-layer load. The inputs are not checked (check_balanced_inputs): sticky
+// checks them once for all its layers and asks for balanced's layers one at a time.
+std::vector<int32_t> balanced_layer(std::span<const double> w, const Layout& layout,
+                                    bool hierarchical, bool thorough = false);
 
 // The checks balanced makes of its inputs (InvalidArgument naming the value and the rule): the
 // layout, the load, and that a rank never needs two replicas of one expert.

@@ -69,7 +69,9 @@ TEST(TwoSlotsRepair, KeepsTheCountsTheRulesAndTheCap) {
     if (trial % 2 == 0) {
       std::vector<int32_t> phy2log(static_cast<size_t>(2 * ranks)), greedy;
       bool traded = false;
-      two_slots::place(w, ranks, phy2log, traded, greedy);
+      double greedy_top = 0;
+      two_slots::place(w, ranks, phy2log, traded, greedy, greedy_top);
+      ASSERT_EQ(greedy_top, two_slots::pairing_top(w, greedy, ranks)) << "trial " << trial;
       counts.assign(static_cast<size_t>(experts), 0);
       for (const int32_t e : phy2log) ++counts[e];
     } else {

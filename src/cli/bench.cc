@@ -4,12 +4,15 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <iterator>
+#include <optional>
 #include <random>
 #include <string>
 #include <string_view>
 #include <vector>
 
 #include <fmt/core.h>
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include "cli/commands.h"
@@ -32,6 +35,7 @@ struct BenchPlacementArgs {
   std::string policy = "deepseek";
   bool hierarchical = false;
   bool thorough = false;
+  double tolerance = 0.01;  // sticky's
   uint64_t seed = 0;
   int repeat = 20;
   std::string load_path;
@@ -71,6 +75,7 @@ struct PlacementRow {
   placement::PlacementMetrics metrics;
   bool identical = true;  // every repeat gave the same placement
   bool thorough = false;
+  double tolerance = 0;  // sticky's
 };
 
 // `load` comes from `rng` (seeded), which then draws sticky's drift.
@@ -81,6 +86,7 @@ PlacementRow measure_placement(const BenchPlacementArgs& args, const Layout& lay
   options.policy = placement::parse_policy(policy);
   options.hierarchical = args.hierarchical;
   options.thorough = args.thorough;
+  options.tolerance = args.tolerance;
   // sticky starts from the balanced placement of a drifted load, as a rebalance would.
   Placement previous;
   if (options.policy == placement::Policy::kSticky) {
@@ -99,6 +105,7 @@ PlacementRow measure_placement(const BenchPlacementArgs& args, const Layout& lay
   row.shape = args.shape;
   row.policy = policy;
   row.thorough = options.thorough;
+  row.tolerance = options.tolerance;
   row.layers = load.layers;
   row.experts = load.experts;
   row.physical = layout.physical;
@@ -134,30 +141,52 @@ nlohmann::json row_json(const PlacementRow& row) {
   if (!row.shape.empty()) out["shape"] = row.shape;
   if (row.policy != "deepseek") out["thorough"] = row.thorough;
   if (m.moved >= 0) {
+    out["tolerance"] = row.tolerance;
     out["moved_slots"] = m.moved;
-    out["moved_fraction"] =
-        static_cast<double>(m.moved) / static_cast<double>(row.layers * row.physical);
+    // Of the slots of the layers with load: a dense layer's (real loads) never move.
+    out["moved_fraction"] = m.moe_layers > 0 ? static_cast<double>(m.moved) /
+                                                   static_cast<double>(m.moe_layers * row.physical)
+                                             : 0.0;
   }
   return out;
 }
 
 // --shape all: every preset with every policy, one row each, and each policy's time against
-// deepseek's on the same loads.
+// deepseek's on the same loads: lognormal ones, or with --load the file's on every preset of
+// its expert count (DeepSeek-V3's real loads on the four 256-expert shapes, say).
 void run_all_shapes(BenchPlacementArgs args) {
-  if (!args.load_path.empty()) fail("--shape all places lognormal loads; drop --load");
+  std::optional<LoadMatrix> file_load;
+  std::vector<std::string> skipped;
+  if (!args.load_path.empty()) {
+    file_load = stats::read_load(args.load_path);
+    std::vector<int64_t> counts;
+    for (const Shape& s : kShapes) {
+      if (s.experts != file_load->experts) skipped.emplace_back(s.name);
+      if (std::find(counts.begin(), counts.end(), s.experts) == counts.end()) {
+        counts.push_back(s.experts);
+      }
+    }
+    if (skipped.size() == std::size(kShapes)) {
+      fail("--load ", args.load_path, " has ", file_load->experts,
+           " experts per layer; the shapes have ", fmt::format("{}", fmt::join(counts, " or ")),
+           " (use --layers/--experts/--physical/--ranks for another model)");
+    }
+  }
   nlohmann::json rows = nlohmann::json::array();
   if (!args.json) {
     fmt::print("{:<9} {:<9} {:>9} {:>8} {:>12} {:>8} {:>8} {:>7}\n", "shape", "policy", "ms",
                "vs ds", "balancedness", "bound", "gap", "moved");
   }
   for (const Shape& s : kShapes) {
+    if (file_load && s.experts != file_load->experts) continue;
     args.shape = s.name;
     const Layout layout{.experts = s.experts, .physical = s.physical, .ranks = s.ranks,
                         .nodes = s.nodes, .groups = s.groups};
     double deepseek_ms = 0;
     for (const char* policy : {"deepseek", "balanced", "sticky"}) {
       std::mt19937_64 rng(args.seed);
-      const LoadMatrix load = lognormal_load(s.layers, s.experts, 1.0, rng);
+      const LoadMatrix load =
+          file_load ? *file_load : lognormal_load(s.layers, s.experts, 1.0, rng);
       // --thorough is balanced's and sticky's; deepseek is measured beside them as it is.
       BenchPlacementArgs policy_args = args;
       policy_args.thorough = args.thorough && std::string_view(policy) != "deepseek";
@@ -177,11 +206,21 @@ void run_all_shapes(BenchPlacementArgs args) {
       rows.push_back(std::move(j));
     }
   }
-  if (args.json) fmt::print("{}\n", nlohmann::json{{"shapes", rows}}.dump());
+  if (args.json) {
+    nlohmann::json out = {{"shapes", rows}};
+    if (file_load) out["skipped"] = skipped;
+    fmt::print("{}\n", out.dump());
+  } else if (!skipped.empty()) {
+    fmt::print("skipped (not {} experts): {}\n", file_load->experts, fmt::join(skipped, ", "));
+  }
 }
 
 void run_bench_placement(BenchPlacementArgs args) {
   if (args.repeat < 1) fail("--repeat ", args.repeat, " must be at least 1");
+  if (!(args.tolerance >= 0 && args.tolerance < 1)) {
+    fail("--tolerance ", args.tolerance,
+         " must be in [0, 1) (the balancedness sticky may give up against balanced)");
+  }
   if (args.shape == "all") return run_all_shapes(args);
   if (!args.shape.empty()) {
     const Shape* found = nullptr;
@@ -240,10 +279,14 @@ void add_bench_placement(CLI::App& bench) {
   cmd->add_flag("--thorough", args->thorough,
                 "balanced/sticky at two slots per rank: also build the replica counts level by "
                 "level (better balance at 256 ranks, slower; docs/placement.md)");
+  cmd->add_option("--tolerance", args->tolerance,
+                  "sticky: balancedness it may give up against balanced (fewer moved slots)")
+      ->capture_default_str();
   cmd->add_option("--seed", args->seed)->capture_default_str();
   cmd->add_option("--load", args->load_path,
                   "Place these loads (any `eplb plan --load` format; sets layers and experts) "
-                  "instead of lognormal(0, 1) ones");
+                  "instead of lognormal(0, 1) ones; with --shape all, on every shape of their "
+                  "expert count");
   cmd->add_option("--repeat", args->repeat, "Calls timed; the median is reported")
       ->capture_default_str();
   cmd->add_flag("--json", args->json, "Print one JSON object");

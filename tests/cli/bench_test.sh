@@ -4,6 +4,7 @@
 # decide a test). Usage: bench_test.sh <eplb binary> <source dir>
 set -u
 eplb=$1
+src=$2
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 failures=0
@@ -36,6 +37,22 @@ grep -q '"thorough":true' "$tmp/out" || fail "placement --thorough: $(cat "$tmp/
 check placement-all-thorough shapes -- placement --shape all --thorough --repeat 1
 grep -q '"policy":"sticky"[^}]*"thorough":true\|"thorough":true[^}]*"policy":"sticky"' "$tmp/out" \
   || fail "placement --shape all --thorough: no thorough sticky row"
+# Real loads on every shape of their expert count (256: the 384-expert shapes are skipped), and
+# sticky's tolerance in its rows.
+real="$src/data/deepseek-v3-sglang/prefill_in1024.json"
+check placement-all-real shapes skipped v3-ep144 v3-ep256 tolerance -- placement --shape all \
+  --load "$real" --tolerance 0.05 --repeat 1
+/usr/bin/python3 - "$tmp/out" <<'PY' || fail "placement --shape all --load: $(head -c 400 "$tmp/out")"
+import json, sys
+d = json.load(open(sys.argv[1]))
+shapes = {r["shape"] for r in d["shapes"]}
+assert shapes == {"v3-ep32", "v3-ep144", "v3-ep256", "v3-ep320"}, shapes
+assert sorted(d["skipped"]) == ["k2-ep64", "v4-ep32"], d["skipped"]
+for r in d["shapes"]:
+    assert r["layers"] == 61 and r["experts"] == 256, r
+    if r["policy"] == "sticky":
+        assert r["tolerance"] == 0.05 and 0 <= r["moved_fraction"] <= 1, r
+PY
 check migration rounds rounds_lower_bound bytes_total -- migration --layers 2 --repeat 2
 check transport backend ranks bytes gbps memcpy_gbps ratio -- transport --backend shm --ranks 2 \
   --bytes 1048576
@@ -71,6 +88,16 @@ check runtime-engine async sync ratio_total weights -- runtime --ranks 2 --layer
 [ $? -eq 2 ] && grep -q "thorough" "$tmp/err" || fail "bench placement deepseek --thorough: $(cat "$tmp/err")"
 "$eplb" bench placement --policy nope >/dev/null 2>"$tmp/err"
 [ $? -eq 2 ] && grep -q "nope" "$tmp/err" || fail "bench placement --policy nope: $(cat "$tmp/err")"
+
+for t in -0.1 1 nan; do
+  "$eplb" bench placement --policy sticky --tolerance $t >/dev/null 2>"$tmp/err"
+  [ $? -eq 2 ] && grep -q -- "--tolerance" "$tmp/err" \
+    || fail "bench placement --tolerance $t: $(cat "$tmp/err")"
+done
+printf '{"load": [[1, 2, 3, 4]]}' >"$tmp/four.json"
+"$eplb" bench placement --shape all --load "$tmp/four.json" >/dev/null 2>"$tmp/err"
+[ $? -eq 2 ] && grep -q "4 experts" "$tmp/err" && grep -q "256" "$tmp/err" \
+  || fail "bench placement --shape all --load (4 experts): $(cat "$tmp/err")"
 
 if [ $failures -ne 0 ]; then
   echo "$failures check(s) failed"

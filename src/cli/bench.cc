@@ -39,6 +39,9 @@ struct BenchPlacementArgs {
   uint64_t seed = 0;
   int repeat = 20;
   std::string load_path;
+  // sticky's previous placement: balanced's placement of these loads instead of a lognormal(0,
+  // 0.2) drift of the placed ones (two real workloads in a row).
+  std::string previous_load_path;
   bool json = false;
 };
 
@@ -78,10 +81,12 @@ struct PlacementRow {
   double tolerance = 0;  // sticky's
 };
 
-// `load` comes from `rng` (seeded), which then draws sticky's drift.
+// `load` comes from `rng` (seeded), which then draws sticky's drift; with `previous_load`,
+// sticky starts from balanced's placement of those loads instead.
 PlacementRow measure_placement(const BenchPlacementArgs& args, const Layout& layout,
                                const LoadMatrix& load, std::mt19937_64& rng,
-                               const std::string& policy) {
+                               const std::string& policy,
+                               const LoadMatrix* previous_load = nullptr) {
   placement::PolicyOptions options;
   options.policy = placement::parse_policy(policy);
   options.hierarchical = args.hierarchical;
@@ -90,9 +95,11 @@ PlacementRow measure_placement(const BenchPlacementArgs& args, const Layout& lay
   // sticky starts from the balanced placement of a drifted load, as a rebalance would.
   Placement previous;
   if (options.policy == placement::Policy::kSticky) {
-    LoadMatrix before = load;
-    std::lognormal_distribution<double> drift(0.0, 0.2);
-    for (double& v : before.values) v = std::round(v * drift(rng));
+    LoadMatrix before = previous_load != nullptr ? *previous_load : load;
+    if (previous_load == nullptr) {
+      std::lognormal_distribution<double> drift(0.0, 0.2);
+      for (double& v : before.values) v = std::round(v * drift(rng));
+    }
     placement::PolicyOptions first;
     first.policy = placement::Policy::kBalanced;
     first.hierarchical = args.hierarchical;
@@ -151,6 +158,19 @@ nlohmann::json row_json(const PlacementRow& row) {
   return out;
 }
 
+// --previous-load: the workload before --load's, of the same layers and experts.
+std::optional<LoadMatrix> read_previous_load(const BenchPlacementArgs& args,
+                                             const LoadMatrix& load) {
+  if (args.previous_load_path.empty()) return std::nullopt;
+  LoadMatrix previous = stats::read_load(args.previous_load_path);
+  if (previous.layers != load.layers || previous.experts != load.experts) {
+    fail("--previous-load ", args.previous_load_path, " has ", previous.layers, " layers x ",
+         previous.experts, " experts; --load ", args.load_path, " has ", load.layers, " x ",
+         load.experts, " (the two workloads must be of one model)");
+  }
+  return previous;
+}
+
 // --shape all: every preset with every policy, one row each, and each policy's time against
 // deepseek's on the same loads: lognormal ones, or with --load the file's on every preset of
 // its expert count (DeepSeek-V3's real loads on the four 256-expert shapes, say).
@@ -172,6 +192,8 @@ void run_all_shapes(BenchPlacementArgs args) {
            " (use --layers/--experts/--physical/--ranks for another model)");
     }
   }
+  const std::optional<LoadMatrix> previous_load =
+      file_load ? read_previous_load(args, *file_load) : std::nullopt;
   nlohmann::json rows = nlohmann::json::array();
   if (!args.json) {
     fmt::print("{:<9} {:<9} {:>9} {:>8} {:>12} {:>8} {:>8} {:>7}\n", "shape", "policy", "ms",
@@ -190,7 +212,8 @@ void run_all_shapes(BenchPlacementArgs args) {
       // --thorough is balanced's and sticky's; deepseek is measured beside them as it is.
       BenchPlacementArgs policy_args = args;
       policy_args.thorough = args.thorough && std::string_view(policy) != "deepseek";
-      const PlacementRow row = measure_placement(policy_args, layout, load, rng, policy);
+      const PlacementRow row = measure_placement(policy_args, layout, load, rng, policy,
+                                                 previous_load ? &*previous_load : nullptr);
       if (deepseek_ms == 0) deepseek_ms = row.ms.front();
       nlohmann::json j = row_json(row);
       j["ms_min_vs_deepseek"] = row.ms.front() / deepseek_ms;
@@ -221,6 +244,10 @@ void run_bench_placement(BenchPlacementArgs args) {
     fail("--tolerance ", args.tolerance,
          " must be in [0, 1) (the balancedness sticky may give up against balanced)");
   }
+  if (!args.previous_load_path.empty() && args.load_path.empty()) {
+    fail("--previous-load ", args.previous_load_path,
+         " needs --load (the workload placed after it)");
+  }
   if (args.shape == "all") return run_all_shapes(args);
   if (!args.shape.empty()) {
     const Shape* found = nullptr;
@@ -244,7 +271,9 @@ void run_bench_placement(BenchPlacementArgs args) {
   const Layout layout{.experts = load.experts, .physical = args.physical, .ranks = args.ranks,
                       .nodes = args.nodes, .groups = args.groups};
   layout.validate();
-  const PlacementRow row = measure_placement(args, layout, load, rng, args.policy);
+  const std::optional<LoadMatrix> previous_load = read_previous_load(args, load);
+  const PlacementRow row = measure_placement(args, layout, load, rng, args.policy,
+                                             previous_load ? &*previous_load : nullptr);
   const placement::PlacementMetrics& m = row.metrics;
   if (args.json) {
     fmt::print("{}\n", row_json(row).dump());
@@ -287,6 +316,9 @@ void add_bench_placement(CLI::App& bench) {
                   "Place these loads (any `eplb plan --load` format; sets layers and experts) "
                   "instead of lognormal(0, 1) ones; with --shape all, on every shape of their "
                   "expert count");
+  cmd->add_option("--previous-load", args->previous_load_path,
+                  "sticky: start from balanced's placement of these loads (the workload before "
+                  "--load's) instead of a lognormal(0, 0.2) drift of --load's");
   cmd->add_option("--repeat", args->repeat, "Calls timed; the median is reported")
       ->capture_default_str();
   cmd->add_flag("--json", args->json, "Print one JSON object");

@@ -53,6 +53,18 @@ for r in d["shapes"]:
     if r["policy"] == "sticky":
         assert r["tolerance"] == 0.05 and 0 <= r["moved_fraction"] <= 1, r
 PY
+# Sticky from balanced's placement of a given workload instead of a synthetic drift: from the
+# same workload nothing moves (a drift would move some), from another most slots stay.
+check placement-previous-same moved_slots -- placement --shape v3-ep144 --policy sticky \
+  --load "$real" --previous-load "$real" --repeat 1
+grep -q '"moved_slots":0[,}]' "$tmp/out" || fail "placement --previous-load (same): $(cat "$tmp/out")"
+check placement-previous-load moved_fraction -- placement --shape all --repeat 1 \
+  --load "$src/data/deepseek-v3-sglang/prefill_in2048.json" --previous-load "$real"
+/usr/bin/python3 - "$tmp/out" <<'PY' || fail "placement --previous-load: $(head -c 400 "$tmp/out")"
+import json, sys
+rows = [r for r in json.load(open(sys.argv[1]))["shapes"] if r["policy"] == "sticky"]
+assert len(rows) == 4 and all(0 < r["moved_fraction"] < 0.5 for r in rows), rows
+PY
 check migration rounds rounds_lower_bound bytes_total -- migration --layers 2 --repeat 2
 check transport backend ranks bytes gbps memcpy_gbps ratio -- transport --backend shm --ranks 2 \
   --bytes 1048576
@@ -95,6 +107,13 @@ for t in -0.1 1 nan; do
     || fail "bench placement --tolerance $t: $(cat "$tmp/err")"
 done
 printf '{"load": [[1, 2, 3, 4]]}' >"$tmp/four.json"
+"$eplb" bench placement --previous-load "$real" >/dev/null 2>"$tmp/err"
+[ $? -eq 2 ] && grep -q -- "needs --load" "$tmp/err" \
+  || fail "bench placement --previous-load without --load: $(cat "$tmp/err")"
+"$eplb" bench placement --policy sticky --load "$real" --previous-load "$tmp/four.json" \
+  >/dev/null 2>"$tmp/err"
+[ $? -eq 2 ] && grep -q "1 layers x 4 experts" "$tmp/err" && grep -q "61 x 256" "$tmp/err" \
+  || fail "bench placement --previous-load of another model: $(cat "$tmp/err")"
 "$eplb" bench placement --shape all --load "$tmp/four.json" >/dev/null 2>"$tmp/err"
 [ $? -eq 2 ] && grep -q "4 experts" "$tmp/err" && grep -q "256" "$tmp/err" \
   || fail "bench placement --shape all --load (4 experts): $(cat "$tmp/err")"

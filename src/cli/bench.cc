@@ -92,7 +92,8 @@ PlacementRow measure_placement(const BenchPlacementArgs& args, const Layout& lay
   options.hierarchical = args.hierarchical;
   options.thorough = args.thorough;
   options.tolerance = args.tolerance;
-  // sticky starts from the balanced placement of a drifted load, as a rebalance would.
+  // sticky starts from the balanced placement of a drifted load (or of the previous workload),
+  // as a rebalance would.
   Placement previous;
   if (options.policy == placement::Policy::kSticky) {
     LoadMatrix before = previous_load != nullptr ? *previous_load : load;

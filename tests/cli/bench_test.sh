@@ -51,8 +51,18 @@ assert sorted(d["skipped"]) == ["k2-ep64", "v4-ep32"], d["skipped"]
 for r in d["shapes"]:
     assert r["layers"] == 61 and r["experts"] == 256, r
     if r["policy"] == "sticky":
-        assert r["tolerance"] == 0.05 and 0 <= r["moved_fraction"] <= 1, r
+        # Of the 58 MoE layers' slots: the 3 dense layers never move.
+        assert r["tolerance"] == 0.05, r
+        assert abs(r["moved_fraction"] - r["moved_slots"] / (58 * r["physical"])) < 1e-12, r
 PY
+# The tolerance reaches the policy: a looser one moves fewer slots on these loads.
+moved_at() {
+  "$eplb" bench placement --shape v3-ep256 --policy sticky --load "$real" --tolerance "$1" \
+    --repeat 1 --json | /usr/bin/python3 -c 'import json, sys; print(json.load(sys.stdin)["moved_slots"])'
+}
+tight=$(moved_at 0.01) loose=$(moved_at 0.05)
+[ -n "$tight" ] && [ -n "$loose" ] && [ "$loose" -lt "$tight" ] \
+  || fail "bench placement --tolerance: moved $tight at 0.01, $loose at 0.05 (expected fewer)"
 # Sticky from balanced's placement of a given workload instead of a synthetic drift: from the
 # same workload nothing moves (a drift would move some), from another most slots stay.
 check placement-previous-same moved_slots -- placement --shape v3-ep144 --policy sticky \

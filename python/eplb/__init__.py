@@ -154,7 +154,7 @@ def _as_int(value, name, lo=_INT64_MIN, hi=_INT64_MAX):
 
 def rebalance_experts(weight, num_replicas, num_groups, num_nodes, num_gpus, *,
                       policy="deepseek", previous=None, tolerance=0.01, hierarchical=False,
-                      thorough=False):
+                      thorough=False, live_ranks=None):
     """Expert placement for every layer: a drop-in for deepseek-ai/EPLB's ``rebalance_experts``.
 
     Parameters:
@@ -169,19 +169,27 @@ def rebalance_experts(weight, num_replicas, num_groups, num_nodes, num_gpus, *,
             when num_groups % num_nodes == 0, global otherwise, exactly as the reference),
             "balanced" (better balance), or "sticky" (within `tolerance` of balanced's
             balancedness, keep as many slots as possible where `previous` has them)
-        previous: [layers, num_replicas] phy2log in force now; required by "sticky"
+        previous: [layers, num_replicas] phy2log in force now; required by "sticky". Every
+            slot holds an expert id; an expert without a slot (it lived on ranks that are gone)
+            gets one
         tolerance: "sticky": accepted loss of balancedness, in [0, 1)
         hierarchical: "balanced" / "sticky": pack groups to nodes first, like deepseek
         thorough: "balanced" / "sticky" at two slots per rank: also build the replica counts
             level by level (at 256 ranks 0.987 instead of 0.930 on lognormal loads, about 3x
             balanced's time; sticky then moves about three times the slots); with
             "deepseek" it raises InvalidArgument
+        live_ranks: the ranks that may hold experts (elastic serving, after a rank is lost),
+            ascending rank ids; None: every rank. Every expert is placed on these ranks only;
+            the slots of the other ranks keep the expert `previous` has there (slot p mod
+            num_logical_experts without one) and must receive no tokens. An expert that lived
+            only on lost ranks gets a slot on a live one. Their slots must hold every expert.
 
     Returns (int64; torch CPU tensors for a torch input, numpy arrays otherwise):
         phy2log: [layers, num_replicas], the logical expert of each physical slot
         log2phy: [layers, num_logical_experts, X], the slots of each expert padded with -1,
             X the largest replica count; replicas in the reference's order for "deepseek",
-            in slot order for the others
+            in slot order for the others; with live_ranks, the replicas on live ranks first,
+            then the kept slots of the other ranks
         logcnt: [layers, num_logical_experts], the replica count of each expert
 
     Raises InvalidArgument (a ValueError) naming the bad value, e.g. a weight that is not 2-D,
@@ -196,16 +204,36 @@ def rebalance_experts(weight, num_replicas, num_groups, num_nodes, num_gpus, *,
     if not isinstance(policy, str):
         raise TypeError(f"policy must be a string, got {policy!r}")
     prev = None if previous is None else _as_phy2log(previous, "previous")
+    live = [] if live_ranks is None else _as_rank_list(live_ranks, ranks)
     if policy == "deepseek" and groups > 0 and nodes > 0 and groups % nodes != 0:
         # The reference's global policy is its hierarchical one with one group on one node, and
         # checks neither the groups' nor the nodes' divisibility: so do we.
         groups, nodes = 1, 1
     phy2log, log2phy, logcnt = _eplb.place(w, physical, ranks, nodes, groups, policy, prev,
-                                           float(tolerance), bool(hierarchical), bool(thorough))
+                                           float(tolerance), bool(hierarchical), bool(thorough),
+                                           live)
     if torch_in:
         import torch
         return torch.from_numpy(phy2log), torch.from_numpy(log2phy), torch.from_numpy(logcnt)
     return phy2log, log2phy, logcnt
+
+
+def _as_rank_list(ranks, count):
+    """A list of rank ids from an iterable of integers (or a 1-D integer array), each in
+    [0, count), strictly ascending."""
+    a = np.asarray(_to_numpy(ranks))
+    if a.ndim != 1 or (a.size and a.dtype.kind not in "iu"):
+        raise InvalidArgument(f"live_ranks must be a 1-D list of rank ids, got "
+                              f"{a.tolist() if a.size <= 16 else a.shape}")
+    out = [int(r) for r in a]
+    for i, r in enumerate(out):
+        if not 0 <= r < count:
+            raise InvalidArgument(f"live rank {r} is outside [0, {count}) (num_gpus is {count})")
+        if i and r <= out[i - 1]:
+            raise InvalidArgument(f"live_ranks must be ascending without repeats, got {out}")
+    if not out:
+        raise InvalidArgument("live_ranks is empty: at least one rank must hold the experts")
+    return out
 
 
 def empty(shape, dtype=np.float32):

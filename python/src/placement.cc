@@ -20,7 +20,7 @@ py::array_t<double> doubles(const std::vector<double>& v) {
 py::tuple place(const LoadArray& weight, int64_t physical, int64_t ranks, int64_t nodes,
                 int64_t groups, const std::string& policy,
                 const std::optional<IndexArray>& previous, double tolerance, bool hierarchical,
-                bool thorough) {
+                bool thorough, const std::vector<int64_t>& live_ranks) {
   const LoadMatrix load = to_load(weight);
   const Layout layout{.experts = load.experts,
                       .physical = physical,
@@ -32,9 +32,16 @@ py::tuple place(const LoadArray& weight, int64_t physical, int64_t ranks, int64_
   options.hierarchical = hierarchical;
   options.thorough = thorough;
   options.tolerance = tolerance;
+  for (const int64_t rank : live_ranks) {
+    // Range and order are the library's checks; this only keeps the cast exact.
+    if (rank < 0 || rank >= ranks) fail("live rank ", rank, " is outside [0, ", ranks, ")");
+    options.live_ranks.push_back(static_cast<int32_t>(rank));
+  }
   std::optional<Placement> prev;
   if (previous) {
-    prev = to_placement(*previous, load.experts, "previous", true);
+    // An expert may lack a slot in the placement in force (it lived on ranks that are gone):
+    // the policy gives it one, so only the slots' expert ids are checked here.
+    prev = to_placement(*previous, load.experts, "previous", false);
     options.previous = &*prev;
   }
 
@@ -98,7 +105,9 @@ void bind_placement(py::module_& m) {
   m.def("place", &place, py::arg("weight"), py::arg("physical"), py::arg("ranks"), py::arg("nodes"),
         py::arg("groups"), py::arg("policy"), py::arg("previous"), py::arg("tolerance"),
         py::arg("hierarchical"), py::arg("thorough") = false,
-        "placement::place(): (phy2log [L][P], log2phy [L][E][max], replica_count [L][E]).");
+        py::arg("live_ranks") = std::vector<int64_t>{},
+        "placement::place(): (phy2log [L][P], log2phy [L][E][max], replica_count [L][E]); "
+        "live_ranks, ascending, empty for every rank.");
   m.def("evaluate", &evaluate, py::arg("weight"), py::arg("phy2log"), py::arg("ranks"),
         "placement::evaluate() as a dict.");
   m.def("lower_bound", &lower_bound, py::arg("weight"), py::arg("physical"), py::arg("ranks"),

@@ -207,9 +207,10 @@ def test_bad_options_raise():
     with pytest.raises(ValueError, match="tolerance"):
         eplb.rebalance_experts(README_WEIGHT, 16, 4, 2, 8, policy="sticky",
                                previous=README_PHY2LOG, tolerance=1.5)
-    with pytest.raises(ValueError, match="previous"):
-        eplb.rebalance_experts(README_WEIGHT, 16, 4, 2, 8, policy="sticky",
-                               previous=[[0] * 16, [1] * 16])  # experts without a slot
+    # Experts without a slot in previous (they lived on ranks that are gone) each get one.
+    phy2log = eplb.rebalance_experts(README_WEIGHT, 16, 4, 2, 8, policy="sticky",
+                                     previous=[[0] * 16, [1] * 16])[0]
+    assert all(set(row.tolist()) == set(range(12)) for row in phy2log)
     with pytest.raises(ValueError, match="outside"):
         eplb.rebalance_experts(README_WEIGHT, 16, 4, 2, 8, policy="sticky",
                                previous=[[12] * 16, [0] * 16])

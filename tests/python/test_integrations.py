@@ -136,16 +136,19 @@ def test_numpy_and_list_inputs_give_numpy():
         check_phy2log(phy2log, 2, 12, 16)
 
 
-def test_cuda_weight_gives_cuda_outputs():
+def test_cuda_weight_gives_cpu_maps_and_cuda_helpers():
+    # The policy's map is on the CPU whatever the weight's device (vLLM asserts it); the helpers
+    # keep their input's device.
     torch = cuda_or_skip()
     w = torch.tensor(README_WEIGHT, dtype=torch.bfloat16, device="cuda")
     phy2log = vllm.make_policy(policy="deepseek").rebalance_experts(w, 16, 4, 2, 8)
-    assert phy2log.device == w.device and phy2log.dtype == torch.int64
+    assert phy2log.device.type == "cpu" and phy2log.dtype == torch.int64
     assert phy2log.tolist() == README_PHY2LOG
     sticky = vllm.EplbPolicy.rebalance_experts(w, 16, 4, 2, 8, phy2log)
-    assert sticky.device == w.device
+    assert sticky.device.type == "cpu"
     for t in vllm.EplbPolicy.rebalance_experts_with_maps(w, 16, 4, 2, 8, phy2log):
-        assert t.device == w.device
+        assert t.device.type == "cpu"
+    phy2log, sticky = phy2log.to(w.device), sticky.to(w.device)
     log2phy, count = vllm.compute_logical_maps(phy2log, 12)
     assert log2phy.device == w.device and count.tolist() == README_LOGCNT
     kept = vllm.preserve_intragpu_slots(sticky, 8, phy2log)
@@ -192,10 +195,12 @@ def test_weight_not_2d_raises_value_error():
 
 
 def test_old_indices_of_another_shape_raise():
+    # Another width is vLLM's elastic EP (test_vllm_call_sites.py); other layers are an error.
     w = np.array(README_WEIGHT)
-    for old in (np.zeros((2, 12), dtype=np.int64), np.zeros((3, 16), dtype=np.int64)):
+    for old in (np.zeros((3, 16), dtype=np.int64), np.zeros((1, 12), dtype=np.int64),
+                np.zeros(16, dtype=np.int64)):
         with pytest.raises(AssertionError, match=r"old_global_expert_indices has shape .*"
-                                                 r"\[2, 16\]"):
+                                                 r"layers = 2"):
             vllm.EplbPolicy.rebalance_experts(w, 16, 4, 2, 8, old)
     with pytest.raises(ValueError, match="integer"):
         vllm.EplbPolicy.rebalance_experts(w, 16, 4, 2, 8, np.zeros((2, 16)) + 0.5)
@@ -447,6 +452,10 @@ def test_register(monkeypatch):
     assert registry.EPLB_POLICIES["eplb"] is cls
     assert issubclass(cls, registry.AbstractEplbPolicy) and issubclass(cls, vllm.EplbPolicy)
     assert cls.rebalance_experts(np.array(README_WEIGHT), 16, 4, 2, 8).shape == (2, 16)
+    vanilla = registry.EPLB_POLICIES["default"]
+    monkeypatch.delenv("EPLB_VLLM_POLICY", raising=False)
+    assert vllm.plugin() is None and registry.EPLB_POLICIES["default"] is vanilla  # opt-in
+    monkeypatch.setenv("EPLB_VLLM_POLICY", "auto")
     vllm.plugin()
     assert issubclass(registry.EPLB_POLICIES["default"], vllm.EplbPolicy)
     mine = vllm.make_policy(policy="deepseek")
@@ -560,9 +569,11 @@ def test_sglang_cuda_outputs():
     torch = cuda_or_skip()
     w = torch.tensor(README_WEIGHT, device="cuda", dtype=torch.int32)[None]
     out = sglang.rebalance_experts(w, 16, 2, 4, 2, "deepseek_hierarchical")
-    assert all(a.device == w.device for a in out) and out[0].tolist() == README_PHY2LOG
-    meta = sglang.expert_location_metadata(out[0], 12, 8)
-    assert all(v.device == w.device for v in meta.values())
+    # On the CPU, as SGLang's own algorithms return them (init_by_eplb moves them).
+    assert all(a.device.type == "cpu" for a in out) and out[0].tolist() == README_PHY2LOG
+    meta = sglang.expert_location_metadata(out[0].to(w.device), 12, 8)
+    assert meta["physical_to_logical_map"].device == w.device
+    assert meta["physical_to_logical_map_cpu"].device.type == "cpu"
 
 
 def test_sglang_steps_are_summed():
@@ -646,17 +657,23 @@ def metadata_by_hand(phy2log, experts):
 def test_sglang_expert_location_metadata():
     phy2log = sglang.rebalance_experts(tie_free_load(18, 3, 64), 80, 10, 8, 2)[0]
     meta = sglang.expert_location_metadata(phy2log, 64, 8)
-    assert list(meta) == ["physical_to_logical_map", "logical_to_all_physical_map",
-                          "logical_to_all_physical_map_num_valid"]
+    # ExpertLocationMetadata's fields, in its declaration order.
+    assert list(meta) == ["physical_to_logical_map", "physical_to_logical_map_cpu",
+                          "logical_to_all_physical_map", "logical_to_all_physical_map_cpu",
+                          "logical_to_all_physical_map_num_valid", "ep_size",
+                          "logical_to_rank_dispatch_physical_map"]
     l2a, valid = metadata_by_hand(phy2log.tolist(), 64)
     assert np.array_equal(meta["physical_to_logical_map"], phy2log)
     assert np.array_equal(meta["logical_to_all_physical_map"], l2a)
     assert meta["logical_to_all_physical_map"].shape == (3, 64, 80)
     assert np.array_equal(meta["logical_to_all_physical_map_num_valid"], valid)
-    assert all(v.dtype == np.int64 for v in meta.values())
+    assert meta["ep_size"] == 8 and meta["logical_to_rank_dispatch_physical_map"].shape == (3, 64)
+    arrays = [v for v in meta.values() if not isinstance(v, int)]
+    assert all(v.dtype == np.int64 for v in arrays)
     torch = pytest.importorskip("torch")
     t = sglang.expert_location_metadata(torch.from_numpy(phy2log), 64, 8)
-    assert all(isinstance(v, torch.Tensor) and v.dtype == torch.int64 for v in t.values())
+    tensors = [v for v in t.values() if not isinstance(v, int)]
+    assert all(isinstance(v, torch.Tensor) and v.dtype == torch.int64 for v in tensors)
     with pytest.raises(ValueError, match="multiple of ep_size 3"):
         sglang.expert_location_metadata(phy2log, 64, 3)
     with pytest.raises(ValueError, match="expert 63 has no slot"):

@@ -10,9 +10,15 @@ with the logical load of the window (``weight`` [layers, logical experts]) and t
 force (``old_global_expert_indices``, the phy2log [layers, num_replicas]). ``EplbPolicy`` fills
 that contract with eplb's policies: ``balanced`` for a first placement, ``sticky`` against the
 placement in force (within ``tolerance`` of balanced's balancedness, moving few slots), then
-vLLM's own ``preserve_intragpu_slots`` so an expert that stays on its GPU keeps its slot. Older
-vLLM expected (phy2log, log2phy, logcnt) from the same call: ``rebalance_experts_with_maps`` and
-``make_policy(legacy=True)`` give that.
+vLLM's own ``preserve_intragpu_slots`` so an expert that stays on its GPU keeps its slot;
+``make_policy(policy="deepseek")`` gives exactly vLLM's default outputs. Under elastic EP vLLM
+passes the placement in force at its own width: wider than ``num_replicas`` when ranks were
+removed (the survivors are its first ranks), narrower or ``-1``-padded when ranks were added;
+sticky keeps the surviving ranks' slots. Older vLLM expected (phy2log, log2phy, logcnt) from the
+same call: ``rebalance_experts_with_maps`` and ``make_policy(legacy=True)`` give that.
+
+``plugin`` is the ``vllm.general_plugins`` entry point the package declares: it does nothing
+unless ``EPLB_VLLM_POLICY`` is set (see ``plugin``).
 
 Invalid inputs raise ``PolicyError``: both an ``eplb.InvalidArgument`` (a ValueError) with
 eplb's message and an ``AssertionError``, which is what vLLM's own policy raises (bare asserts).
@@ -21,6 +27,8 @@ torch is needed only for torch tensors; vLLM is imported only by ``register``.
 """
 
 import json
+import logging
+import os
 
 import numpy as np
 
@@ -28,9 +36,11 @@ import eplb
 from eplb.integrations import _integers, _is_torch, _like, _loads, _logical_maps, _numpy
 
 __all__ = [
-    "EplbPolicy", "PolicyError", "make_policy", "register", "plugin", "compute_logical_maps",
-    "preserve_intragpu_slots", "logical_load", "save_load_window",
+    "EplbPolicy", "PolicyError", "make_policy", "register", "plugin", "policy_from_env",
+    "compute_logical_maps", "preserve_intragpu_slots", "logical_load", "save_load_window",
 ]
+
+_log = logging.getLogger(__name__)
 
 _POLICIES = (None, "balanced", "sticky", "deepseek")
 
@@ -48,29 +58,31 @@ def _positive(value, name):
     return int(value)
 
 
+def _old_at_width(old, physical):
+    """The placement in force `old` ([L, W]) at the new width `physical`, as vLLM's elastic EP
+    lays it out: after a scale-down vLLM passes the old, wider map and the surviving ranks are
+    its first ones, so their slots are the first `physical` columns; after a scale-up the new
+    ranks' slots are -1 (vLLM pads them), and a narrower map is padded with -1 the same way."""
+    width = old.shape[1]
+    if width >= physical:
+        return old[:, :physical]
+    pad = np.full((old.shape[0], physical - width), -1, dtype=old.dtype)
+    return np.concatenate((old, pad), axis=1)
+
+
 def _previous_placement(old, experts):
-    """`old` (int64 [L, P]) as a placement eplb's sticky policy takes: every slot holds an expert
-    in [0, E) and every expert a slot. vLLM marks slots it does not use with -1; those slots take
-    the experts no slot holds, then slot p takes p % E. A layer that still misses an expert is
-    not a placement at all: it gets the trivial one (slot p holds p % E), so sticky balances it
-    afresh and preserve_intragpu_slots (against the real `old`) keeps what it can."""
+    """`old` (int64 [L, P]) as the placement eplb's sticky policy starts from: every slot holds
+    an expert in [0, E). vLLM marks slots not in use (a new rank's, after a scale-up) with -1:
+    those take, in order, the experts no slot holds, then slot p's p % E. An expert that still
+    has no slot (it lived only on removed ranks) is left without one: sticky gives it one."""
     bad = (old < 0) | (old >= experts)
     if not bad.any():
-        held = np.zeros(old.shape[:1] + (experts,), dtype=bool)
-        np.put_along_axis(held, old, True, axis=1)
-        if held.all():
-            return old
+        return old
     out = old.copy()
-    physical = old.shape[1]
-    for l in range(old.shape[0]):
-        row_bad = bad[l]
-        missing = np.setdiff1d(np.arange(experts), old[l, ~row_bad])
-        free = np.nonzero(row_bad)[0]
-        if missing.size > free.size:
-            out[l] = np.arange(physical) % experts
-            continue
-        fill = np.concatenate((missing, free[missing.size:] % experts))
-        out[l, free] = fill
+    for l in np.flatnonzero(bad.any(axis=1)):
+        free = np.flatnonzero(bad[l])
+        missing = np.setdiff1d(np.arange(experts), old[l, ~bad[l]])[:free.size]
+        out[l, free] = np.concatenate((missing, free[missing.size:] % experts))
     return out
 
 
@@ -108,15 +120,17 @@ class EplbPolicy:
             num_nodes: nodes; num_groups % num_nodes != 0 falls back to one group on one node,
                 as vLLM's default policy does
             num_ranks: GPUs (EP ranks), a multiple of num_nodes
-            old_global_expert_indices: [layers, num_replicas], the phy2log in force, or None
+            old_global_expert_indices: the phy2log in force, or None: [layers, num_replicas],
+                or under elastic EP vLLM's map at its old width (wider after a scale-down: the
+                surviving ranks' slots first; narrower or with -1 slots after a scale-up)
 
-        Returns phy2log int64 [layers, num_replicas]: a torch tensor on `weight`'s device for
-        a tensor (vLLM's own default returns a CPU tensor; vLLM passes a CPU load, so both are
-        on the CPU there), a numpy array otherwise. Raises PolicyError for invalid input.
+        Returns phy2log int64 [layers, num_replicas]: a CPU torch tensor for a tensor `weight`
+        on any device (vLLM asserts the map is on the CPU, and its default returns it there),
+        a numpy array otherwise. Raises PolicyError for invalid input.
         """
         phy2log, _ = cls._place(weight, num_replicas, num_groups, num_nodes, num_ranks,
                                 old_global_expert_indices)
-        return _like(phy2log, weight)
+        return _cpu_like(phy2log, weight)
 
     @classmethod
     def rebalance_experts_with_maps(cls, weight, num_replicas, num_groups, num_nodes,
@@ -128,7 +142,22 @@ class EplbPolicy:
         phy2log, experts = cls._place(weight, num_replicas, num_groups, num_nodes, num_ranks,
                                       old_global_expert_indices)
         log2phy, logcnt = _logical_maps(phy2log, experts)
-        return tuple(_like(a, weight) for a in (phy2log, log2phy, logcnt))
+        return tuple(_cpu_like(a, weight) for a in (phy2log, log2phy, logcnt))
+
+    @classmethod
+    def preserve_intragpu_slots(cls, phy2log, num_ranks, old_phy2log):
+        """vLLM's ``DefaultEplbPolicy.preserve_intragpu_slots(phy2log, num_ranks, old_phy2log)``
+        on the policy class, as vLLM's tests call it: `phy2log` with each GPU's slots reordered
+        so an expert it held in `old_phy2log` keeps its old slot (see the module function).
+        `old_phy2log` may be wider (its first columns are compared) or narrower (-1 padded),
+        as vLLM's elastic EP passes it. numpy in, numpy out; a torch tensor gives a tensor."""
+        new = _integers(phy2log, "phy2log")
+        old = _integers(old_phy2log, "old_phy2log")
+        if new.ndim != 2 or old.ndim != 2 or old.shape[0] != new.shape[0]:
+            raise PolicyError(f"phy2log {tuple(new.shape)} and old_phy2log {tuple(old.shape)} "
+                              f"must both be [layers, physical] with the same layers")
+        return _typed_like(_preserve(new, int(num_ranks), _old_at_width(old, new.shape[1])),
+                           phy2log)
 
     @classmethod
     def _place(cls, weight, num_replicas, num_groups, num_nodes, num_ranks, old):
@@ -162,11 +191,12 @@ class EplbPolicy:
         previous = None
         if old is not None:
             previous = _integers(old, "old_global_expert_indices")
-            if previous.shape != (layers, physical):
+            if previous.ndim != 2 or previous.shape[0] != layers or previous.shape[1] < 1:
                 raise PolicyError(
                     f"old_global_expert_indices has shape {tuple(previous.shape)}, expected "
-                    f"[layers, num_replicas] = [{layers}, {physical}] (the phy2log in force, "
-                    f"with as many layers as weight and num_replicas slots)")
+                    f"[layers, slots] with layers = {layers} (the phy2log in force; "
+                    f"num_replicas = {physical} slots, or vLLM's old width under elastic EP)")
+            previous = _old_at_width(previous, physical)
 
         policy = cls.policy
         if policy is None or policy == "sticky":
@@ -180,7 +210,7 @@ class EplbPolicy:
                                                thorough=bool(cls.thorough))
         if previous is not None:
             # Same experts on every GPU, each kept where it was: free, and never worse.
-            phy2log = _preserve(phy2log, ranks, previous)
+            phy2log = cls.preserve_intragpu_slots(phy2log, ranks, previous)
         return phy2log, experts
 
 
@@ -239,10 +269,53 @@ def register(name="eplb", policy=None):
     return cls
 
 
+ENV_POLICY = "EPLB_VLLM_POLICY"
+ENV_TOLERANCE = "EPLB_VLLM_TOLERANCE"
+_ENV_POLICIES = {"auto": None, "sticky": "sticky", "balanced": "balanced",
+                 "deepseek": "deepseek"}
+
+
+def policy_from_env(environ=None):
+    """The policy class ``EPLB_VLLM_POLICY`` asks for, or None when it is unset, empty or
+    "off". Values: "auto" (sticky against the placement in force, balanced without), "sticky",
+    "balanced", "deepseek" (exactly vLLM's default: switch first, then turn on sticky);
+    ``EPLB_VLLM_TOLERANCE`` sets sticky's tolerance (default 0.01). Raises eplb.InvalidArgument
+    naming the variable for any other value."""
+    environ = os.environ if environ is None else environ
+    value = environ.get(ENV_POLICY, "").strip().lower()
+    if value in ("", "off", "0", "none"):
+        return None
+    if value not in _ENV_POLICIES:
+        raise eplb.InvalidArgument(
+            f"{ENV_POLICY}={environ[ENV_POLICY]!r} is not one of {', '.join(_ENV_POLICIES)} "
+            f"(or off / unset: vLLM keeps its own policy)")
+    raw = environ.get(ENV_TOLERANCE, "").strip()
+    try:
+        tolerance = float(raw) if raw else 0.01
+    except ValueError:
+        raise eplb.InvalidArgument(f"{ENV_TOLERANCE}={raw!r} is not a number (sticky's "
+                                   f"tolerance, in [0, 1))") from None
+    if not 0 <= tolerance < 1:
+        raise eplb.InvalidArgument(f"{ENV_TOLERANCE}={raw} must be in [0, 1) (the balancedness "
+                                   f"sticky may give up)")
+    return make_policy(policy=_ENV_POLICIES[value], tolerance=tolerance,
+                       name="EplbPolicy" + value.capitalize())
+
+
 def plugin():
-    """A vllm.general_plugins entry point: registers EplbPolicy as vLLM's "default" policy in
-    every process vLLM starts."""
-    register("default")
+    """The ``vllm.general_plugins`` entry point the package declares (vLLM runs it in every
+    process it starts). With ``EPLB_VLLM_POLICY`` unset (or "off") it does nothing: installing
+    eplb changes nothing in vLLM. Set to a policy (see ``policy_from_env``), it registers that
+    policy as vLLM's "default" EPLB policy, the one name vLLM's config (and async EPLB)
+    accepts. Running it again is harmless. vLLM's own ``VLLM_PLUGINS`` allow-list (entry point
+    name "eplb") also keeps it out."""
+    cls = policy_from_env()
+    if cls is None:
+        return None
+    registered = register("default", cls)
+    _log.info("eplb: vLLM's default EPLB policy is now %s (%s=%s)", registered.__name__,
+              ENV_POLICY, os.environ.get(ENV_POLICY))
+    return registered
 
 
 def compute_logical_maps(physical_to_logical_map, num_logical_experts):
@@ -268,6 +341,22 @@ def compute_logical_maps(physical_to_logical_map, num_logical_experts):
         return _like(log2phy, source).to(source.dtype), _like(count, source).to(source.dtype)
     dtype = np.asarray(source).dtype
     return log2phy.astype(dtype), count.astype(dtype)
+
+
+def _cpu_like(a, template):
+    """`a` (numpy) as vLLM takes a policy's output: a CPU torch tensor for a tensor input (vLLM
+    asserts the map is on the CPU), the numpy array itself otherwise."""
+    if _is_torch(template):
+        import torch
+        return torch.from_numpy(np.ascontiguousarray(a))
+    return a
+
+
+def _typed_like(a, template):
+    """`a` (int64 numpy) in `template`'s type and integer dtype (and device, for a tensor)."""
+    if _is_torch(template):
+        return _like(a, template).to(template.dtype)
+    return a.astype(np.asarray(template).dtype, copy=False)
 
 
 def _preserve(new, ranks, old):
@@ -318,10 +407,7 @@ def preserve_intragpu_slots(new_phy2log, num_ranks, old_phy2log):
         raise eplb.InvalidArgument(
             f"new_phy2log {tuple(new.shape)} and old_phy2log {tuple(old.shape)} must both be "
             f"[layers, physical] of one shape (the same GPUs and slots per GPU)")
-    out = _preserve(new, int(num_ranks), old)
-    if _is_torch(new_phy2log):
-        return _like(out, new_phy2log).to(new_phy2log.dtype)
-    return out.astype(np.asarray(new_phy2log).dtype, copy=False)
+    return _typed_like(_preserve(new, int(num_ranks), old), new_phy2log)
 
 
 def _logical_steps(expert_load_window, physical_to_logical_map, num_logical_experts):

@@ -1,14 +1,24 @@
 """`pip install .` for the Python module `eplb`: setuptools drives the project's CMake build of
 the extension (target eplb_python) and packages it with the pure-Python files of python/eplb.
 
-Needs only what the Debian packages give (python3-setuptools, python3-wheel, pybind11-dev,
-python3-dev, python3-numpy, cmake and the C++ dependencies of the library), so it works offline:
+Two ways, the same result:
 
-    pip install .                 # with Debian's pip, inside a venv (--system-site-packages)
-    python3 setup.py bdist_wheel  # a wheel in dist/
+    pip install .                       # pyproject.toml: pip's isolated build fetches setuptools,
+                                        # wheel, pybind11 and numpy from the package index
+    pip install --no-build-isolation .  # offline, from Debian's packages (python3-setuptools,
+                                        # python3-wheel, pybind11-dev, python3-numpy), e.g. in a
+                                        # venv made with --system-site-packages
+    python3 setup.py bdist_wheel        # a wheel in dist/
 
-There is deliberately no pyproject.toml: with one, pip builds in an isolated environment and
-would have to download setuptools. Extra CMake arguments: EPLB_CMAKE_ARGS="-D... -D...".
+Either way the C++ libraries come from the system (scripts/install-deps.sh installs them), and
+the control and data planes for more than one machine (gloo, MPI, UCX) are built wherever their
+Debian packages are installed (EPLB_WITH_*=AUTO; `eplb.control_backends()` and
+`eplb.transport_backends()` say what a build has). Extra CMake arguments:
+EPLB_CMAKE_ARGS="-D... -D...".
+
+The package declares the engines' plugin entry points, ``vllm.general_plugins`` and
+``sglang.srt.plugins``, which do nothing unless EPLB_VLLM_POLICY / EPLB_SGLANG_POLICY is set
+(docs/integrations.md).
 """
 
 import os
@@ -33,6 +43,16 @@ def project_version():
     return "0.0.0"
 
 
+def pybind11_hint():
+    """Where pybind11's CMake files are when the building interpreter has the pybind11 package
+    (pip's isolated build environment); Debian's pybind11-dev is found without a hint."""
+    try:
+        import pybind11
+    except ImportError:
+        return []
+    return [f"-Dpybind11_DIR={pybind11.get_cmake_dir()}"]
+
+
 class CMakeExtension(Extension):
     def __init__(self, name, target):
         super().__init__(name, sources=[])
@@ -52,10 +72,10 @@ class CMakeBuild(build_ext):
             "-DEPLB_WITH_PYTHON=ON",
             "-DEPLB_BUILD_TESTS=OFF",
             "-DEPLB_BUILD_BENCHMARKS=OFF",
-            "-DEPLB_WITH_UCX=OFF",
-            "-DEPLB_WITH_GLOO=OFF",
-            "-DEPLB_WITH_MPI=OFF",
-        ] + shlex.split(os.environ.get("EPLB_CMAKE_ARGS", ""))
+            "-DEPLB_WITH_UCX=AUTO",
+            "-DEPLB_WITH_GLOO=AUTO",
+            "-DEPLB_WITH_MPI=AUTO",
+        ] + pybind11_hint() + shlex.split(os.environ.get("EPLB_CMAKE_ARGS", ""))
         subprocess.run(["cmake", "-S", ROOT, "-B", build_dir] + args, check=True)
         jobs = os.environ.get("CMAKE_BUILD_PARALLEL_LEVEL", str(os.cpu_count() or 1))
         subprocess.run(["cmake", "--build", build_dir, "--target", ext.target, "--config",
@@ -81,6 +101,10 @@ setup(
     ext_modules=[CMakeExtension("eplb._eplb", target="eplb_python")],
     cmdclass={"build_ext": CMakeBuild},
     install_requires=["numpy"],
+    # vLLM and SGLang run their plugins in every process they start; eplb's put its placement
+    # behind the engine only when EPLB_VLLM_POLICY / EPLB_SGLANG_POLICY ask for it.
+    entry_points={"vllm.general_plugins": ["eplb = eplb.integrations.vllm:plugin"],
+                  "sglang.srt.plugins": ["eplb = eplb.integrations.sglang:plugin"]},
     python_requires=">=3.8",
     zip_safe=False,
 )

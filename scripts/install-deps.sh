@@ -17,6 +17,8 @@ packages=(
   clang libclang-rt-14-dev
   # python module and its tests
   python3 python3-dev python3-numpy python3-pytest python3-torch pybind11-dev
+  # `pip install .` (setup.py, pyproject.toml): the offline build and its tests
+  python3-pip python3-setuptools python3-wheel python3-venv
   # metrics: prometheus-cpp (core + pull) and the Python client the tests parse with
   prometheus-cpp-dev python3-prometheus-client
 )

@@ -511,7 +511,8 @@ class Rebalancer:
         layers_moved, layers_installed, slots_moved, bytes_intra_node, bytes_inter_node,
         bytes_local_copy, rounds, bytes_installed, bytes_restored (bytes this rank restored
         from a backup copy), repair (True for the rebalance a reconfigure() started), steps,
-        seconds, stall_total_ms, stall_max_ms."""
+        seconds, stall_total_ms, stall_max_ms (the forward thread's time in step_end less
+        the time it waited for a core), stall_preempted_ms (that wait)."""
         return self._rt.history()
 
     def stats(self):

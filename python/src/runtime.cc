@@ -234,6 +234,7 @@ py::dict record_dict(const runtime::RebalanceRecord& r) {
   d["seconds"] = r.seconds;
   d["stall_total_ms"] = r.stall_total_ms;
   d["stall_max_ms"] = r.stall_max_ms;
+  d["stall_preempted_ms"] = r.stall_preempted_ms;
   return d;
 }
 

@@ -25,6 +25,7 @@
 #include "runtime/arena.h"
 #include "runtime/config.h"
 #include "runtime/control_thread.h"
+#include "runtime/cpu_wait.h"
 #include "runtime/failure.h"
 #include "runtime/impl.h"
 
@@ -177,6 +178,7 @@ void Rebalancer::Impl::step_end() {
   EPLB_CHECK(connected_, "step_end() needs connect() first (a joining rank: reconfigure())");
   EPLB_CHECK(!shut_down_, "step_end() after shutdown()");
   const auto start = Clock::now();
+  const int64_t waited_before = run_queue_wait_ns();
   recorder_.step_end();
   ++step_;
   // The window is measured under the placement it was served with: the one in force before
@@ -196,11 +198,20 @@ void Rebalancer::Impl::step_end() {
   }
   if (measure) submit_balancedness(std::move(served_with), std::move(served_by));
   published_step_.store(step_, std::memory_order_release);
-  const double ms = ms_between(start, Clock::now());
+  const double wall_ms = ms_between(start, Clock::now());
   metrics_->on_step();
   if (!open_) return;
+  // The stall is what eplb kept the forward thread for: its work and its waits for peers, not
+  // the time the OS ran other threads on the core (cpu_wait.h).
+  const int64_t waited_after = waited_before >= 0 ? run_queue_wait_ns() : -1;
+  const double preempted_ms =
+      waited_after >= waited_before
+          ? std::min(wall_ms, static_cast<double>(waited_after - waited_before) / 1e6)
+          : 0.0;
+  const double ms = wall_ms - preempted_ms;
   open_->stall_total_ms += ms;
   open_->stall_max_ms = std::max(open_->stall_max_ms, ms);
+  open_->stall_preempted_ms += preempted_ms;
   metrics_->on_stall(ms / 1000.0);
   metrics_->set_age_steps(step_ - open_->trigger_step);
   if (open_finished_) publish_open();

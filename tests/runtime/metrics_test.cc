@@ -8,7 +8,13 @@
 #include <spdlog/sinks/ringbuffer_sink.h>
 #include <spdlog/spdlog.h>
 
+#include <pthread.h>
+#include <sched.h>
 #include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <thread>
 
 #include <map>
 #include <memory>
@@ -22,6 +28,7 @@
 #include "eplb/transport/registry.h"
 #include "eplb/transport/transport.h"
 #include "runtime/harness.h"
+#include "runtime/cpu_wait.h"
 #include "runtime/monitor.h"
 
 namespace eplb::runtime {
@@ -369,6 +376,40 @@ TEST(RuntimeMetrics, ServedMetricsCountOnlyTheSlotsThatServe) {
   EXPECT_FALSE(served_metrics(load, p, layout, members, usable).has_value());
   // Every seat a member but slot 3 unusable: expert 3 is still served on seat 3.
   EXPECT_TRUE(served_metrics(load, p, layout, {}, usable).has_value());
+}
+
+// The wait the stall leaves out: monotonic, never more than the wall time, and seen when two
+// busy threads share one core (each must wait while the other runs; how long does not matter).
+TEST(RunQueueWait, GrowsWhenAThreadSharesItsCore) {
+  const int64_t first = run_queue_wait_ns();
+  if (first < 0) GTEST_SKIP() << "this kernel reports no per-thread run queue wait";
+  cpu_set_t one;
+  CPU_ZERO(&one);
+  CPU_SET(sched_getcpu() >= 0 ? sched_getcpu() : 0, &one);
+  std::atomic<bool> stop{false};
+  std::atomic<int64_t> measured{-1}, wall_ns{0};
+  const auto spin_on = [&](bool measure) {
+    if (pthread_setaffinity_np(pthread_self(), sizeof(one), &one) != 0) return;
+    const int64_t before = run_queue_wait_ns();
+    const auto start = std::chrono::steady_clock::now();
+    volatile uint64_t x = 0;
+    // Long enough for several time slices of the other thread, however fast the machine.
+    while (!stop.load(std::memory_order_relaxed)) x = x + 1;
+    if (measure) {
+      measured = run_queue_wait_ns() - before;
+      wall_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                    std::chrono::steady_clock::now() - start).count();
+    }
+  };
+  std::thread a(spin_on, true), b(spin_on, false);
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  stop = true;
+  a.join();
+  b.join();
+  if (measured.load() < 0) GTEST_SKIP() << "threads cannot be pinned to one core here";
+  EXPECT_GT(measured.load(), 0);
+  EXPECT_LE(measured.load(), wall_ns.load());
+  EXPECT_GE(run_queue_wait_ns(), first);  // this thread's own count never goes back
 }
 
 }  // namespace

@@ -159,7 +159,10 @@ struct RebalanceRecord {
   int64_t steps = 0;               // end_step - trigger_step
   double seconds = 0;              // wall time from trigger to end on this rank
   double stall_total_ms = 0;       // this rank's forward thread in step_end, steps of this
-  double stall_max_ms = 0;         //   rebalance (trigger to end, both included): sum, max
+  double stall_max_ms = 0;         //   rebalance (trigger to end, both included): sum, max;
+                                   //   less the time it waited for a core (below)
+  double stall_preempted_ms = 0;   // time in those step_ends the forward thread was runnable
+                                   //   but the OS ran other threads (Linux; 0 elsewhere)
 };
 
 // The expert weights of one MoE layer: one or more tensors (gate_up, down, scales, ...), each

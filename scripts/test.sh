@@ -1,19 +1,26 @@
 #!/usr/bin/env bash
 # Builds everything and runs every test: install what is missing, configure, build, ctest.
-# Usage: scripts/test.sh [--sanitize address,undefined|thread | --cuda] [build-dir]
+# Usage: scripts/test.sh [--sanitize address,undefined|thread | --cuda | --long] [build-dir]
 #   --sanitize: build in build-<sanitizer> with -DEPLB_SANITIZE=... and run the suite under it.
 #   --cuda:     build the CUDA layer in build-cuda (-DEPLB_WITH_CUDA=ON; needs nvcc, not a GPU)
 #               and run its tests, which skip with a message where there is no GPU
 #               (scripts/gpu-check.sh runs them, and the measurements, on a GPU machine).
+#   --long:     the tests labelled long instead (soaks, many ranks, kill trials, the pip
+#               install), in build/; the default suite leaves them out and runs a short version
+#               of each.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 sanitize=""
 cuda=0
+long=0
 if [ "${1:-}" = "--sanitize" ]; then
   sanitize=$2
   shift 2
 elif [ "${1:-}" = "--cuda" ]; then
   cuda=1
+  shift
+elif [ "${1:-}" = "--long" ]; then
+  long=1
   shift
 fi
 default_build="$root/build"
@@ -49,4 +56,8 @@ fi
 cmake -S "$root" -B "$build" "${config[@]}"
 cmake --build "$build" -j"$(nproc)"
 cd "$build"
-ctest --output-on-failure -j"$(nproc)" --timeout 600
+if [ "$long" = 1 ]; then
+  ctest --output-on-failure -L long --timeout 3600
+else
+  ctest --output-on-failure -j"$(nproc)" --timeout 600 -LE long
+fi

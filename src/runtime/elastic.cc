@@ -350,7 +350,10 @@ void Rebalancer::Impl::exchange_membership(const Membership& membership, bool jo
   next_index_ = next_index;
   published_step_.store(step_, std::memory_order_release);
   const Placement now = placement();
-  for (int64_t l = 0; l < layers_; ++l) tables_[l] = build_tables(now, l, false);
+  for (int64_t l = 0; l < layers_; ++l) {
+    tables_[l] = build_tables(now, l, false);
+    write_maps(l);
+  }
   bool all_usable = true;
   for (int64_t p = 0; p < layers_ * P; ++p) {
     all_usable = all_usable && (usable_[p] || peer_of_seat_[(p % P) / spr] < 0);

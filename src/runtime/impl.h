@@ -28,6 +28,7 @@
 #include "runtime/arena.h"
 #include "runtime/backup.h"
 #include "runtime/control_thread.h"
+#include "runtime/engine_maps.h"
 #include "runtime/failure.h"
 #include "runtime/metrics.h"
 #include "runtime/monitor.h"
@@ -111,6 +112,11 @@ class Rebalancer::Impl {
   // ---------------------------------------------------------------- forward thread
   void record(int64_t layer, std::span<const int32_t> ids);
   void record_counts(int64_t layer, std::span<const int64_t> counts);
+  // The engine's seams (engine_maps.h): one pass of its counters, its map tensors.
+  void record_pass(const IntTensor& counts, CountsOf of);
+  void bind_maps(std::vector<MapBinding> maps);
+  // Rows `layer` of the bound maps from phy2log_ and tables_ (after any change of either).
+  void write_maps(int64_t layer) const;
 
   const routing::DispatchTables& dispatch(int64_t layer) const;
 
@@ -316,6 +322,9 @@ class Rebalancer::Impl {
   bool repair_pending_ = false;  // reconfigure() asks for a repair rebalance
   bool repair_failed_ = false;   // one failed since: retried at intervals only
   std::vector<routing::DispatchTables> tables_;  // [layers]
+  EngineMaps maps_;                              // the engine's map tensors, if bound
+  int64_t pass_step_ = -1;                       // the step record_pass() last counted
+  std::vector<int64_t> pass_counts_;             // record_pass()'s [layers][experts], reused
   BufferMap map_;
   EngineTensors engine_;  // the engine's own tensors, from connect() on; empty with the arena
   int64_t step_ = 0;

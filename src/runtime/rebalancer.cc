@@ -127,6 +127,42 @@ void Rebalancer::Impl::record_counts(int64_t layer, std::span<const int64_t> cou
   recorder_.record_counts(layer, counts);
 }
 
+void Rebalancer::Impl::record_pass(const IntTensor& counts, CountsOf of) {
+  const int64_t E = config_.layout.experts;
+  if (pass_step_ == step_) {
+    fail("record_pass: already called at step ", step_, " (once per forward pass, before its "
+         "step_end(); nothing of this call was counted)");
+  }
+  pass_counts_.resize(static_cast<size_t>(layers_ * E));
+  read_pass_counts(counts, of, layers_, config_.layout, phy2log_, pass_counts_);
+  // The recorder refuses a step count past its limit layer by layer; checked here for every
+  // layer first, so an error counts nothing.
+  const std::span<const int64_t> open = recorder_.current();
+  for (int64_t i = 0; i < layers_ * E; ++i) {
+    if (pass_counts_[i] > stats::LoadRecorder::kMaxStepCount - open[i]) {
+      fail("record_pass: layer ", i / E, " expert ", i % E, " would count ",
+           open[i] + pass_counts_[i], " tokens in one step, more than ",
+           stats::LoadRecorder::kMaxStepCount);
+    }
+  }
+  for (int64_t l = 0; l < layers_; ++l) {
+    recorder_.record_counts(l, {pass_counts_.data() + l * E, static_cast<size_t>(E)});
+  }
+  pass_step_ = step_;
+}
+
+void Rebalancer::Impl::bind_maps(std::vector<MapBinding> maps) {
+  maps_.bind(std::move(maps), layers_, config_.layout);
+  for (int64_t l = 0; l < layers_; ++l) write_maps(l);
+}
+
+void Rebalancer::Impl::write_maps(int64_t layer) const {
+  if (maps_.empty()) return;
+  const int64_t P = config_.layout.physical;
+  maps_.write(layer, {phy2log_.data() + layer * P, static_cast<size_t>(P)}, tables_[layer],
+              rank_);
+}
+
 const routing::DispatchTables& Rebalancer::Impl::dispatch(int64_t layer) const {
   EPLB_CHECK(layer >= 0 && layer < layers_, "dispatch: layer ", layer, " is outside [0, ",
              layers_, ")");
@@ -491,6 +527,7 @@ void Rebalancer::Impl::install(RebalancePlan& plan, int64_t k) {
   std::swap(tables_[layer], plan.tables[k]);
   std::copy(plan.phy2log[k].begin(), plan.phy2log[k].end(),
             phy2log_.begin() + layer * config_.layout.physical);
+  write_maps(layer);
   mark_installed(layer);
   for (const migration::Restore& r : plan.migrations[k].plan.restores) {
     if (r.dst_rank == rank_) open_->bytes_restored += spec_.expert_bytes();
@@ -587,6 +624,12 @@ void Rebalancer::record(int64_t layer, std::span<const int32_t> expert_ids) {
 void Rebalancer::record_counts(int64_t layer, std::span<const int64_t> counts) {
   impl_->record_counts(layer, counts);
 }
+
+void Rebalancer::record_pass(const IntTensor& counts, CountsOf of) {
+  impl_->record_pass(counts, of);
+}
+
+void Rebalancer::bind_maps(std::vector<MapBinding> maps) { impl_->bind_maps(std::move(maps)); }
 const routing::DispatchTables& Rebalancer::dispatch(int64_t layer) const {
   return impl_->dispatch(layer);
 }

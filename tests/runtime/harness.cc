@@ -239,6 +239,20 @@ class Delivery {
   std::thread thread_;
 };
 
+uint64_t fnv(uint64_t h, const void* data, size_t bytes) {
+  const auto* p = static_cast<const unsigned char*>(data);
+  for (size_t i = 0; i < bytes; ++i) {
+    h ^= p[i];
+    h *= 1099511628211ull;
+  }
+  return h;
+}
+
+template <typename T>
+uint64_t fnv_vec(uint64_t h, const std::vector<T>& v) {
+  return fnv(h, v.data(), v.size() * sizeof(T));
+}
+
 // Loads: the FLAME trace's tokens (each rank its own slice of the tokens of every step), or a
 // skewed synthetic load whose hot experts change every few intervals.
 class LoadSourceState {
@@ -263,9 +277,14 @@ class LoadSourceState {
         for (int64_t t = 0; t < kTokens; ++t) {
           const int64_t token = (first + t) % trace_.tokens;
           const int32_t* ids = trace_.routes.data() + (tl * trace_.tokens + token) * trace_.top_k;
-          rb.record(l, std::span<const int32_t>(ids, static_cast<size_t>(trace_.top_k)));
+          if (scenario_.counters == Scenario::Counters::kPerLayer) {
+            rb.record(l, std::span<const int32_t>(ids, static_cast<size_t>(trace_.top_k)));
+          } else {
+            for (int64_t k = 0; k < trace_.top_k; ++k) ++pass(l, ids[k], rb);
+          }
         }
       }
+      if (scenario_.counters != Scenario::Counters::kPerLayer) record_pass(rb);
       return;
     }
     // Zipf-like weights over a permutation that depends on the phase and the layer.
@@ -280,14 +299,137 @@ class LoadSourceState {
                                                           (step * 131 + rank_) * 977 + l * 31 + e));
         counts[e] = 1000 / (1 + position) + static_cast<int64_t>(noise % 7);
       }
-      rb.record_counts(l, counts);
+      record_layer(rb, l, counts);
     }
+    if (scenario_.counters != Scenario::Counters::kPerLayer) record_pass(rb);
   }
 
  private:
+  void record_layer(Rebalancer& rb, int64_t layer, const std::vector<int64_t>& counts) {
+    if (scenario_.counters == Scenario::Counters::kPerLayer) {
+      rb.record_counts(layer, counts);
+      return;
+    }
+    for (size_t e = 0; e < counts.size(); ++e) {
+      pass(layer, static_cast<int32_t>(e), rb) += counts[e];
+    }
+  }
+
+  // The pass's count of expert e of `layer`: per expert, or (as the engine's router counts)
+  // on one of the slots holding e now, a different one from step to step.
+  int64_t& pass(int64_t layer, int32_t expert, const Rebalancer& rb) {
+    const Layout& layout = scenario_.config.layout;
+    const bool slots = scenario_.counters == Scenario::Counters::kPassSlots;
+    const int64_t width = slots ? layout.physical : layout.experts;
+    pass_.resize(static_cast<size_t>(scenario_.weights.layers * width));
+    if (!slots) return pass_[static_cast<size_t>(layer * width + expert)];
+    const auto phy2log = rb.phy2log(layer);
+    std::vector<int64_t> holders;
+    for (int64_t p = 0; p < layout.physical; ++p) {
+      if (phy2log[p] == expert) holders.push_back(p);
+    }
+    const int64_t p = holders[static_cast<size_t>((passes_ + expert) % holders.size())];
+    return pass_[static_cast<size_t>(layer * width + p)];
+  }
+
+  void record_pass(Rebalancer& rb) {
+    const bool slots = scenario_.counters == Scenario::Counters::kPassSlots;
+    const Layout& layout = scenario_.config.layout;
+    IntTensor counts;
+    counts.data = pass_.data();
+    counts.shape = {scenario_.weights.layers, slots ? layout.physical : layout.experts};
+    rb.record_pass(counts, slots ? CountsOf::kSlots : CountsOf::kExperts);
+    std::fill(pass_.begin(), pass_.end(), 0);
+    ++passes_;
+  }
+
   const Scenario& scenario_;
   int rank_;
   stats::RoutingTrace trace_;
+  std::vector<int64_t> pass_;  // the engine's per-pass counters
+  int64_t passes_ = 0;
+};
+
+// The engine's map tensors in both engines' layouts, some int32, one strided, each [layers]
+// rows, bound to the Rebalancer; check() compares them with what it serves and hashes them.
+class EngineMapTensors {
+ public:
+  EngineMapTensors(const Scenario& s, Rebalancer& rb) : layout_(s.config.layout),
+                                                         layers_(s.weights.layers) {
+    const int64_t L = layers_, E = layout_.experts, P = layout_.physical;
+    const int64_t R = P - E + 1;  // vLLM's num_redundant_experts + 1
+    phy2log_.assign(static_cast<size_t>(L * P), -7);
+    log2phy_.assign(static_cast<size_t>(L * E * R), -7);
+    count_.assign(static_cast<size_t>(L * E), -7);
+    all_.assign(static_cast<size_t>(L * E * (P + 3)), -7);  // padded rows: a strided view
+    valid_.assign(static_cast<size_t>(L * E), -7);
+    dispatch_.assign(static_cast<size_t>(L * E), -7);
+    const auto i64 = [](std::vector<int64_t>& v, std::vector<int64_t> shape) {
+      return IntTensor{.data = v.data(), .type = IntTensor::Type::kInt64, .shape = shape, .strides = {}};
+    };
+    const auto i32 = [](std::vector<int32_t>& v, std::vector<int64_t> shape) {
+      return IntTensor{.data = v.data(), .type = IntTensor::Type::kInt32, .shape = shape, .strides = {}};
+    };
+    IntTensor all = i32(all_, {L, E, P});
+    all.strides = {E * (P + 3), P + 3, 1};
+    rb.bind_maps({{MapKind::kPhysicalToLogical, i64(phy2log_, {L, P}), "physical_to_logical_map"},
+                  {MapKind::kLogicalToPhysical, i64(log2phy_, {L, E, R}),
+                   "logical_to_physical_map"},
+                  {MapKind::kReplicaCount, i64(count_, {L, E}), "logical_replica_count"},
+                  {MapKind::kLogicalToPhysical, all, "logical_to_all_physical_map"},
+                  {MapKind::kReplicaCount, i32(valid_, {L, E}),
+                   "logical_to_all_physical_map_num_valid"},
+                  {MapKind::kRankDispatch, i64(dispatch_, {L, E}),
+                   "logical_to_rank_dispatch_physical_map"}});
+  }
+
+  // Differences from the Rebalancer's placement and tables as error lines; `h` takes the maps
+  // every rank must hold alike (the rank's own dispatch row left out).
+  void check(const Rebalancer& rb, int rank, uint64_t& h,
+             const std::function<void(std::string)>& error) const {
+    const int64_t E = layout_.experts, P = layout_.physical, R = P - E + 1;
+    for (int64_t l = 0; l < layers_; ++l) {
+      const auto phy2log = rb.phy2log(l);
+      const routing::DispatchTables& t = rb.dispatch(l);
+      for (int64_t p = 0; p < P; ++p) {
+        if (phy2log_[l * P + p] != phy2log[p]) {
+          return error(detail::concat("bound physical_to_logical_map[", l, "][", p, "] is ",
+                                      phy2log_[l * P + p], ", eplb's ", phy2log[p]));
+        }
+      }
+      for (int64_t e = 0; e < E; ++e) {
+        const auto replicas = t.replicas(e);
+        if (count_[l * E + e] != t.replica_count[e] || valid_[l * E + e] != t.replica_count[e]) {
+          return error(detail::concat("bound replica counts of layer ", l, " expert ", e, " are ",
+                                      count_[l * E + e], " and ", valid_[l * E + e], ", eplb's ",
+                                      t.replica_count[e]));
+        }
+        for (int64_t i = 0; i < P; ++i) {
+          const int64_t want = i < static_cast<int64_t>(replicas.size()) ? replicas[i] : -1;
+          if ((i < R && log2phy_[(l * E + e) * R + i] != want) ||
+              all_[(l * E + e) * (P + 3) + i] != want) {
+            return error(detail::concat("bound log2phy of layer ", l, " expert ", e, " column ",
+                                        i, " differs from the tables (", want, ")"));
+          }
+        }
+        if (dispatch_[l * E + e] != t.static_slot[rank * E + e]) {
+          return error(detail::concat("bound dispatch row of layer ", l, " expert ", e, " is ",
+                                      dispatch_[l * E + e], ", eplb's ",
+                                      t.static_slot[rank * E + e]));
+        }
+      }
+    }
+    h = fnv_vec(h, phy2log_);
+    h = fnv_vec(h, log2phy_);
+    h = fnv_vec(h, count_);
+    h = fnv_vec(h, all_);
+  }
+
+ private:
+  const Layout layout_;
+  const int64_t layers_;
+  std::vector<int64_t> phy2log_, log2phy_, count_, dispatch_;
+  std::vector<int32_t> all_, valid_;
 };
 
 // An Installer for host memory that checks how the runtime uses it: one mark per install, and
@@ -327,20 +469,6 @@ void fill_expected(const Scenario& s, Rebalancer& rb) {
       bytes[i] = weight_byte(layer, tensor, expert, static_cast<int64_t>(i));
     }
   });
-}
-
-uint64_t fnv(uint64_t h, const void* data, size_t bytes) {
-  const auto* p = static_cast<const unsigned char*>(data);
-  for (size_t i = 0; i < bytes; ++i) {
-    h ^= p[i];
-    h *= 1099511628211ull;
-  }
-  return h;
-}
-
-template <typename T>
-uint64_t fnv_vec(uint64_t h, const std::vector<T>& v) {
-  return fnv(h, v.data(), v.size() * sizeof(T));
 }
 
 // Invariant 1 on this rank; returns the hash of every layer's tables (invariant 2's input).
@@ -510,6 +638,8 @@ RankResult run_rank(const Scenario& s, int rank, const std::string& rendezvous,
                                            allocated));
   }
   fill_expected(s, rb);
+  std::optional<EngineMapTensors> maps;
+  if (s.engine_maps) maps.emplace(s, rb);
   LoadSourceState load(s, rank);
   std::optional<Delivery> delivery;
   if (s.carrier == Carrier::kSharedMemory) {
@@ -523,7 +653,15 @@ RankResult run_rank(const Scenario& s, int rank, const std::string& rendezvous,
   int64_t installed_at_kill_trigger = 0;
   for (int64_t step = 0; step < s.max_steps; ++step) {
     load.record(rb, step);
-    const uint64_t hash = check_rank(s, rb, rank, step, result.errors) & ((1ull << 62) - 1);
+    uint64_t full_hash = check_rank(s, rb, rank, step, result.errors);
+    if (maps) {
+      maps->check(rb, rank, full_hash, [&](std::string e) {
+        if (result.errors.size() < 20) {
+          result.errors.push_back(detail::concat("rank ", rank, " step ", step, ": ", e));
+        }
+      });
+    }
+    const uint64_t hash = full_hash & ((1ull << 62) - 1);
     if (s.engine_weights && !gaps_intact() && result.errors.size() < 20) {
       result.errors.push_back(detail::concat("rank ", rank, " step ", step, ": an install wrote "
                                              "between the slots of an engine tensor"));

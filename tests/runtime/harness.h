@@ -69,6 +69,11 @@ struct Scenario {
   // buffer per layer and tensor at an unaligned base, `engine_pad` bytes between slots.
   bool engine_weights = false;
   int64_t engine_pad = 0;
+  // The engine's other seams (engine_maps.h): its map tensors bound in both engines' layouts
+  // (checked at every step against the tables, and compared across ranks with them), and its
+  // counters recorded once per pass with record_pass, per slot or per expert.
+  bool engine_maps = false;
+  enum class Counters { kPerLayer, kPassSlots, kPassExperts } counters = Counters::kPerLayer;
 };
 
 struct RankResult {

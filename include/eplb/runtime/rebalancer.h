@@ -47,6 +47,7 @@
 #include "eplb/core/types.h"
 #include "eplb/placement/policy.h"
 #include "eplb/routing/dispatch.h"
+#include "eplb/runtime/engine_maps.h"
 #include "eplb/stats/load_file.h"
 
 namespace prometheus {
@@ -343,6 +344,17 @@ class Rebalancer {
   void record(int64_t layer, std::span<const int32_t> expert_ids);
   // Adds a count vector [experts] to `layer` in the current step.
   void record_counts(int64_t layer, std::span<const int64_t> counts);
+  // One forward pass of the engine's own counters, all layers at once (engine_maps.h): tokens
+  // per slot ([layers][physical], counted for the expert each slot holds now) or per logical
+  // expert ([layers][experts]). Read in place, once per step: a second call before step_end(),
+  // a wrong shape or a negative count is InvalidArgument, and nothing of that call is counted.
+  void record_pass(const IntTensor& counts, CountsOf of);
+  // Binds the engine's map tensors (engine_maps.h) in place of any bound before, and writes
+  // every layer's rows now. From then on eplb writes a layer's rows at the step it installs
+  // that layer (the same step on every rank, so every rank's tensors are the same after every
+  // step, kRankDispatch excepted: it is this rank's) and after reconfigure(); their storage
+  // never moves. InvalidArgument for a wrong shape (or R too small); nothing is bound then.
+  void bind_maps(std::vector<MapBinding> maps);
   // The tables of `layer` now; valid until the next step_end() or reconfigure(). Only they say
   // which slots serve: after a rank is lost, phy2log() still names an expert in its slots.
   const routing::DispatchTables& dispatch(int64_t layer) const;

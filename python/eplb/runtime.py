@@ -77,6 +77,71 @@ from ._weights import (  # noqa: E402
 )
 
 
+# The map tensors bind_maps() takes, by the engines' names, and what each holds.
+_MAP_KINDS = {
+    "physical_to_logical_map": "physical_to_logical",
+    "physical_to_logical_map_cpu": "physical_to_logical",
+    "logical_to_physical_map": "logical_to_physical",
+    "logical_to_all_physical_map": "logical_to_physical",
+    "logical_to_all_physical_map_cpu": "logical_to_physical",
+    "logical_replica_count": "replica_count",
+    "logical_to_all_physical_map_num_valid": "replica_count",
+    "logical_to_rank_dispatch_physical_map": "rank_dispatch",
+}
+
+
+def _host_ints(tensor, what):
+    """(address, "int32"|"int64", shape, strides in elements) of an integer tensor in host
+    memory; the caller keeps it alive. A CUDA tensor is refused with what to do instead."""
+    if _is_torch_tensor(tensor):
+        if tensor.device.type != "cpu":
+            raise InvalidArgument(
+                f"{what} is on {tensor.device}: eplb reads and writes the engine's counters and "
+                f"maps in host memory in this build (the device path needs eplb built with CUDA "
+                f"on a GPU machine); pass a CPU tensor: the engine's host copy (SGLang keeps "
+                f"*_cpu maps), or a pinned host tensor it copies to with non_blocking=True")
+        dtype = str(tensor.dtype).replace("torch.", "")
+        if dtype not in ("int32", "int64"):
+            raise InvalidArgument(f"{what} has dtype {tensor.dtype}: int32 or int64 expected")
+        return (tensor.data_ptr(), dtype, list(tensor.shape), list(tensor.stride()))
+    if not isinstance(tensor, np.ndarray):
+        raise InvalidArgument(f"{what} must be a torch tensor or a numpy array (the engine's own "
+                              f"memory, read and written in place), got "
+                              f"{type(tensor).__name__}")
+    if tensor.dtype not in (np.int32, np.int64):
+        raise InvalidArgument(f"{what} has dtype {tensor.dtype}: int32 or int64 expected")
+    if any(s % tensor.itemsize for s in tensor.strides) or any(s < 0 for s in tensor.strides):
+        raise InvalidArgument(f"{what} has strides {tensor.strides} bytes: whole, positive "
+                              f"elements expected")
+    return (tensor.ctypes.data, str(tensor.dtype), list(tensor.shape),
+            [s // tensor.itemsize for s in tensor.strides])
+
+
+def _control_group(group, control, rendezvous, rank, world_size):
+    """(the engine's group as collectives or None, group name, rank, world_size) for the
+    constructor and reconfigure(): `group` is eplb's own group name (a string) or the engine's
+    torch.distributed process group."""
+    from ._torch_group import TorchGroup, is_process_group
+    if is_process_group(group):
+        if control not in ("shm", "torch"):
+            raise InvalidArgument(f"control={control!r} with group= a process group: the "
+                                  f"engine's group is the control plane, leave control out")
+        if rendezvous is not None:
+            raise InvalidArgument("rendezvous with group= a process group: the engine's group "
+                                  "has met already, leave rendezvous out")
+        collectives = TorchGroup(group, rank, world_size)
+        return collectives, "eplb", collectives.rank, collectives.size
+    if not isinstance(group, str):
+        raise InvalidArgument(f"group must be a group name (str) or a torch.distributed process "
+                              f"group, got {type(group).__name__}")
+    if world_size is None or rank is None:
+        raise InvalidArgument("rank and world_size are needed unless group= is the engine's "
+                              "torch.distributed process group")
+    world_size = _as_int(world_size, "world_size", 1, MAX_RANKS)
+    rank = _as_int(rank, "rank", 0, world_size - 1)
+    return None, group, rank, world_size
+
+
 class Rebalancer:
     """One rank of eplb's runtime (C++ ``eplb::runtime::Rebalancer``).
 
@@ -92,7 +157,8 @@ class Rebalancer:
             "random", "hash", "weighted": what route() uses), ``on_error`` ("log", "raise"),
             ``backup_copies`` (host copies of every expert kept across the ranks for elastic
             serving, default 0: see fill_backup()); defaults as in docs/runtime.md.
-        rank, world_size: this rank and the number of ranks.
+        rank, world_size: this rank and the number of ranks (taken from `group` when that is
+            the engine's process group; given too, they must be the group's).
         control: control-plane backend, "shm" (processes of one machine), "gloo" (TCP; the
             rendezvous is a shared folder or redis://host:port), "inproc" (ranks are threads of
             this process), "mpi" where built; eplb.control_backends() lists them.
@@ -114,7 +180,14 @@ class Rebalancer:
         initial: the starting placement: None or "trivial" (slot p holds expert p % experts),
             a placement file (eplb's JSON or SGLang's physical_to_logical_map), or a
             [layers, physical] phy2log array.
-        group: separates several groups meeting through one rendezvous.
+        group: the engine's torch.distributed process group (gloo, on the CPU), which then
+            carries every collective eplb runs: start-up, the window all-reduce, the per-step
+            agreement, barriers; no rendezvous, no second mesh. Dedicate it to eplb (vLLM's
+            get_eplb_group().cpu_group is one): eplb issues its collectives from its own control
+            thread, and collectives of one group must run in the same order on every rank. A
+            collective that fails or times out on it fails the rebalance on every rank
+            (eplb/_torch_group.py). Or a string: the name that separates several of eplb's own
+            groups meeting through one rendezvous.
 
     The constructor joins the control group: it returns once every rank has constructed its
     Rebalancer (or raises eplb.Timeout after timeout_ms). Bad arguments raise
@@ -130,12 +203,15 @@ class Rebalancer:
     members() lists the seats that serve now.
     """
 
-    def __init__(self, config, rank, world_size, *, control="shm", rendezvous=None,
+    _maps = ()  # the engine's bound map tensors (and the bindings), kept alive while bound
+    _collectives = None  # the engine's process group as eplb's control plane (group=)
+
+    def __init__(self, config, rank=None, world_size=None, *, control="shm", rendezvous=None,
                  transport="shm", weights, layers=None, initial=None, group="eplb"):
         if not isinstance(config, dict):
             raise TypeError(f"config must be a dict, got {type(config).__name__}")
-        world_size = _as_int(world_size, "world_size", 1, MAX_RANKS)
-        rank = _as_int(rank, "rank", 0, world_size - 1)
+        collectives, group, rank, world_size = _control_group(group, control, rendezvous, rank,
+                                                             world_size)
         tensors, owned = _parse_weights(weights)
 
         initial_array, initial_path = None, None
@@ -157,11 +233,12 @@ class Rebalancer:
         layers, engine = self._set_weights(config, world_size, tensors, owned, layers,
                                            "unless initial is a phy2log array or the weights "
                                            "are the engine's")
-        rendezvous = _rendezvous(rendezvous, world_size)
+        self._collectives = collectives
+        rendezvous = "" if collectives is not None else _rendezvous(rendezvous, world_size)
         self._rt = _eplb._Runtime(dict(config), rank, world_size, str(control), rendezvous,
                                   str(group), str(transport), [(t[0], t[1]) for t in tensors],
                                   layers, initial_array, initial_path, engine,
-                                  self._engine)
+                                  self._engine, collectives)
         self._config = self._rt.config()
         self._slots_per_rank = self._config["physical"] // world_size
         self._connected = False
@@ -272,8 +349,8 @@ class Rebalancer:
                     _store(view[j], raw[j], fill(layer, name, int(expert)))
 
     # ------------------------------------------------------------------ elastic serving
-    def reconfigure(self, rank, world_size, seats, *, control="shm", rendezvous=None,
-                    transport="shm", group="eplb"):
+    def reconfigure(self, rank=None, world_size=None, seats=None, *, control="shm",
+                    rendezvous=None, transport="shm", group="eplb"):
         """Moves this rank onto a new group (docs/elastic.md): after a rank was lost, or to take
         one back. Every member of the new group calls it at the same step (between two
         step_end() calls, on the forward thread), each with its `rank` in the new group of
@@ -296,16 +373,29 @@ class Rebalancer:
         this rank's seat not at its position) before joining anything, and the library's
         error when the members disagree (steps, configuration) or a collective fails (then
         call it again with the next group)."""
-        world_size = _as_int(world_size, "world_size", 1, MAX_RANKS)
-        rank = _as_int(rank, "rank", 0, world_size - 1)
+        collectives, group, rank, world_size = _control_group(group, control, rendezvous, rank,
+                                                             world_size)
+        if seats is None:
+            raise InvalidArgument("reconfigure needs seats: the seat of each member of the new "
+                                  "group, by its rank in that group")
         if _is_torch_tensor(seats):
             seats = seats.detach().cpu().numpy()
         try:
             seats = [_as_int(s, "seat", -2**31, 2**31 - 1) for s in seats]
         except TypeError:
             raise InvalidArgument(f"seats must be a list of integer seats, got {seats!r}") from None
-        self._rt.reconfigure(rank, world_size, seats, str(control),
-                             _rendezvous(rendezvous, world_size), str(group), str(transport))
+        rendezvous = None if collectives is not None else _rendezvous(rendezvous, world_size)
+        if collectives is not None:
+            self._collectives = collectives
+        self._rt.reconfigure(rank, world_size, seats, str(control), rendezvous or "",
+                             str(group), str(transport), collectives)
+        self._rebind_maps()
+
+    def exited_ranks(self):
+        """With group= the engine's process group: the ranks of this machine whose process has
+        exited (a dead peer's rank, for the engine's own error when one of its collectives
+        fails); [] with eplb's own control planes, or when none has."""
+        return self._collectives.exited() if self._collectives is not None else []
 
     def members(self):
         """The seats of the group now, ascending (every seat until a reconfigure())."""
@@ -370,6 +460,89 @@ class Rebalancer:
         `topk_ids`: integer numpy array or CPU torch tensor, any shape (e.g. [tokens, top_k]);
         int32 C-contiguous input is read in place, other integer dtypes are converted."""
         self._rt.record(layer, _ids(topk_ids, "topk_ids"))
+
+    def record_pass(self, counts, per=None):
+        """One forward pass of the engine's own counters, every layer at once, in place of a
+        record() call per layer (and, on a GPU, a host sync per layer): `counts` is the
+        engine's per-pass count tensor, [layers, physical] tokens per slot (vLLM's
+        expert_load_pass; each slot's tokens count for the expert it holds now) or [layers,
+        experts] per logical expert (SGLang's); int32 or int64, a CPU torch tensor or numpy
+        array, read in place (any strides). `per` ("slot" or "expert") says which; it is needed
+        only when physical == experts. Once per step: a second call before step_end(), a
+        wrong shape or dtype, a negative count or a CUDA tensor raises eplb.InvalidArgument
+        and counts nothing. The engine zeroes its tensor for the next pass as it does."""
+        layers, experts = self._layers, self._config["experts"]
+        physical = self._config["physical"]
+        address, dtype, shape, strides = _host_ints(counts, "record_pass: counts")
+        if per is None:
+            if len(shape) == 2 and shape[1] == physical and physical != experts:
+                per = "slot"
+            elif len(shape) == 2 and shape[1] == experts and physical != experts:
+                per = "expert"
+            elif len(shape) == 2 and shape[1] == experts:
+                raise InvalidArgument(f"record_pass: counts is [{shape[0]}, {shape[1]}] and "
+                                      f"physical == experts == {experts}: say per='slot' or "
+                                      f"per='expert'")
+            else:
+                raise InvalidArgument(
+                    f"record_pass: counts has shape {list(shape)}, expected [layers, physical] "
+                    f"= [{layers}, {physical}] (tokens per slot) or [layers, experts] = "
+                    f"[{layers}, {experts}] (tokens per expert)")
+        if per not in ("slot", "expert"):
+            raise InvalidArgument(f"record_pass: per={per!r} is not 'slot' or 'expert'")
+        self._rt.record_pass(address, dtype, shape, strides, per + "s")
+
+    def bind_maps(self, metadata=None, **maps):
+        """Binds the engine's own map tensors: eplb writes a layer's rows into them, in place, at
+        the step that layer is installed on every rank (and after reconfigure()); their storage
+        never changes, so CUDA graphs that captured them stay valid. Every rank's tensors are
+        the same after every step (a dispatch row is the rank's own). Writes every layer's rows
+        now, and replaces any binding made before.
+
+        Keywords (any of them; int32 or int64 CPU tensors or numpy arrays, any strides):
+            vLLM's layout:
+                logical_to_physical_map: [layers, experts, R], the slots serving each expert
+                    (usable slots, in eplb's dispatch order), -1 after them; R, fixed by the
+                    engine, must be at least physical - experts + 1 (vLLM sizes it
+                    num_redundant_experts + 1)
+                logical_replica_count: [layers, experts]
+                physical_to_logical_map: [layers, physical]
+            SGLang's (the fields of its ExpertLocationMetadata, host copies):
+                physical_to_logical_map, physical_to_logical_map_cpu: [layers, physical]
+                logical_to_all_physical_map, logical_to_all_physical_map_cpu:
+                    [layers, experts, X], X >= physical - experts + 1 (SGLang: physical)
+                logical_to_all_physical_map_num_valid: [layers, experts]
+                logical_to_rank_dispatch_physical_map: [layers, experts], the slot this rank
+                    sends each expert's tokens to (eplb's static choice: a replica on this rank,
+                    else on its node, else shared evenly among the ranks without one)
+        `metadata`: an object or dict with those names as attributes or keys (SGLang's
+        ExpertLocationMetadata): each field present that is a tensor is bound.
+
+        A wrong shape, dtype or R, an unknown name or a CUDA tensor raises
+        eplb.InvalidArgument and binds nothing. eplb keeps a reference to each tensor."""
+        if metadata is not None:
+            fields = metadata if isinstance(metadata, dict) else vars(metadata)
+            for name in _MAP_KINDS:
+                value = fields.get(name)
+                if value is not None and name not in maps and not isinstance(value, int):
+                    maps[name] = value
+        if not maps:
+            raise InvalidArgument(f"bind_maps: no map tensors given (names: "
+                                  f"{', '.join(_MAP_KINDS)})")
+        bindings, keep = [], []
+        for name, tensor in maps.items():
+            if name not in _MAP_KINDS:
+                raise InvalidArgument(f"bind_maps: unknown map {name!r} (known: "
+                                      f"{', '.join(_MAP_KINDS)})")
+            address, dtype, shape, strides = _host_ints(tensor, f"bind_maps: {name}")
+            bindings.append((_MAP_KINDS[name], name, address, dtype, shape, strides))
+            keep.append(tensor)
+        self._rt.bind_maps(bindings)
+        self._maps = (bindings, keep)
+
+    def _rebind_maps(self):
+        if self._maps:
+            self._rt.bind_maps(self._maps[0])
 
     def record_counts(self, layer, counts):
         """Adds a count vector [experts] (integers) to `layer` in this step."""

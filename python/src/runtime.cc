@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "bindings.h"
+#include "python_communicator.h"
 #include "runtime_values.h"
 #include "eplb/control/communicator.h"
 #include "eplb/core/error.h"
@@ -78,10 +79,12 @@ control::Options control_options(int rank, int size, const std::string& rendezvo
 class Runtime {
  public:
   // A member of the group from the start: joins the control group here.
+  // `collectives` (None: eplb's own control plane `control`) is the engine's group
+  // (python_communicator.h).
   Runtime(runtime::Config config, int rank, const std::string& control,
           const control::Options& options, const std::string& transport, runtime::WeightSpec spec,
           std::optional<Placement> initial, std::optional<std::string> initial_path,
-          py::object keep)
+          py::object keep, py::object collectives)
       : keep_(std::move(keep)),
         layout_(config.layout),
         dispatch_policy_(config.dispatch),
@@ -101,8 +104,9 @@ class Runtime {
       fail("the initial placement has ", start.layers, " layers but layers is ", spec.layers);
     }
     check_transport_name(transport, rank);
+    std::unique_ptr<control::Communicator> engines = engine_group(std::move(collectives), options);
     py::gil_scoped_release release;
-    comm_ = control::connect(control, options);
+    comm_ = engines ? std::move(engines) : control::connect(control, options);
     transport_ = transport::create(transport, transport::Options{.rank = rank});
     rebalancer_ = std::make_unique<runtime::Rebalancer>(std::move(config), *comm_, *transport_,
                                                         std::move(spec), std::move(start));
@@ -159,7 +163,8 @@ class Runtime {
 
   // Onto the group of `seats` (docs/elastic.md): member options.rank of options.size.
   void reconfigure(const std::vector<int32_t>& seats, const std::string& control,
-                   const control::Options& options, const std::string& transport) {
+                   const control::Options& options, const std::string& transport,
+                   py::object collectives) {
     runtime::Membership membership{seats};
     // What can be checked alone is checked before joining, as in the constructor.
     membership.validate(layout_);
@@ -170,8 +175,9 @@ class Runtime {
            ": a member keeps its seat, list it at its own position");
     }
     check_transport_name(transport, options.rank);
+    std::unique_ptr<control::Communicator> comm = engine_group(std::move(collectives), options);
     py::gil_scoped_release release;
-    std::unique_ptr<control::Communicator> comm = control::connect(control, options);
+    if (!comm) comm = control::connect(control, options);
     std::shared_ptr<transport::Transport> next =
         transport::create(transport, transport::Options{.rank = options.rank});
     try {
@@ -193,6 +199,18 @@ class Runtime {
   }
 
  private:
+  // The engine's group as eplb's communicator, or null for eplb's own (None). Built with the GIL
+  // held: it keeps a reference to the Python object.
+  static std::unique_ptr<control::Communicator> engine_group(py::object collectives,
+                                                             const control::Options& options) {
+    if (collectives.is_none()) return nullptr;
+    std::string name = py::hasattr(collectives, "backend")
+                           ? collectives.attr("backend").cast<std::string>()
+                           : std::string("python");
+    return std::make_unique<PythonCommunicator>(std::move(collectives), options.rank,
+                                                options.size, options.timeout, std::move(name));
+  }
+
   static void check_transport_name(const std::string& transport, int rank) {
     if (!transport::has_backend(transport)) {
       // create() names the built backends.
@@ -231,7 +249,7 @@ std::unique_ptr<Runtime> make_runtime(const py::dict& config, int rank, int worl
                                       int64_t layers, const std::optional<IndexArray>& initial,
                                       const std::optional<std::string>& initial_path,
                                       const std::vector<std::pair<uintptr_t, int64_t>>& engine,
-                                      py::object keep) {
+                                      py::object keep, py::object collectives) {
   if (world_size < 1) fail("world_size ", world_size, " must be at least 1");
   if (rank < 0 || rank >= world_size) {
     fail("rank ", rank, " is outside [0, ", world_size, ") (world_size ", world_size, ")");
@@ -250,7 +268,7 @@ std::unique_ptr<Runtime> make_runtime(const py::dict& config, int rank, int worl
       control_options(rank, world_size, rendezvous, group, c.timeout);
   return std::make_unique<Runtime>(std::move(c), rank, control, options, transport,
                                    std::move(spec), std::move(start), initial_path,
-                                   std::move(keep));
+                                   std::move(keep), std::move(collectives));
 }
 
 // The joining Runtime: `ranks` is the layout's (every seat, lost ones included).
@@ -267,7 +285,8 @@ std::unique_ptr<Runtime> make_joining(const py::dict& config, int seat, int rank
 
 void reconfigure(Runtime& r, int rank, int world_size, const std::vector<int32_t>& seats,
                  const std::string& control, const std::string& rendezvous,
-                 const std::string& group, const std::string& transport) {
+                 const std::string& group, const std::string& transport,
+                 py::object collectives) {
   if (world_size < 1) fail("world_size ", world_size, " must be at least 1");
   if (rank < 0 || rank >= world_size) {
     fail("rank ", rank, " is outside [0, ", world_size, ") (world_size ", world_size, ")");
@@ -278,12 +297,33 @@ void reconfigure(Runtime& r, int rank, int world_size, const std::vector<int32_t
   }
   r.reconfigure(seats, control,
                 control_options(rank, world_size, rendezvous, group, r.rb().config().timeout),
-                transport);
+                transport, std::move(collectives));
 }
 
 // What a view of the Rebalancer's memory keeps alive: the Runtime (the arena's owner, and the
 // engine's tensors) and the transports whose memory the view may show. The Runtime goes first
 // (members are destroyed in reverse order): its Rebalancer is gone before a transport it used.
+runtime::MapKind map_kind(const std::string& kind) {
+  for (const auto k : {runtime::MapKind::kPhysicalToLogical, runtime::MapKind::kLogicalToPhysical,
+                       runtime::MapKind::kReplicaCount, runtime::MapKind::kRankDispatch}) {
+    if (runtime::map_kind_name(k) == kind) return k;
+  }
+  fail("unknown map kind '", kind, "'");
+}
+
+runtime::IntTensor int_tensor(uintptr_t address, const std::string& dtype,
+                              const std::vector<int64_t>& shape,
+                              const std::vector<int64_t>& strides, const std::string& name) {
+  if (dtype != "int32" && dtype != "int64") {
+    fail(name, " has dtype ", dtype, ": eplb reads and writes int32 or int64 tensors");
+  }
+  return runtime::IntTensor{.data = reinterpret_cast<void*>(address),
+                            .type = dtype == "int32" ? runtime::IntTensor::Type::kInt32
+                                                     : runtime::IntTensor::Type::kInt64,
+                            .shape = shape,
+                            .strides = strides};
+}
+
 struct ViewOwner {
   std::vector<std::shared_ptr<transport::Transport>> transports;
   py::object runtime;
@@ -408,7 +448,7 @@ void bind_runtime(py::module_& m) {
       .def(py::init(&make_runtime), py::arg("config"), py::arg("rank"), py::arg("world_size"),
            py::arg("control"), py::arg("rendezvous"), py::arg("group"), py::arg("transport"),
            py::arg("tensors"), py::arg("layers"), py::arg("initial"), py::arg("initial_path"),
-           py::arg("engine"), py::arg("keep"))
+           py::arg("engine"), py::arg("keep"), py::arg("collectives") = py::none())
       .def_static("join", &make_joining, py::arg("config"), py::arg("seat"),
                   py::arg("ranks"), py::arg("tensors"), py::arg("layers"), py::arg("engine"),
                   py::arg("keep"))
@@ -505,7 +545,29 @@ void bind_runtime(py::module_& m) {
            })
       .def("reconfigure", &reconfigure, py::arg("rank"), py::arg("world_size"),
            py::arg("seats"), py::arg("control"), py::arg("rendezvous"), py::arg("group"),
-           py::arg("transport"))
+           py::arg("transport"), py::arg("collectives") = py::none())
+      // The engine's seams (engine_maps.h), from tensors the Python side has checked to be in
+      // host memory: (kind, name, address, dtype, shape, strides in elements) each.
+      .def("bind_maps",
+           [](Runtime& r, const std::vector<std::tuple<std::string, std::string, uintptr_t,
+                                                       std::string, std::vector<int64_t>,
+                                                       std::vector<int64_t>>>& maps) {
+             std::vector<runtime::MapBinding> bindings;
+             for (const auto& [kind, name, address, dtype, shape, strides] : maps) {
+               bindings.push_back({map_kind(kind), int_tensor(address, dtype, shape, strides, name),
+                                   name});
+             }
+             r.rb().bind_maps(std::move(bindings));
+           })
+      .def("record_pass",
+           [](Runtime& r, uintptr_t address, const std::string& dtype,
+              const std::vector<int64_t>& shape, const std::vector<int64_t>& strides,
+              const std::string& of) {
+             r.require_member("record_pass()");
+             r.rb().record_pass(int_tensor(address, dtype, shape, strides, "counts"),
+                                of == "slots" ? runtime::CountsOf::kSlots
+                                              : runtime::CountsOf::kExperts);
+           })
       .def("members", [](Runtime& r) { return r.rb().members(); })
       .def("unavailable",
            [](Runtime& r, int64_t layer) {

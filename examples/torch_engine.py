@@ -317,7 +317,22 @@ def summarize(args, results):
         "moe_ms_before": mean(before_rows, 1), "moe_ms_after": mean(after_rows, 1),
         "stall_ms_per_rebalance": stalls,
         "steps_before": [0, first], "steps_after": [after, args.steps],
+        "per_step": {"balancedness": [r[0] for r in steps], "moe_ms": [r[1] for r in steps]},
     }
+
+
+def same_steps(summary, reference):
+    """`summary`'s before and after figures over `reference`'s step ranges (EPLB off beside a
+    mode that rebalanced: the same steps, the same tokens)."""
+    out = dict(summary)
+    per = summary["per_step"]
+    for name, key in (("balancedness", "balancedness"), ("moe_ms", "moe_ms")):
+        for when in ("before", "after"):
+            lo, hi = reference[f"steps_{when}"]
+            rows = per[key][lo:hi]
+            out[f"{name}_{when}"] = float(np.mean(rows)) if rows else None
+    out["steps_before"], out["steps_after"] = reference["steps_before"], reference["steps_after"]
+    return out
 
 
 def rank_main(rank, world, args, init, out_dir):
@@ -405,6 +420,8 @@ def main(argv=None):
         if code:
             return code
         summaries.append(summary)
+    if args.compare:  # EPLB off over the steps async rebalanced around
+        summaries[0] = same_steps(summaries[0], summaries[-1])
     print_summary(args, summaries)
     return 0
 

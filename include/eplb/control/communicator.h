@@ -24,6 +24,24 @@
 // call is detected and throws InvalidArgument rather than corrupting the sequence.
 // rank(), size(), backend() and broken() may be called from any thread at any time.
 //
+// Implementing a backend (the engine's seam: an engine that has its own collectives gives them
+// to eplb instead of letting eplb build a control plane; DESIGN.md, "Embedding"). Subclass
+// Communicator with the rank and size of the group and implement the four do_* hooks below:
+//   - which thread: one at a time, never concurrently (the public calls detect misuse), from
+//     the thread of Rebalancer::connect() or reconfigure() at start-up, then from the runtime's
+//     control thread only: the engine's forward thread never calls them;
+//   - the deadline: finish by it or throw eplb::Timeout; no hook may wait without bound (a
+//     stopped peer must not hang the control thread);
+//   - failure: a peer gone or a connection broken throws eplb::IoError with a message that
+//     says what failed (and, where the backend can tell, which peer); the base class then
+//     marks the communicator broken and every later call throws IoError at once;
+//   - arguments arrive checked (sizes, root) with the deadline computed; messages get the
+//     "control <op>" prefix from the public call.
+// The collectives' order is eplb's: every rank issues the same sequence, so a group shared
+// with the engine's own collectives must not interleave with them (dedicate one to eplb).
+// The torch.distributed adapter of the Python module is one implementation
+// (python/src/python_communicator.h).
+//
 // Backends (see backend_names() for those built): inproc (ranks are threads of one process;
 // reference and test double), shm (processes of one machine, flags in POSIX shared memory),
 // gloo (TCP through Debian's gloo; rendezvous through a shared folder or Redis; connect sets

@@ -211,6 +211,49 @@ void check_slots(Rebalancer& rb, const std::vector<int32_t>& seats,
   }
 }
 
+// The engine's map tensors (vLLM's layout), bound to the Rebalancer: after every reconfigure and
+// install they must say what the tables say, lost slots left out.
+struct BoundMaps {
+  int64_t E = kExperts, P = 0, R = 0;
+  std::vector<int64_t> phy2log, log2phy, count;
+
+  void bind(Rebalancer& rb) {
+    P = rb.config().layout.physical;
+    R = P - E + 1;
+    phy2log.assign(static_cast<size_t>(kLayers * P), -7);
+    log2phy.assign(static_cast<size_t>(kLayers * E * R), -7);
+    count.assign(static_cast<size_t>(kLayers * E), -7);
+    const auto view = [](std::vector<int64_t>& v, std::vector<int64_t> shape) {
+      return IntTensor{.data = v.data(), .type = IntTensor::Type::kInt64, .shape = shape,
+                       .strides = {}};
+    };
+    rb.bind_maps({{MapKind::kPhysicalToLogical, view(phy2log, {kLayers, P}), "phy2log"},
+                  {MapKind::kLogicalToPhysical, view(log2phy, {kLayers, E, R}), "log2phy"},
+                  {MapKind::kReplicaCount, view(count, {kLayers, E}), "logcnt"}});
+  }
+
+  void check(const Rebalancer& rb, std::vector<std::string>& errors, int64_t step) const {
+    for (int64_t l = 0; l < kLayers; ++l) {
+      const routing::DispatchTables& t = rb.dispatch(l);
+      const auto row = rb.phy2log(l);
+      bool same = std::equal(row.begin(), row.end(), phy2log.begin() + l * P);
+      for (int64_t e = 0; same && e < E; ++e) {
+        const auto replicas = t.replicas(e);
+        same = count[l * E + e] == t.replica_count[e];
+        for (int64_t i = 0; same && i < R; ++i) {
+          same = log2phy[(l * E + e) * R + i] ==
+                 (i < static_cast<int64_t>(replicas.size()) ? replicas[i] : -1);
+        }
+      }
+      if (!same) {
+        errors.push_back("step " + std::to_string(step) + " layer " + std::to_string(l) +
+                         ": the engine's bound maps differ from the tables");
+        return;
+      }
+    }
+  }
+};
+
 // Skewed loads whose hot experts move every 16 steps.
 void record_loads(Rebalancer& rb, int64_t step) {
   std::vector<int64_t> counts(kExperts);
@@ -269,6 +312,8 @@ int rank_body(const Trial& t, control::MembershipBoard& board, const std::string
     fill_weights(*rb, fill_expert);
   }
   rb->fill_backup(fill_expert);
+  BoundMaps maps;
+  maps.bind(*rb);
   const auto regroup = [&](const control::MembershipBoard::View& view) {
     Group next = connect_group(rendezvous, view, seat);
     rb->reconfigure(*next.communicator, *next.transport, Membership{view.seats});
@@ -308,6 +353,7 @@ int rank_body(const Trial& t, control::MembershipBoard& board, const std::string
       ++regroups;
     }
     check_slots(*rb, group.seats, errors, step);
+    maps.check(*rb, errors, step);
     const auto h = static_cast<int64_t>(tables_hash(*rb) >> 1);
     const bool rejoined =
         !t.rejoin ||

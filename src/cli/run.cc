@@ -64,7 +64,17 @@ double tokens_per_s(const emu::RunOptions& o, double moe_ms) {
   return moe_ms > 0 ? static_cast<double>(o.ranks * o.tokens_per_rank) / (moe_ms / 1000) : 0;
 }
 
+// A figure of the "before" or "after" range, or null where the range has no step (a short run).
+nlohmann::json figure(bool has, double value) { return has ? nlohmann::json(value) : nullptr; }
+
 nlohmann::json to_json(const emu::RunOptions& o, const emu::RunResult& r) {
+  nlohmann::json lost = nlohmann::json::array();
+  for (const emu::LostRank& l : r.lost) {
+    lost.push_back({{"rank", l.rank},
+                    {"step", l.step >= 0 ? nlohmann::json(l.step) : nullptr},
+                    {"planned", l.planned},
+                    {"how", l.how}});
+  }
   nlohmann::json rebalances = nlohmann::json::array();
   for (const emu::RebalanceFigures& f : r.per_rebalance) {
     rebalances.push_back({{"trigger_step", f.trigger_step},
@@ -98,16 +108,19 @@ nlohmann::json to_json(const emu::RunOptions& o, const emu::RunResult& r) {
           {"interrupted", r.interrupted},
           {"rebalances", r.rebalances},
           {"rebalances_triggered", r.rebalances_triggered},
-          {"balancedness_before", r.balancedness_before},
-          {"balancedness_after", r.balancedness_after},
-          {"before_steps", {r.before_first, r.before_last}},
-          {"after_steps", {r.after_first, r.after_last}},
-          {"moe_ms_before", r.moe_ms_before},
-          {"moe_ms_after", r.moe_ms_after},
-          {"moe_wall_ms_before", r.moe_wall_ms_before},
-          {"moe_wall_ms_after", r.moe_wall_ms_after},
-          {"tokens_per_s_before", tokens_per_s(o, r.moe_ms_before)},
-          {"tokens_per_s_after", tokens_per_s(o, r.moe_ms_after)},
+          {"stopped", r.stopped.empty() ? nullptr : nlohmann::json(r.stopped)},
+          {"balancedness_before", figure(r.has_before(), r.balancedness_before)},
+          {"balancedness_after", figure(r.has_after(), r.balancedness_after)},
+          {"before_steps", r.has_before() ? nlohmann::json({r.before_first, r.before_last})
+                                          : nlohmann::json(nullptr)},
+          {"after_steps", r.has_after() ? nlohmann::json({r.after_first, r.after_last})
+                                        : nlohmann::json(nullptr)},
+          {"moe_ms_before", figure(r.has_before(), r.moe_ms_before)},
+          {"moe_ms_after", figure(r.has_after(), r.moe_ms_after)},
+          {"moe_wall_ms_before", figure(r.has_before(), r.moe_wall_ms_before)},
+          {"moe_wall_ms_after", figure(r.has_after(), r.moe_wall_ms_after)},
+          {"tokens_per_s_before", figure(r.has_before(), tokens_per_s(o, r.moe_ms_before))},
+          {"tokens_per_s_after", figure(r.has_after(), tokens_per_s(o, r.moe_ms_after))},
           {"dispatch", o.dispatch},
           {"bytes_moved", r.bytes_moved},
           {"bytes_local_copy", r.bytes_local_copy},
@@ -119,7 +132,9 @@ nlohmann::json to_json(const emu::RunOptions& o, const emu::RunResult& r) {
           {"outputs", r.outputs},
           {"bytes_held_per_rank", r.bytes_held},
           {"kills", r.kills},
+          {"lost", lost},
           {"rejoins", r.rejoins},
+          {"tokens_dropped", r.tokens_dropped},
           {"unavailable_steps", r.unavailable_steps},
           {"no_service_steps", r.no_service_steps},
           {"restored_bytes", r.restored_bytes},
@@ -152,31 +167,91 @@ void print_header(const RunArgs& a, const emu::Workload& w) {
              o.steps, o.interval, o.window, o.policy, o.dispatch);
 }
 
+// Why a run has no "after" steps: it ended before the split (docs/run.md, "The summary").
+std::string no_after(const emu::RunOptions& o, const emu::RunResult& r) {
+  if (r.mode == "off") {
+    return fmt::format("no \"after\": the run ended before step {} (--interval), where EPLB off "
+                       "splits it", o.interval);
+  }
+  return r.rebalances == 0
+             ? std::string("no \"after\": no rebalance completed before the run ended")
+             : std::string("no \"after\": the first rebalance ended with the run");
+}
+
 void print_result(const emu::RunOptions& o, const emu::RunResult& r) {
   fmt::print("  {:<14}{}{}\n", "mode", r.mode == "off" ? "off (no rebalancing)" : r.mode,
-             r.interrupted ? fmt::format("  (interrupted at step {})", r.steps) : "");
-  fmt::print("  {:<14}{:.3f} (steps {}-{})  ->  {:.3f} (steps {}-{})\n", "balancedness",
-             r.balancedness_before, r.before_first, r.before_last - 1, r.balancedness_after,
-             r.after_first, r.after_last - 1);
-  fmt::print(
-      "  {:<14}{:.2f} ms  ->  {:.2f} ms  (max over ranks of expert compute, CPU time, "
-      "same steps; wall {:.2f} -> {:.2f} ms)\n",
-      "MoE per step", r.moe_ms_before, r.moe_ms_after, r.moe_wall_ms_before, r.moe_wall_ms_after);
-  fmt::print("  {:<14}{:.0f}  ->  {:.0f} tokens/s  (what the slowest rank's MoE time allows)\n",
-             "throughput", tokens_per_s(o, r.moe_ms_before), tokens_per_s(o, r.moe_ms_after));
+             r.interrupted ? fmt::format("  (interrupted at step {})", r.steps)
+             : !r.stopped.empty() ? fmt::format("  (stopped after {} of {} steps)", r.steps,
+                                                o.steps)
+                                  : "");
+  // Either side of "->" may have no steps in a short run: say so rather than print figures of
+  // an empty range.
+  const auto side = [&](bool has, const std::string& text) {
+    return has ? text : std::string("none");
+  };
+  if (r.has_after()) {
+    fmt::print("  {:<14}{}  ->  {:.3f} (steps {}-{})\n", "balancedness",
+               side(r.has_before(), fmt::format("{:.3f} (steps {}-{})", r.balancedness_before,
+                                                r.before_first, r.before_last - 1)),
+               r.balancedness_after, r.after_first, r.after_last - 1);
+  } else {
+    fmt::print("  {:<14}{}  ->  {}\n", "balancedness",
+               side(r.has_before(), fmt::format("{:.3f} (steps {}-{})", r.balancedness_before,
+                                                r.before_first, r.before_last - 1)),
+               no_after(o, r));
+  }
+  if (r.has_before() && r.has_after()) {
+    fmt::print(
+        "  {:<14}{:.2f} ms  ->  {:.2f} ms  (max over ranks of expert compute, CPU time, "
+        "same steps; wall {:.2f} -> {:.2f} ms)\n",
+        "MoE per step", r.moe_ms_before, r.moe_ms_after, r.moe_wall_ms_before,
+        r.moe_wall_ms_after);
+    fmt::print("  {:<14}{:.0f}  ->  {:.0f} tokens/s  (what the slowest rank's MoE time allows)\n",
+               "throughput", tokens_per_s(o, r.moe_ms_before), tokens_per_s(o, r.moe_ms_after));
+  } else {
+    fmt::print(
+        "  {:<14}{}  ->  {}  (max over ranks of expert compute, CPU time, same steps; wall {} "
+        "-> {})\n",
+        "MoE per step", side(r.has_before(), fmt::format("{:.2f} ms", r.moe_ms_before)),
+        side(r.has_after(), fmt::format("{:.2f} ms", r.moe_ms_after)),
+        side(r.has_before(), fmt::format("{:.2f} ms", r.moe_wall_ms_before)),
+        side(r.has_after(), fmt::format("{:.2f} ms", r.moe_wall_ms_after)));
+    fmt::print("  {:<14}{}  ->  {}  (what the slowest rank's MoE time allows)\n", "throughput",
+               side(r.has_before(),
+                    fmt::format("{:.0f} tokens/s", tokens_per_s(o, r.moe_ms_before))),
+               side(r.has_after(),
+                    fmt::format("{:.0f} tokens/s", tokens_per_s(o, r.moe_ms_after))));
+  }
   fmt::print("  {:<14}{} completed ({} triggered), {} moved, {} copied locally\n", "rebalances",
              r.rebalances, r.rebalances_triggered, human_bytes(static_cast<double>(r.bytes_moved)),
              human_bytes(static_cast<double>(r.bytes_local_copy)));
   fmt::print("  {:<14}max step {:.3f} ms, total {:.3f} ms (forward thread, in step_end)\n", "stall",
              r.stall_max_ms, r.stall_total_ms);
   if (o.elastic()) {
-    fmt::print("  {:<14}{} rank lost at step {}, {} taken back{}; {} steps with some expert "
-               "unavailable, {} with no service; {} restored from the backup\n",
-               "elastic", r.kills, o.kill_at_step, r.rejoins,
-               o.rejoin_at_step >= 0 ? fmt::format(" at step {}", o.rejoin_at_step) : "",
-               r.unavailable_steps, r.no_service_steps,
+    // Every rank lost is named: the one --kill-rank ends, and any killed from outside eplb.
+    const auto one = [](const emu::LostRank& l) {
+      const std::string at =
+          l.step >= 0 ? fmt::format("at step {}", l.step) : std::string("before it joined");
+      return l.planned ? fmt::format("rank {} {} (--kill-rank)", l.rank, at)
+                       : fmt::format("{}, from outside eplb, {}", l.how, at);
+    };
+    std::string lost = fmt::format("{} rank{} lost", r.lost.size(), r.lost.size() == 1 ? "" : "s");
+    if (r.lost.size() == 1 && r.lost[0].planned && r.lost[0].step >= 0) {
+      lost += fmt::format(" at step {} (rank {}, --kill-rank)", r.lost[0].step, r.lost[0].rank);
+    } else {
+      for (size_t i = 0; i < r.lost.size(); ++i) {
+        lost += (i == 0 ? ": " : "; ") + one(r.lost[i]);
+      }
+    }
+    fmt::print("  {:<14}{}; {} taken back{}; {} steps with some expert unavailable, {} with no "
+               "service, {} top-k choices dropped (no replica); {} restored from the backup\n",
+               "elastic", lost, r.rejoins,
+               o.rejoin_at_step >= 0 && r.rejoins > 0
+                   ? fmt::format(" at step {}", o.rejoin_at_step) : "",
+               r.unavailable_steps, r.no_service_steps, r.tokens_dropped,
                human_bytes(static_cast<double>(r.restored_bytes)));
   }
+  if (!r.stopped.empty()) fmt::print("  {:<14}{}\n", "stopped", r.stopped);
   fmt::print("  {:<14}{} of {} expert outputs checked bit for bit, {} mismatches\n", "verified",
              r.verified, r.outputs, r.mismatches);
   fmt::print("  {:<14}{:.1f} s\n", "wall time", r.wall_s);
@@ -191,19 +266,25 @@ void print_compare(const emu::RunOptions& o, const std::vector<emu::RunResult>& 
     for (const auto& r : results) fmt::print("{:>14}", cell(r));
     fmt::print("\n");
   };
-  row("balancedness before",
-      [](const emu::RunResult& r) { return fmt::format("{:.3f}", r.balancedness_before); });
-  row("balancedness after",
-      [](const emu::RunResult& r) { return fmt::format("{:.3f}", r.balancedness_after); });
+  // "none" where a range has no step (a run too short for it).
+  const auto cell = [](bool has, const char* format, double value) {
+    return has ? fmt::format(fmt::runtime(format), value) : std::string("none");
+  };
+  row("balancedness before", [&](const emu::RunResult& r) {
+    return cell(r.has_before(), "{:.3f}", r.balancedness_before);
+  });
+  row("balancedness after", [&](const emu::RunResult& r) {
+    return cell(r.has_after(), "{:.3f}", r.balancedness_after);
+  });
   row("MoE ms per step before",
-      [](const emu::RunResult& r) { return fmt::format("{:.2f}", r.moe_ms_before); });
+      [&](const emu::RunResult& r) { return cell(r.has_before(), "{:.2f}", r.moe_ms_before); });
   row("MoE ms per step after",
-      [](const emu::RunResult& r) { return fmt::format("{:.2f}", r.moe_ms_after); });
+      [&](const emu::RunResult& r) { return cell(r.has_after(), "{:.2f}", r.moe_ms_after); });
   row("tokens/s before", [&](const emu::RunResult& r) {
-    return fmt::format("{:.0f}", tokens_per_s(o, r.moe_ms_before));
+    return cell(r.has_before(), "{:.0f}", tokens_per_s(o, r.moe_ms_before));
   });
   row("tokens/s after", [&](const emu::RunResult& r) {
-    return fmt::format("{:.0f}", tokens_per_s(o, r.moe_ms_after));
+    return cell(r.has_after(), "{:.0f}", tokens_per_s(o, r.moe_ms_after));
   });
   row("rebalances", [](const emu::RunResult& r) { return fmt::format("{}", r.rebalances); });
   row("bytes moved",
@@ -391,13 +472,20 @@ void run(RunArgs a) {
   }
   int64_t mismatches = 0;
   bool interrupted = false;
+  std::string stopped;  // an elastic run that could not serve every step: its summary is out
   for (const auto& r : results) {
     mismatches += r.mismatches;
     interrupted = interrupted || r.interrupted;
+    if (!r.stopped.empty()) {
+      stopped = fmt::format("the run stopped after {} of {} steps: {}", r.steps, o.steps,
+                            r.stopped);
+    }
   }
   if (mismatches > 0) {
-    fail<IoError>(mismatches, " expert outputs differ from the reference (see docs/run.md)");
+    fail<IoError>(mismatches, " expert outputs differ from the reference (see docs/run.md)",
+                  stopped.empty() ? "" : "; " + stopped);
   }
+  if (!stopped.empty()) fail<IoError>(stopped);
   if (interrupted) {
     std::fflush(stdout);
     std::_Exit(130);

@@ -160,6 +160,8 @@ void MembershipBoard::wait_ready(int32_t seat, std::chrono::milliseconds timeout
   }
 }
 
+bool is_lost(const RankExit& exit) { return exit.signal != 0 && !exit.killed_by_launcher; }
+
 std::vector<RankExit> fork_elastic(int seats,
                                    const std::function<int(int seat, bool joining)>& body,
                                    MembershipBoard& board,
@@ -245,7 +247,7 @@ std::vector<RankExit> fork_elastic(int seats,
       exits[i].signal = WIFSIGNALED(status) ? WTERMSIG(status) : 0;
       nap = std::chrono::microseconds(50);
       board.set_ready(exits[i].rank, false);  // no process of that seat waits to join now
-      if (exits[i].signal != 0) {
+      if (is_lost(exits[i])) {
         // Lost: the group goes on without it, and maybe with a new process in its seat.
         board.remove(exits[i].rank);
         if (respawn && respawn(exits[i].rank)) {
@@ -262,8 +264,15 @@ std::vector<RankExit> fork_elastic(int seats,
       }
     }
     if (!any_running) break;
+    // Only replacements waiting to join are left (the group they wait for ended, say because it
+    // stopped): nobody can add them any more.
+    bool member_running = false;
+    const MembershipBoard::View group = board.view();
+    for (size_t i = 0; i < exits.size() && !member_running; ++i) {
+      member_running = running[i] && group.has(exits[i].rank);
+    }
     const auto now = std::chrono::steady_clock::now();
-    if (now - started >= options.timeout ||
+    if (!member_running || now - started >= options.timeout ||
         (first_failure && now - *first_failure >= options.grace)) {
       kill_running();
       break;

@@ -5,7 +5,11 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdlib>
+#include <filesystem>
 #include <fstream>
+#include <sstream>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -39,12 +43,54 @@ Group connect_group(const RunOptions& options, const std::string& rendezvous,
   return g;
 }
 
+void write_report(const std::string& path, const std::string& text) {
+  const std::string temporary = path + ".part";
+  {
+    std::ofstream out(temporary);
+    out << text;
+    if (!out.flush()) fail<IoError>("cannot write the rank's report to ", temporary);
+  }
+  std::error_code ec;
+  std::filesystem::rename(temporary, path, ec);
+  if (ec) fail<IoError>("cannot rename ", temporary, " to ", path, ": ", ec.message());
+}
+
+std::vector<std::pair<int, int64_t>> test_kills_from_env(const RunOptions& options) {
+  std::vector<std::pair<int, int64_t>> kills;
+  const char* value = std::getenv("EPLB_RUN_TEST_KILL");
+  if (value == nullptr || *value == '\0') return kills;
+  const auto bad = [&] {
+    fail("EPLB_RUN_TEST_KILL='", value, "' is not SEAT:STEP[,SEAT:STEP...] with a seat in [0, ",
+         options.ranks, ") and a step in [1, ", options.steps, ") (a test's kill from outside)");
+  };
+  std::stringstream list(value);
+  std::string item;
+  while (std::getline(list, item, ',')) {
+    const size_t colon = item.find(':');
+    if (colon == std::string::npos) bad();
+    try {
+      size_t used_seat = 0, used_step = 0;
+      const int seat = std::stoi(item.substr(0, colon), &used_seat);
+      const int64_t step = std::stoll(item.substr(colon + 1), &used_step);
+      if (used_seat != colon || used_step != item.size() - colon - 1) bad();
+      if (seat < 0 || seat >= options.ranks || step < 1 || step >= options.steps) bad();
+      kills.emplace_back(seat, step);
+    } catch (const std::logic_error&) {  // stoi's invalid_argument and out_of_range
+      bad();
+    }
+  }
+  if (kills.empty()) bad();
+  return kills;
+}
+
 std::vector<control::RankExit> run_elastic_ranks(const RunOptions& options,
                                                  const Workload& workload,
                                                  const std::string& rendezvous,
                                                  const std::string& dir,
                                                  const std::atomic<int>* stop,
                                                  const control::ForkOptions& fork_options) {
+  // Parsed here, in the launcher, so that a bad value fails the run before any fork.
+  const std::vector<std::pair<int, int64_t>> outside_kills = test_kills_from_env(options);
   control::MembershipBoard board(options.ranks);
   bool respawned = false;
   const auto respawn = [&](int seat) {
@@ -58,10 +104,11 @@ std::vector<control::RankExit> run_elastic_ranks(const RunOptions& options,
         const std::string report =
             fmt::format("{}/rank{}{}.json", dir, seat, joining ? "-joined" : "");
         ElasticContext elastic{.board = &board, .rendezvous = rendezvous, .seat = seat,
-                               .joining = joining, .report_path = report};
+                               .joining = joining, .report_path = report,
+                               .outside_kills = outside_kills};
         Group group;
         if (!joining) group = connect_group(options, rendezvous, board.view(), seat);
-        std::ofstream(report) << serve(options, workload, std::move(group), &elastic, stop);
+        write_report(report, serve(options, workload, std::move(group), &elastic, stop));
         return 0;
       },
       board, respawn, fork_options);

@@ -14,8 +14,10 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <memory>
 #include <new>
 #include <nlohmann/json.hpp>
@@ -343,7 +345,7 @@ std::string serve(const RunOptions& options, const Workload& workload, Group gro
   std::vector<int64_t> own_counts(static_cast<size_t>(L * workload.experts));  // this step's
 
   std::vector<double> moe_ms, moe_wall_ms, stall_ms, balancedness;
-  std::vector<int64_t> installs;
+  std::vector<int64_t> installs, dropped;
   int64_t mismatches = 0, verified = 0, computed = 0;
   std::string first_mismatch;
   bool interrupted = false;
@@ -356,12 +358,56 @@ std::string serve(const RunOptions& options, const Workload& workload, Group gro
   int64_t no_service_steps = 0;
   int64_t step = rb.step();
   const int64_t first_step = step;
+  // Elastic runs: the seats that left the group and joined it, each with the first step served
+  // without or with it ([step, seat]), and why this process stopped before the last step (the
+  // ranks left too few to hold every expert).
+  json losses = json::array(), joins = json::array();
+  std::string stopped;
+  std::string ended;  // "killed" (--kill-rank) or "failed": a report left before the process ends
   // Moves this process onto the group of `view`: new communicators and transport, then
-  // reconfigure(); the old group's objects go only after that.
-  const auto regroup = [&](const control::MembershipBoard::View& view) {
-    Group next = connect_group(options, elastic->rendezvous, view, me);
-    rb.reconfigure(*next.communicator, *next.transport, runtime::Membership{view.seats});
-    group = std::move(next);
+  // reconfigure(); the old group's objects go only after that. Returns false, with `stopped`
+  // saying why, when the group's slots cannot hold every expert: the run stops there, on every
+  // member at the same step, since each decides from the same view (docs/elastic.md, "Lost
+  // ranks"). A group that changes again while it forms (another rank lost) is given up for the
+  // newer one.
+  const auto regroup = [&](control::MembershipBoard::View view) {
+    for (;;) {
+      std::vector<int32_t> left;
+      for (const int32_t seat : group.seats) {
+        if (!view.has(seat)) left.push_back(seat);
+      }
+      const auto live_slots = static_cast<int64_t>(view.seats.size()) * spr;
+      if (live_slots < workload.experts) {
+        for (const int32_t seat : left) losses.push_back({step, seat});
+        std::string who;
+        for (size_t i = 0; i < left.size(); ++i) {
+          who += fmt::format("{}{}", i == 0 ? "" : ", ", left[i]);
+        }
+        stopped = fmt::format(
+            "after losing rank{} {} at step {}, the {} ranks left hold {} slots per layer ({} "
+            "each), fewer than the {} experts: every expert needs a slot on a live rank",
+            left.size() == 1 ? "" : "s", who, step, view.seats.size(), live_slots, spr,
+            workload.experts);
+        return false;
+      }
+      try {
+        Group next = connect_group(options, elastic->rendezvous, view, me);
+        rb.reconfigure(*next.communicator, *next.transport, runtime::Membership{view.seats});
+        for (const int32_t seat : left) losses.push_back({step, seat});
+        for (const int32_t seat : view.seats) {
+          if (std::find(group.seats.begin(), group.seats.end(), seat) == group.seats.end()) {
+            joins.push_back({step, seat});
+          }
+        }
+        group = std::move(next);
+        return true;
+      } catch (const Error&) {
+        // reconfigure() leaves this rank as it was: try the newer group, if there is one.
+        const control::MembershipBoard::View newer = elastic->board->view();
+        if (newer.epoch <= view.epoch) throw;
+        view = newer;
+      }
+    }
   };
   // This process's report (what run_local merges); also written by the process --kill-rank
   // ends, just before it dies, so that the outputs it checked still count.
@@ -390,6 +436,11 @@ std::string serve(const RunOptions& options, const Workload& workload, Group gro
                          {"joined", joining},
                          {"no_service_steps", no_service_steps},
                          {"unavailable", unavailable_at},
+                         {"dropped", dropped},
+                         {"losses", losses},
+                         {"joins", joins},
+                         {"stopped", stopped},
+                         {"ended", ended},
                          {"steps", step},
                          {"interrupted", interrupted},
                          {"bytes_held", bytes_held},
@@ -406,11 +457,38 @@ std::string serve(const RunOptions& options, const Workload& workload, Group gro
                          {"metrics", json::parse(runtime::families_to_json(rb.collect_metrics()))}};
     return report.dump();
   };
+  // An elastic run prints the steps served even when a rank fails with an error: a process that
+  // leaves by an exception leaves its report first, where the launcher looks for it (the error
+  // itself reaches the launcher with the exit).
+  struct ReportOnError {
+    const std::function<void()> write;
+    const int exceptions = std::uncaught_exceptions();
+    ~ReportOnError() {
+      if (std::uncaught_exceptions() <= exceptions) return;
+      try {
+        write();
+      } catch (...) {  // the error that is unwinding is the one to report
+      }
+    }
+  } report_on_error{[&] {
+    if (elastic == nullptr) return;
+    ended = "failed";
+    write_report(elastic->report_path, make_report());
+  }};
   while (step < options.steps) {
     if (elastic != nullptr) {
       // --kill-rank: this seat's first process ends itself here, as a lost GPU would.
       if (!joining && me == options.kill_rank && step == options.kill_at_step) {
-        std::ofstream(elastic->report_path) << make_report();
+        ended = "killed";
+        write_report(elastic->report_path, make_report());
+        std::fflush(stdout);
+        std::fflush(stderr);
+        ::kill(::getpid(), SIGKILL);
+      }
+      // EPLB_RUN_TEST_KILL: killed as from outside, with no report left.
+      const std::pair<int, int64_t> here{me, step};
+      if (!joining && std::find(elastic->outside_kills.begin(), elastic->outside_kills.end(),
+                                here) != elastic->outside_kills.end()) {
         std::fflush(stdout);
         std::fflush(stderr);
         ::kill(::getpid(), SIGKILL);
@@ -424,7 +502,7 @@ std::string serve(const RunOptions& options, const Workload& workload, Group gro
         elastic->board->add(options.kill_rank, group.epoch);
         control::MembershipBoard::View view = elastic->board->view();
         if (view.epoch <= group.epoch) view = elastic->board->wait_newer(group.epoch, timeout);
-        regroup(view);
+        if (!regroup(view)) break;
       }
     }
     const std::vector<int32_t>& seats = group.seats;  // the senders of this step
@@ -435,6 +513,7 @@ std::string serve(const RunOptions& options, const Workload& workload, Group gro
     std::fill(step_max.begin(), step_max.end(), 0);
     std::fill(own_counts.begin(), own_counts.end(), 0);
     double sum_mean = 0, sum_max = 0;
+    int64_t step_dropped = 0;
     for (int64_t l = 0; l < L; ++l) {
       // Step 1: route every sender's tokens through this layer's tables, as each sender would.
       // Adaptive dispatch first needs the step's global count of every expert (what an engine
@@ -442,6 +521,7 @@ std::string serve(const RunOptions& options, const Workload& workload, Group gro
       // it, and each sender's tokens follow those of the lower ranks (`prefix`).
       const routing::DispatchTables& tables = rb.dispatch(l);
       std::fill(rank_load.begin(), rank_load.end(), 0);
+      int64_t layer_dropped = 0;
       for (int64_t i = 0; i < senders; ++i) {
         const int64_t first = (step * G + seats[i]) * T;
         for (int64_t t = 0; t < T; ++t) {
@@ -477,12 +557,21 @@ std::string serve(const RunOptions& options, const Workload& workload, Group gro
         }
         // -1: every replica of the expert is lost; the token goes without it.
         for (const int32_t slot : out) {
-          if (slot >= 0) ++rank_load[slot / spr];
+          if (slot >= 0) {
+            ++rank_load[slot / spr];
+          } else {
+            ++layer_dropped;
+          }
         }
       }
+      // The mean is over the members (a lost seat holds no slot that serves) and counts what
+      // reached a rank: a choice dropped for want of a replica loads no rank, and counted in the
+      // mean it would lift the balancedness above 1. The dropped ones are reported apart.
       const int64_t max_load = *std::max_element(rank_load.begin(), rank_load.end());
-      sum_mean += static_cast<double>(T * k);  // G*T*k assignments over G ranks
+      sum_mean += static_cast<double>(senders * T * k - layer_dropped) /
+                  static_cast<double>(senders);
       sum_max += static_cast<double>(max_load);
+      step_dropped += layer_dropped;
 
       // Step 2: compute the expert outputs of every (token, expert) this rank's slots received,
       // slot by slot as a grouped expert kernel does (each slot's weights are read once per
@@ -554,7 +643,10 @@ std::string serve(const RunOptions& options, const Workload& workload, Group gro
       // board names next, reconfigure, and serve the step again.
       if (elastic == nullptr) throw;
       ++no_service_steps;
-      regroup(elastic->board->wait_newer(group.epoch, std::chrono::milliseconds(options.timeout_ms)));
+      if (!regroup(elastic->board->wait_newer(group.epoch,
+                                              std::chrono::milliseconds(options.timeout_ms)))) {
+        break;
+      }
       continue;
     }
     for (int64_t l = 0; l < L; ++l) {
@@ -563,6 +655,7 @@ std::string serve(const RunOptions& options, const Workload& workload, Group gro
     }
     balancedness.push_back(step_balancedness);
     unavailable_at.push_back(some_unavailable ? 1 : 0);
+    dropped.push_back(step_dropped);
     double cpu_ns = 0, wall_ns = 0;
     for (int64_t l = 0; l < L; ++l) {
       cpu_ns += static_cast<double>(step_max[1 + l]);

@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <array>
 #include <chrono>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -26,6 +27,7 @@
 #include "emu/live_metrics.h"
 #include "emu/serve.h"
 #include "eplb/control/communicator.h"
+#include "eplb/control/elastic.h"
 #include "eplb/control/launch.h"
 #include "eplb/core/error.h"
 #include "eplb/core/hash.h"
@@ -191,23 +193,31 @@ RunResult run_local(const RunOptions& options, const Workload& workload) {
   const bool stopped = stop->load() != 0;
   ::munmap(shared, sizeof(std::atomic<int>));
 
-  // Elastic runs: the process --kill-rank ends is lost, not failed (its first one, by SIGKILL).
-  int64_t kills = 0, rejoins = 0;
-  std::vector<control::RankExit> failed;
+  // Elastic runs: one rule for a process that dies, fork_elastic's (control::is_lost): killed by
+  // a signal the launcher did not send, it is lost, whether --kill-rank or someone outside eplb
+  // killed it. A replacement the launcher ended because no group was left to add it never
+  // joined: no failure of its own.
+  std::vector<control::RankExit> lost, failed, never_joined;
+  std::vector<bool> planned;
   for (size_t i = 0; i < exits.size(); ++i) {
     const control::RankExit& e = exits[i];
     const bool replacement = options.elastic() && i >= static_cast<size_t>(options.ranks);
-    if (options.elastic() && !replacement && e.rank == options.kill_rank && e.signal == SIGKILL &&
-        !e.killed_by_launcher) {
-      ++kills;
-      continue;
+    if (options.elastic() && control::is_lost(e)) {
+      lost.push_back(e);
+      // The process --kill-rank ends leaves its report before it dies; one killed from outside
+      // has no time to.
+      planned.push_back(!replacement && e.rank == options.kill_rank &&
+                        std::filesystem::exists(fmt::format("{}/rank{}.json", dir, e.rank)));
+    } else if (replacement && e.killed_by_launcher) {
+      never_joined.push_back(e);
+    } else if (!e.ok()) {
+      failed.push_back(e);
     }
-    if (!e.ok()) failed.push_back(e);
-    if (replacement) ++rejoins;
   }
-  if (!failed.empty()) {
-    fail<IoError>(describe_failures(failed), stopped ? " (after an interrupt)" : "");
-  }
+  if (!failed.empty()) failed.insert(failed.end(), never_joined.begin(), never_joined.end());
+  const std::string failure =
+      failed.empty() ? std::string()
+                     : describe_failures(failed) + (stopped ? " (after an interrupt)" : "");
   std::vector<std::string> reports;
   for (int rank = 0; rank < options.ranks; ++rank) {
     for (const char* suffix : {"", "-joined"}) {
@@ -215,10 +225,46 @@ RunResult run_local(const RunOptions& options, const Workload& workload) {
       if (std::filesystem::exists(path)) reports.push_back(stats::read_file(path));
     }
   }
-  if (reports.empty()) fail<IoError>("eplb run: no rank left a report");
-  RunResult result = merge_reports(options, workload, reports);
-  result.kills = kills;
-  result.rejoins = rejoins;
+  // A run without --kill-rank stops at its first failure with no figures (docs/run.md); an
+  // elastic one reports the steps its ranks served before saying why it stopped.
+  // With no figures to print, the message names the ranks lost as well: a loss while the ranks
+  // start (before any step) is what their failures follow from.
+  const auto fail_without_figures = [&] {
+    std::vector<control::RankExit> all = lost;
+    all.insert(all.end(), failed.begin(), failed.end());
+    fail<IoError>(describe_failures(all), stopped ? " (after an interrupt)" : "");
+  };
+  if (!failure.empty() && !options.elastic()) fail<IoError>(failure);
+  if (reports.empty()) {
+    if (!failure.empty()) fail_without_figures();
+    fail<IoError>("eplb run: no rank left a report");
+  }
+  RunResult result;
+  try {
+    result = merge_reports(options, workload, reports);
+  } catch (const Error&) {
+    if (!failure.empty()) fail_without_figures();  // no rank served from the first step on
+    throw;
+  }
+  // Name each lost process at the step its group went on without it (the reference's record,
+  // in the order the seats were lost; a replacement lost before joining was seen by nobody).
+  std::vector<LostRank> seen = std::move(result.lost);
+  result.lost.clear();
+  for (size_t i = 0; i < lost.size(); ++i) {
+    LostRank l{.rank = lost[i].rank, .planned = planned[i], .how = lost[i].describe()};
+    const auto at = std::find_if(seen.begin(), seen.end(),
+                                 [&](const LostRank& s) { return s.rank == l.rank; });
+    if (at != seen.end()) {
+      l.step = at->step;
+      seen.erase(at);
+    }
+    result.lost.push_back(std::move(l));
+  }
+  const auto order = [](const LostRank& l) { return l.step < 0 ? INT64_MAX : l.step; };
+  std::stable_sort(result.lost.begin(), result.lost.end(),
+                   [&](const LostRank& a, const LostRank& b) { return order(a) < order(b); });
+  result.kills = static_cast<int64_t>(result.lost.size());
+  if (!failure.empty()) result.stopped = failure;
   result.wall_s = std::chrono::duration<double>(Clock::now() - start).count();
   return result;
 }

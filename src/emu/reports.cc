@@ -22,6 +22,7 @@
 #include <map>
 #include <optional>
 #include <sstream>
+#include <tuple>
 #include "emu/live_metrics.h"
 #include "emu/serve.h"
 #include "eplb/control/communicator.h"
@@ -66,16 +67,18 @@ RunResult merge_reports(const RunOptions& options, const Workload& workload,
   const auto first_of = [&](const json& rank) { return rank.value("first_step", int64_t{0}); };
   // The reference: the lowest seat that served from the first step to the last (its per-step
   // figures are those of every rank: same tables, same global loads). A process --kill-rank
-  // ended left a report of the steps before it died: it counts, but is no reference.
+  // ended, or one that failed, left a report of the steps before it ended: it counts, but is a
+  // reference only where no process that ended well served as many steps (a run that stops
+  // where --kill-rank strikes has them tie, and only the survivors saw the stop).
   size_t ref = r.size();
-  const auto steps_of = [&](const json& rank) { return rank["steps"].get<int64_t>(); };
+  const auto rank_of = [&](const json& rank) {
+    // Ended well first, then more steps, then the lower seat.
+    return std::tuple(!rank.value("ended", std::string()).empty(), -rank["steps"].get<int64_t>(),
+                      rank["rank"].get<int>());
+  };
   for (size_t i = 0; i < r.size(); ++i) {
     if (first_of(r[i]) != 0) continue;
-    if (ref == r.size() || steps_of(r[i]) > steps_of(r[ref]) ||
-        (steps_of(r[i]) == steps_of(r[ref]) &&
-         r[i]["rank"].get<int>() < r[ref]["rank"].get<int>())) {
-      ref = i;
-    }
+    if (ref == r.size() || rank_of(r[i]) < rank_of(r[ref])) ref = i;
   }
   EPLB_CHECK(ref < r.size(), "merge_reports: no rank served from the first step");
   const json& reference = r[ref];
@@ -85,6 +88,20 @@ RunResult merge_reports(const RunOptions& options, const Workload& workload,
   result.interrupted = reference["interrupted"].get<bool>();
   result.bytes_held = reference["bytes_held"].get<int64_t>();
   result.no_service_steps = reference.value("no_service_steps", int64_t{0});
+  result.stopped = reference.value("stopped", std::string());
+  // Elastic runs: the reference saw every change of the group from the first step on.
+  if (reference.contains("losses")) {
+    for (const json& loss : reference["losses"]) {
+      LostRank lost;
+      lost.rank = loss[1].get<int>();
+      lost.step = loss[0].get<int64_t>();
+      result.lost.push_back(std::move(lost));
+    }
+  }
+  if (reference.contains("joins")) {
+    result.rejoins = static_cast<int64_t>(reference["joins"].size());
+  }
+  result.kills = static_cast<int64_t>(result.lost.size());
   // Metrics: each seat's last process.
   std::map<int, size_t> last_of_seat;
   for (size_t i = 0; i < r.size(); ++i) {
@@ -107,7 +124,9 @@ RunResult merge_reports(const RunOptions& options, const Workload& workload,
     if (reference.contains("unavailable")) {
       f.unavailable = reference["unavailable"][s].get<int>() != 0;
     }
+    if (reference.contains("dropped")) f.dropped = reference["dropped"][s].get<int64_t>();
     result.unavailable_steps += f.unavailable ? 1 : 0;
+    result.tokens_dropped += f.dropped;
     for (const json& rank : r) {
       const int64_t i = s - first_of(rank);
       if (i < 0 || i >= rank["steps"].get<int64_t>() - first_of(rank)) continue;

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "eplb/control/communicator.h"
@@ -35,8 +36,22 @@ struct ElasticContext {
   std::string rendezvous;
   int seat = 0;
   bool joining = false;
-  std::string report_path;  // where the process --kill-rank ends leaves its report first
+  // Where this process leaves its report: the process --kill-rank ends, before it dies, and a
+  // process that fails with an error, before it throws, so the steps they served still count.
+  std::string report_path;
+  // Testing (EPLB_RUN_TEST_KILL, docs/elastic.md): (seat, step) pairs at which a seat's first
+  // process kills itself with SIGKILL without leaving a report, as a kill from outside eplb
+  // does, at a step of the test's choosing.
+  std::vector<std::pair<int, int64_t>> outside_kills;
 };
+
+// Writes a rank process's report whole or not at all (a temporary file renamed into place): a
+// process killed while it writes leaves no half report for the launcher to read.
+void write_report(const std::string& path, const std::string& text);
+
+// EPLB_RUN_TEST_KILL="SEAT:STEP[,SEAT:STEP...]" read for `options`; empty when unset.
+// InvalidArgument naming the variable for a malformed value or a seat or step out of the run.
+std::vector<std::pair<int, int64_t>> test_kills_from_env(const RunOptions& options);
 
 // The transport of rank `rank` of a group, for the process in `seat` (its emulated node).
 std::unique_ptr<transport::Transport> make_transport(const RunOptions& options, int rank,

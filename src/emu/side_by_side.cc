@@ -31,7 +31,8 @@ namespace {
 using nlohmann::json;
 
 json step_json(const StepFigures& s) {
-  return {s.balancedness, s.moe_ms, s.moe_wall_ms, s.stall_ms, s.installs};
+  return {s.balancedness, s.moe_ms, s.moe_wall_ms, s.stall_ms, s.installs, s.unavailable,
+          s.dropped};
 }
 
 StepFigures step_from(const json& j) {
@@ -39,7 +40,18 @@ StepFigures step_from(const json& j) {
           .moe_ms = j.at(1).get<double>(),
           .moe_wall_ms = j.at(2).get<double>(),
           .stall_ms = j.at(3).get<double>(),
-          .installs = j.at(4).get<int64_t>()};
+          .installs = j.at(4).get<int64_t>(),
+          .unavailable = j.at(5).get<bool>(),
+          .dropped = j.at(6).get<int64_t>()};
+}
+
+json lost_json(const LostRank& l) { return {l.rank, l.step, l.planned, l.how}; }
+
+LostRank lost_from(const json& j) {
+  return {.rank = j.at(0).get<int>(),
+          .step = j.at(1).get<int64_t>(),
+          .planned = j.at(2).get<bool>(),
+          .how = j.at(3).get<std::string>()};
 }
 
 json rebalance_json(const RebalanceFigures& f) {
@@ -96,8 +108,9 @@ std::string read_text(const std::string& path) {
 }  // namespace
 
 std::string result_to_json(const RunResult& r) {
-  json steps = json::array(), rebalances = json::array();
+  json steps = json::array(), rebalances = json::array(), lost = json::array();
   for (const StepFigures& s : r.per_step) steps.push_back(step_json(s));
+  for (const LostRank& l : r.lost) lost.push_back(lost_json(l));
   for (const RebalanceFigures& f : r.per_rebalance) rebalances.push_back(rebalance_json(f));
   return json{{"mode", r.mode},
               {"steps", r.steps},
@@ -112,6 +125,10 @@ std::string result_to_json(const RunResult& r) {
               {"stall", {r.stall_max_ms, r.stall_total_ms}},
               {"checks", {r.mismatches, r.verified, r.outputs}},
               {"bytes_held", r.bytes_held},
+              {"elastic", {r.kills, r.rejoins, r.unavailable_steps, r.no_service_steps,
+                           r.restored_bytes, r.tokens_dropped}},
+              {"lost", std::move(lost)},
+              {"stopped", r.stopped},
               {"wall_s", r.wall_s},
               {"metrics", r.metrics},
               {"per_step", std::move(steps)},
@@ -148,6 +165,15 @@ RunResult result_from_json(const std::string& text) {
     r.verified = j.at("checks").at(1).get<int64_t>();
     r.outputs = j.at("checks").at(2).get<int64_t>();
     r.bytes_held = j.at("bytes_held").get<int64_t>();
+    const json& elastic = j.at("elastic");
+    r.kills = elastic.at(0).get<int64_t>();
+    r.rejoins = elastic.at(1).get<int64_t>();
+    r.unavailable_steps = elastic.at(2).get<int64_t>();
+    r.no_service_steps = elastic.at(3).get<int64_t>();
+    r.restored_bytes = elastic.at(4).get<int64_t>();
+    r.tokens_dropped = elastic.at(5).get<int64_t>();
+    for (const json& l : j.at("lost")) r.lost.push_back(lost_from(l));
+    r.stopped = j.at("stopped").get<std::string>();
     r.wall_s = j.at("wall_s").get<double>();
     r.metrics = j.at("metrics").get<std::string>();
     for (const json& s : j.at("per_step")) r.per_step.push_back(step_from(s));

@@ -47,7 +47,13 @@ std::string default_load_path() {
 
 void keep_layers(Workload& w, int64_t layers) {
   if (layers < 0) fail("--layers ", layers, " must not be negative (0: every layer)");
-  if (layers == 0 || layers >= w.layers) return;
+  // More layers than the input has would be a silent clamp: the run would serve fewer layers
+  // than asked, and its figures would not be those of the model asked for.
+  if (layers > w.layers) {
+    fail("--layers ", layers, " is more than the ", w.layers, " MoE layer",
+         w.layers == 1 ? "" : "s", " of ", w.source, " (1 to ", w.layers, ", or 0: every layer)");
+  }
+  if (layers == 0 || layers == w.layers) return;
   w.routes.resize(static_cast<size_t>(layers * w.tokens * w.top_k));
   w.source += ", first " + std::to_string(layers) + " of " + std::to_string(w.layers) + " layers";
   w.layers = layers;

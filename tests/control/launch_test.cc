@@ -1,4 +1,4 @@
-// Launching ranks: fork_ranks() and the torchrun-style environment.
+// Launching ranks: fork_ranks(), fork_elastic() and the torchrun-style environment.
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/stat.h>
@@ -9,9 +9,11 @@
 #include <filesystem>
 #include <string>
 #include <stdexcept>
+#include <vector>
 
 #include "control/checks.h"
 #include "control/harness.h"
+#include "eplb/control/elastic.h"
 #include "eplb/control/launch.h"
 #include "eplb/core/error.h"
 
@@ -164,6 +166,66 @@ TEST(ControlForkRanks, StoppedRankIsKilledOnceTheOthersAreDone) {
   EXPECT_NE(exits[1].describe().find("stopped (SIGSTOP or SIGTSTP) and stopped answering"),
             std::string::npos)
       << exits[1].describe();
+}
+
+// Elastic runs have one rule for a process that dies: a signal the launcher did not send makes
+// it lost, whoever sent it and whichever signal it was; an exit code is a failure.
+TEST(ControlForkElastic, AnySignalFromOutsideIsALoss) {
+  MembershipBoard board(3);
+  const auto exits = fork_elastic(
+      3,
+      [&](int seat, bool) {
+        if (seat == 1) raise(SIGTERM);  // not the SIGKILL a planned kill uses
+        board.wait_newer(0, std::chrono::seconds(60));  // the group went on without seat 1
+        return 0;
+      },
+      board, nullptr);
+  ASSERT_EQ(exits.size(), 3u);
+  EXPECT_EQ(exits[1].signal, SIGTERM);
+  EXPECT_TRUE(is_lost(exits[1])) << exits[1].describe();
+  EXPECT_TRUE(exits[0].ok() && exits[2].ok()) << exits[0].describe() << "; " << exits[2].describe();
+  EXPECT_EQ(board.view().seats, (std::vector<int32_t>{0, 2}));
+
+  RankExit failed;
+  failed.exit_code = 1;
+  EXPECT_FALSE(is_lost(failed));
+  RankExit ended;
+  ended.signal = SIGKILL;
+  ended.killed_by_launcher = true;
+  EXPECT_FALSE(is_lost(ended));
+}
+
+// A replacement waits for a group to add it; when the group's processes have all ended (a run
+// that stopped before its rejoin step), nothing can add it any more: the launcher ends it
+// instead of waiting for the timeout.
+TEST(ControlForkElastic, ReplacementNobodyCanAddIsEnded) {
+  MembershipBoard board(2);
+  ForkOptions options;
+  options.timeout = std::chrono::minutes(10);  // far beyond the test: only the rule ends it
+  bool respawned = false;
+  const auto exits = fork_elastic(
+      2,
+      [&](int seat, bool joining) {
+        if (joining) {
+          pause();  // waits to be added, forever
+          return 0;
+        }
+        if (seat == 0) raise(SIGKILL);
+        board.wait_newer(0, std::chrono::seconds(60));
+        return 0;
+      },
+      board,
+      [&](int seat) {
+        if (seat != 0 || respawned) return false;
+        respawned = true;
+        return true;
+      },
+      options);
+  ASSERT_EQ(exits.size(), 3u);
+  EXPECT_TRUE(is_lost(exits[0])) << exits[0].describe();
+  EXPECT_TRUE(exits[1].ok()) << exits[1].describe();
+  EXPECT_EQ(exits[2].rank, 0);
+  EXPECT_TRUE(exits[2].killed_by_launcher) << exits[2].describe();
 }
 
 class ScopedEnv {

@@ -121,6 +121,30 @@ TEST(Workload, DenseLayersOfALoadFileAreLeftOutAndLayersCanBeCut) {
   std::remove(path.c_str());
 }
 
+// More layers than the input has are refused, not clamped: the run would serve fewer layers
+// than asked without a word.
+TEST(Workload, MoreLayersThanTheInputHasAreRefused) {
+  const std::string path = testing::TempDir() + "/emu_layers.json";
+  std::ofstream(path) << R"({"load": [[1, 2, 3, 4], [4, 3, 2, 1]]})";
+  Workload w = workload_from_load(path, 2, 100, 3);
+  ASSERT_EQ(w.layers, 2);
+  keep_layers(w, 2);  // exactly the input's: every layer
+  EXPECT_EQ(w.layers, 2);
+  for (const int64_t layers : {int64_t{3}, int64_t{99999999999}}) {
+    try {
+      keep_layers(w, layers);
+      ADD_FAILURE() << "--layers " << layers << " of 2 accepted";
+    } catch (const InvalidArgument& e) {
+      const std::string message = e.what();
+      EXPECT_NE(message.find("--layers " + std::to_string(layers) + " is more than the 2 MoE "
+                             "layers"), std::string::npos) << message;
+      EXPECT_NE(message.find("(1 to 2, or 0: every layer)"), std::string::npos) << message;
+    }
+  }
+  EXPECT_EQ(w.layers, 2);
+  std::remove(path.c_str());
+}
+
 TEST(Workload, BundledDeepSeekLoadsAreFound) {
   const Workload w = workload_from_load(default_load_path(), 8, 64, 1);
   EXPECT_EQ(w.layers, 58);  // 61 layers, the first 3 dense
@@ -137,7 +161,11 @@ TEST(Result, RoundTripsThroughJson) {
   r.moe_ms_after = 33.25;
   r.metrics = R"([{"name":"x"}])";
   r.per_step.push_back({.balancedness = 0.5, .moe_ms = 1.5, .moe_wall_ms = 2.5, .stall_ms = 0.25,
-                        .installs = 3});
+                        .installs = 3, .unavailable = true, .dropped = 7});
+  r.kills = 2;
+  r.tokens_dropped = 7;
+  r.lost.push_back({.rank = 5, .step = 37, .planned = false, .how = "killed by signal 9"});
+  r.stopped = "too few ranks left";
   r.per_rebalance.push_back({});
   r.per_rebalance.back().outcome = "completed";
   r.per_rebalance.back().bytes_moved = 1 << 20;
@@ -149,6 +177,16 @@ TEST(Result, RoundTripsThroughJson) {
   ASSERT_EQ(back.per_step.size(), 1u);
   EXPECT_EQ(back.per_step[0].installs, 3);
   EXPECT_DOUBLE_EQ(back.per_step[0].stall_ms, 0.25);
+  EXPECT_TRUE(back.per_step[0].unavailable);
+  EXPECT_EQ(back.per_step[0].dropped, 7);
+  EXPECT_EQ(back.kills, 2);
+  EXPECT_EQ(back.tokens_dropped, 7);
+  ASSERT_EQ(back.lost.size(), 1u);
+  EXPECT_EQ(back.lost[0].rank, 5);
+  EXPECT_EQ(back.lost[0].step, 37);
+  EXPECT_FALSE(back.lost[0].planned);
+  EXPECT_EQ(back.lost[0].how, "killed by signal 9");
+  EXPECT_EQ(back.stopped, "too few ranks left");
   ASSERT_EQ(back.per_rebalance.size(), 1u);
   EXPECT_EQ(back.per_rebalance[0].bytes_moved, 1 << 20);
   EXPECT_THROW(result_from_json("{}"), IoError);

@@ -68,12 +68,20 @@ class MembershipBoard {
   Shared* shared_ = nullptr;
 };
 
-// Forks one process per seat, body(seat, false), like fork_ranks; but a process that dies of a
-// signal (killed) does not end the run: the launcher removes its seat from `board` and, if
+// The one rule of elastic runs for a process that dies: ended by a signal the launcher did not
+// send (is_lost), it is lost, whoever sent the signal (the run's own --kill-rank, an operator's
+// kill -9, the kernel's OOM killer): the group goes on without it. Anything else that is not a
+// clean exit (an exit code, or a kill by the launcher) is a failure.
+bool is_lost(const RankExit& exit);
+
+// Forks one process per seat, body(seat, false), like fork_ranks; but a process that is lost
+// (is_lost) does not end the run: the launcher removes its seat from `board` and, if
 // respawn(seat) says so, forks a replacement at once, body(seat, true). A process that exits
 // with an error still ends the run (its peers get `grace`, then are killed), as do the timeout
-// and a launcher that dies. Returns one RankExit per process ever started, in order of start
-// (RankExit::rank is the seat), once every process has ended.
+// and a launcher that dies. A replacement still waiting to join when no process of the group
+// runs any more (the board lists none of the running processes' seats) is killed
+// (killed_by_launcher): nothing is left to add it. Returns one RankExit per process ever
+// started, in order of start (RankExit::rank is the seat), once every process has ended.
 std::vector<RankExit> fork_elastic(int seats, const std::function<int(int seat, bool joining)>& body,
                                    MembershipBoard& board,
                                    const std::function<bool(int seat)>& respawn,

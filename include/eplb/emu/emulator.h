@@ -109,6 +109,18 @@ struct StepFigures {
   double stall_ms = 0;   // max over ranks of the time in step_end
   int64_t installs = 0;  // layers installed at this step's step_end
   bool unavailable = false;  // some expert had no replica to serve it (elastic runs)
+  // Top-k choices of the step's tokens, all layers, that went to an expert with no replica
+  // (elastic runs): they reached no rank, so the balancedness leaves them out.
+  int64_t dropped = 0;
+};
+
+// A rank process an elastic run lost (docs/elastic.md, "Lost ranks").
+struct LostRank {
+  int rank = 0;        // its seat
+  int64_t step = -1;   // the first step the group served without it (or stopped at); -1: no
+                       // member saw it go (a replacement lost before it joined)
+  bool planned = false;  // the process --kill-rank ends; else killed from outside eplb
+  std::string how;       // "rank 5 (pid 4711): killed by signal 9 (Killed)"
 };
 
 struct RebalanceFigures {
@@ -135,8 +147,10 @@ struct RunResult {
   int64_t rebalances = 0;  // completed
   int64_t rebalances_triggered = 0;
   int64_t before_first = 0, before_last = 0;  // [first, last) steps measured "before"
-  int64_t after_first = 0, after_last = 0;    // and "after"
-  double balancedness_before = 0;
+  int64_t after_first = 0, after_last = 0;    // and "after"; either may be empty (a short run)
+  bool has_before() const { return before_last > before_first; }
+  bool has_after() const { return after_last > after_first; }
+  double balancedness_before = 0;  // 0 for an empty range
   double balancedness_after = 0;
   double moe_ms_before = 0;  // mean over the same steps (CPU time)
   double moe_ms_after = 0;
@@ -151,14 +165,21 @@ struct RunResult {
   int64_t verified = 0;    // expert outputs checked
   int64_t outputs = 0;     // expert outputs computed
   int64_t bytes_held = 0;  // per rank
-  // Elastic runs: rank processes lost and taken back, steps during which some expert was
-  // unavailable, steps served again because a lost rank ended them (no service), and the bytes
-  // restored from the backup copies or the loader, all ranks.
+  // Elastic runs: rank processes lost (lost.size(), planned or not) and seats taken back,
+  // steps during which some expert was unavailable, steps served again because a lost rank
+  // ended them (no service), the bytes restored from the backup copies or the loader, all ranks,
+  // and the top-k choices that went to an unavailable expert (StepFigures::dropped, summed).
   int64_t kills = 0;
   int64_t rejoins = 0;
   int64_t unavailable_steps = 0;
   int64_t no_service_steps = 0;
   int64_t restored_bytes = 0;
+  int64_t tokens_dropped = 0;
+  std::vector<LostRank> lost;  // in the order they were lost
+  // Why the run ended before its last step other than by an interrupt; empty when it did not.
+  // An elastic run stops when the ranks left cannot hold every expert, or when a rank fails
+  // with an error; the figures are those of the steps served (`steps` of them).
+  std::string stopped;
   double wall_s = 0;
   // Every rank's metric families at the end, merged (runtime::families_to_json; every sample
   // has a rank and a mode label).
@@ -180,9 +201,13 @@ RunResult merge_reports(const RunOptions& options, const Workload& workload,
                         const std::vector<std::string>& reports);
 
 // Runs the ranks as forked processes of this machine and merges their reports. A rank that
-// fails stops the run: IoError naming it (in an elastic run, the process --kill-rank ends is
-// lost, not failed). SIGINT/SIGTERM during the run stop every rank at the
-// same step; the result then says interrupted.
+// dies or fails stops the run: IoError naming it. In an elastic run (--kill-rank) a rank
+// process killed by a signal eplb did not send, whoever sent it, is lost like the one
+// --kill-rank ends (control::is_lost): the others serve on while they can hold every expert,
+// and else stop; either way the result covers the steps served, names the ranks lost
+// (RunResult::lost) and says why the run stopped early (RunResult::stopped), also when a rank
+// failed with an error (IoError only when no report was left to merge). SIGINT/SIGTERM during
+// the run stop every rank at the same step; the result then says interrupted.
 RunResult run_local(const RunOptions& options, const Workload& workload);
 
 // Runs every element of `runs` at the same time, each run_local in a process of its own, so that

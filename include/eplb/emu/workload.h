@@ -36,8 +36,8 @@ std::string default_trace_path();
 // with 1024-token inputs), found like default_trace_path.
 std::string default_load_path();
 
-// Keeps the first `layers` layers (0 or at least w.layers: all of them). InvalidArgument when
-// negative.
+// Keeps the first `layers` layers (0 or w.layers: all of them). InvalidArgument when negative
+// or above w.layers (naming the range the input allows).
 void keep_layers(Workload& w, int64_t layers);
 
 // A routing trace file (the "layer,token,experts,weights" CSV `eplb plan` reads).

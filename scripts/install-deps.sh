@@ -4,8 +4,8 @@
 set -euo pipefail
 
 packages=(
-  # build
-  cmake g++ make pkg-config
+  # build (ccache: scripts/test.sh compiles through it when present)
+  cmake g++ make pkg-config ccache
   # libraries
   libcli11-dev nlohmann-json3-dev libspdlog-dev libfmt-dev
   libucx-dev libgloo-dev libhiredis-dev libopenmpi-dev openmpi-bin

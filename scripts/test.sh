@@ -31,6 +31,14 @@ build=${1:-$default_build}
 "$root/scripts/install-deps.sh"
 
 config=(-DCMAKE_BUILD_TYPE=RelWithDebInfo)
+# A compiler cache: rebuilds, and the CUDA stage's C++ (the same sources and flags as the
+# normal build's), come from it. CCACHE_BASEDIR makes its keys independent of where the
+# checkout is, so every build folder of a clone shares it.
+if command -v ccache >/dev/null 2>&1; then
+  export CCACHE_BASEDIR=${CCACHE_BASEDIR:-$root}
+  config+=(-DCMAKE_C_COMPILER_LAUNCHER=ccache -DCMAKE_CXX_COMPILER_LAUNCHER=ccache
+           -DCMAKE_CUDA_COMPILER_LAUNCHER=ccache)
+fi
 if [ -n "$sanitize" ]; then
   config+=(-DEPLB_SANITIZE="$sanitize" -DEPLB_BUILD_BENCHMARKS=OFF)
   export ASAN_OPTIONS=${ASAN_OPTIONS:-abort_on_error=1}  # leak checking is on by default
@@ -47,7 +55,7 @@ if [ "$cuda" = 1 ]; then
   fi
   config+=(-DEPLB_WITH_CUDA=ON -DCMAKE_CUDA_COMPILER="$nvcc" -DEPLB_WITH_PYTHON=OFF)
   cmake -S "$root" -B "$build" "${config[@]}"
-  cmake --build "$build" -j"$(nproc)" --target eplb eplb_cuda_tests eplb_cuda_routing_bench \
+  cmake --build "$build" -j"$(nproc)" --target eplb_cuda_tests eplb_cuda_routing_bench \
     eplb_cuda_transport_measure
   cd "$build"
   ctest --output-on-failure -L cuda --timeout 600

@@ -89,6 +89,7 @@ nlohmann::json to_json(const emu::RunOptions& o, const emu::RunResult& r) {
                           {"repair", f.repair},
                           {"stall_total_ms", f.stall_total_ms},
                           {"stall_max_ms", f.stall_max_ms},
+                          {"stall_preempted_ms", f.stall_preempted_ms},
                           {"predicted_balancedness_before", f.predicted_before},
                           {"predicted_balancedness_after", f.predicted_after}});
   }
@@ -127,6 +128,7 @@ nlohmann::json to_json(const emu::RunOptions& o, const emu::RunResult& r) {
           {"bytes_installed", r.bytes_installed},
           {"stall_max_ms", r.stall_max_ms},
           {"stall_total_ms", r.stall_total_ms},
+          {"stall_preempted_ms", r.stall_preempted_ms},
           {"mismatches", r.mismatches},
           {"verified", r.verified},
           {"outputs", r.outputs},
@@ -225,8 +227,9 @@ void print_result(const emu::RunOptions& o, const emu::RunResult& r) {
   fmt::print("  {:<14}{} completed ({} triggered), {} moved, {} copied locally\n", "rebalances",
              r.rebalances, r.rebalances_triggered, human_bytes(static_cast<double>(r.bytes_moved)),
              human_bytes(static_cast<double>(r.bytes_local_copy)));
-  fmt::print("  {:<14}max step {:.3f} ms, total {:.3f} ms (forward thread, in step_end)\n", "stall",
-             r.stall_max_ms, r.stall_total_ms);
+  fmt::print("  {:<14}max step {:.3f} ms, total {:.3f} ms (forward thread, in step_end; {:.3f} "
+             "ms more waiting for a core)\n", "stall", r.stall_max_ms, r.stall_total_ms,
+             r.stall_preempted_ms);
   if (o.elastic()) {
     // Every rank lost is named: the one --kill-rank ends, and any killed from outside eplb.
     const auto one = [](const emu::LostRank& l) {

@@ -27,6 +27,7 @@
 
 #include "emu/live_metrics.h"
 #include "emu/serve.h"
+#include "runtime/cpu_wait.h"
 #include "eplb/control/communicator.h"
 #include "eplb/control/launch.h"
 #include "eplb/core/error.h"
@@ -428,6 +429,7 @@ std::string serve(const RunOptions& options, const Workload& workload, Group gro
                          {"index", r.index},
                          {"stall_total_ms", r.stall_total_ms},
                          {"stall_max_ms", r.stall_max_ms},
+                         {"stall_preempted_ms", r.stall_preempted_ms},
                          {"balancedness_before", r.balancedness_before},
                          {"balancedness_after", r.balancedness_after}});
     }
@@ -665,9 +667,16 @@ std::string serve(const RunOptions& options, const Workload& workload, Group gro
     moe_wall_ms.push_back(wall_ns / 1e6);
 
     const int64_t installed = rb.installed_layers();
+    // The step's stall as the runtime counts it: step_end's time less its waits for a core.
     const auto start = Clock::now();
+    const int64_t waited = runtime::run_queue_wait_ns();
     rb.step_end();
-    stall_ms.push_back(ms_since(start));
+    const double wall = ms_since(start);
+    const int64_t waited_after = waited >= 0 ? runtime::run_queue_wait_ns() : -1;
+    stall_ms.push_back(
+        waited_after >= waited
+            ? wall - std::min(wall, static_cast<double>(waited_after - waited) / 1e6)
+            : wall);
     installs.push_back(rb.installed_layers() - installed);
     if (snapshots) snapshots->maybe_write(rb);
     if (progress) {

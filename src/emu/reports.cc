@@ -162,6 +162,8 @@ RunResult merge_reports(const RunOptions& options, const Workload& workload,
         f.bytes_restored += mine.value("bytes_restored", int64_t{0});
         f.stall_total_ms = std::max(f.stall_total_ms, mine["stall_total_ms"].get<double>());
         f.stall_max_ms = std::max(f.stall_max_ms, mine["stall_max_ms"].get<double>());
+        f.stall_preempted_ms =
+            std::max(f.stall_preempted_ms, mine.value("stall_preempted_ms", 0.0));
       }
     }
     ++result.rebalances_triggered;
@@ -174,6 +176,7 @@ RunResult merge_reports(const RunOptions& options, const Workload& workload,
     result.restored_bytes += f.bytes_restored;
     result.stall_total_ms += f.stall_total_ms;
     result.stall_max_ms = std::max(result.stall_max_ms, f.stall_max_ms);
+    result.stall_preempted_ms += f.stall_preempted_ms;
     result.per_rebalance.push_back(f);
   }
 

@@ -65,6 +65,7 @@ json rebalance_json(const RebalanceFigures& f) {
           {"bytes_installed", f.bytes_installed},
           {"stall_total_ms", f.stall_total_ms},
           {"stall_max_ms", f.stall_max_ms},
+          {"stall_preempted_ms", f.stall_preempted_ms},
           {"predicted_before", f.predicted_before},
           {"predicted_after", f.predicted_after}};
 }
@@ -81,6 +82,7 @@ RebalanceFigures rebalance_from(const json& j) {
   f.bytes_installed = j.at("bytes_installed").get<int64_t>();
   f.stall_total_ms = j.at("stall_total_ms").get<double>();
   f.stall_max_ms = j.at("stall_max_ms").get<double>();
+  f.stall_preempted_ms = j.at("stall_preempted_ms").get<double>();
   f.predicted_before = j.at("predicted_before").get<double>();
   f.predicted_after = j.at("predicted_after").get<double>();
   return f;
@@ -122,7 +124,7 @@ std::string result_to_json(const RunResult& r) {
               {"moe_ms", {r.moe_ms_before, r.moe_ms_after}},
               {"moe_wall_ms", {r.moe_wall_ms_before, r.moe_wall_ms_after}},
               {"bytes", {r.bytes_moved, r.bytes_local_copy, r.bytes_installed}},
-              {"stall", {r.stall_max_ms, r.stall_total_ms}},
+              {"stall", {r.stall_max_ms, r.stall_total_ms, r.stall_preempted_ms}},
               {"checks", {r.mismatches, r.verified, r.outputs}},
               {"bytes_held", r.bytes_held},
               {"elastic", {r.kills, r.rejoins, r.unavailable_steps, r.no_service_steps,
@@ -161,6 +163,7 @@ RunResult result_from_json(const std::string& text) {
     r.bytes_installed = j.at("bytes").at(2).get<int64_t>();
     r.stall_max_ms = j.at("stall").at(0).get<double>();
     r.stall_total_ms = j.at("stall").at(1).get<double>();
+    r.stall_preempted_ms = j.at("stall").at(2).get<double>();
     r.mismatches = j.at("checks").at(0).get<int64_t>();
     r.verified = j.at("checks").at(1).get<int64_t>();
     r.outputs = j.at("checks").at(2).get<int64_t>();

@@ -136,6 +136,7 @@ struct RebalanceFigures {
   bool repair = false;          // started by a reconfigure (elastic runs)
   double stall_total_ms = 0;    // max over ranks
   double stall_max_ms = 0;      // max over ranks
+  double stall_preempted_ms = 0;  // max over ranks: waits for a core, left out of the stall
   double predicted_before = 0;
   double predicted_after = 0;
 };
@@ -161,6 +162,7 @@ struct RunResult {
   int64_t bytes_installed = 0;  // written into live weights by installs, all ranks
   double stall_max_ms = 0;
   double stall_total_ms = 0;
+  double stall_preempted_ms = 0;  // the time step_end waited for a core (not in the stall)
   int64_t mismatches = 0;
   int64_t verified = 0;    // expert outputs checked
   int64_t outputs = 0;     // expert outputs computed

@@ -31,6 +31,7 @@
 #include "eplb/control/communicator.h"
 #include "eplb/core/error.h"
 #include "eplb/routing/dispatch.h"
+#include "eplb/runtime/initial_placement.h"
 #include "eplb/runtime/rebalancer.h"
 #include "eplb/stats/load_file.h"
 #include "eplb/transport/registry.h"

@@ -5,6 +5,7 @@
 
 #include "eplb/core/error.h"
 #include "eplb/placement/policy.h"
+#include "eplb/runtime/initial_placement.h"
 #include "eplb/runtime/rebalancer.h"
 #include "eplb/stats/load_file.h"
 #include "eplb/stats/placement_file.h"

@@ -21,6 +21,7 @@
 #include "eplb/stats/recorder.h"
 #include "eplb/transport/registry.h"
 #include "eplb/transport/transport.h"
+#include "eplb/runtime/initial_placement.h"
 #include "runtime/harness.h"
 #include "runtime/scenarios.h"
 

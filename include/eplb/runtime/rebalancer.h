@@ -19,35 +19,21 @@
 // to the caller, must outlive the Rebalancer (or its shutdown()), and must not be used by
 // anyone else in between.
 //
-// Weights. The engine's own tensors (WeightSpec::engine), which eplb registers with the
-// transport and installs into by copying only the slots whose expert changes (one staging
-// layer beside them); or an arena eplb allocates, for a server with no weights of its own.
-// The arena holds layers + 1 layer buffers of [tensors][slots_per_rank][expert_bytes];
-// the extra one is the staging buffer. By default (Install::kSwap) a layer is installed by
-// swapping its buffer with the staging buffer, so weights(layer, tensor) is, like
-// dispatch(layer), valid until the next step_end(): an engine re-reads both after every step_end
-// (or at least after each step whose installed_layers() changed). With Install::kCopy the staged
-// bytes are copied into the live buffer instead and weights() never moves (what captured CUDA
-// graphs need). Where the arena is device memory (a transport with capabilities().device_memory)
-// weights() spans carry device addresses; an Installer orders installs with the engine's queued
-// device work (eplb/cuda/installer.h).
+// Weights: the engine's own tensors, or an arena eplb allocates (config.h, WeightSpec).
 
-#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
-#include <limits>
-#include <map>
 #include <memory>
 #include <span>
 #include <string>
-#include <string_view>
 #include <vector>
 
 #include "eplb/core/types.h"
-#include "eplb/placement/policy.h"
 #include "eplb/routing/dispatch.h"
+#include "eplb/runtime/config.h"
 #include "eplb/runtime/engine_maps.h"
+#include "eplb/runtime/record.h"
 #include "eplb/stats/load_file.h"
 
 namespace prometheus {
@@ -62,223 +48,6 @@ class Transport;
 }
 
 namespace eplb::runtime {
-
-enum class Mode { kAsync, kSync };
-// "async" | "sync"; else InvalidArgument listing them.
-Mode parse_mode(std::string_view name);
-std::string_view mode_name(Mode mode);
-
-// Where the per-step agreement of an async rebalance runs (DESIGN.md, "The runtime protocol",
-// step 4). The window all-reduce at a trigger always runs on eplb's control plane.
-enum class Agreement {
-  kInternal,  // an all-reduce (min) of one value per step on the control thread
-  kExternal,  // the engine carries agreement_contribution() on a collective it already runs
-              // every step and hands the minimum in with agreement_result()
-};
-// "internal" | "external"; else InvalidArgument listing them.
-Agreement parse_agreement(std::string_view name);
-std::string_view agreement_name(Agreement agreement);
-
-// agreement_contribution() at a step where no rebalance runs: the identity of min, so an
-// engine can carry a value at every step without asking whether one is needed.
-inline constexpr int64_t kNoAgreement = std::numeric_limits<int64_t>::max();
-
-// How a staged layer becomes live.
-enum class Install {
-  kSwap,  // the staging buffer and the live one trade places: O(1), weights() moves
-  kCopy,  // the staged bytes are copied into the live buffer: weights() never moves
-};
-// "swap" | "copy"; else InvalidArgument listing them.
-Install parse_install(std::string_view name);
-std::string_view install_name(Install install);
-
-// Puts installs in order with work the engine has queued but not yet run (a CUDA stream), so
-// that no byte the engine may still read is overwritten. Without one (Config::installer null)
-// the engine is assumed to have finished with the weights when it calls step_end(), as a CPU
-// forward pass has, and kCopy copies with memcpy.
-//
-// Threads: copy() and mark() are called on the forward thread inside step_end(); wait_marked()
-// on the thread that stages the next layer (the worker; the forward thread in sync mode), and
-// on the control thread before it contributes this rank's window at a trigger (peers then
-// read the live buffers), never concurrently with mark(). copy() and mark() must not fail in
-// practice: one that throws stops the process (the rank's weights could no longer be trusted).
-class Installer {
- public:
-  virtual ~Installer() = default;
-  // Install::kCopy: copies `bytes` from the staging buffer `src` to the live buffer `dst`,
-  // after the engine's work queued so far (may only enqueue the copy).
-  virtual void copy(void* dst, const void* src, std::size_t bytes) = 0;
-  // After each install: marks the point of the engine's work after which the bytes an install
-  // replaced (kSwap: the old live buffer, now staging; kCopy: the staging buffer it copied)
-  // are no longer read.
-  virtual void mark() = 0;
-  // Returns once the engine's work has passed the last mark(); Timeout after `timeout`.
-  virtual void wait_marked(std::chrono::milliseconds timeout) = 0;
-};
-
-enum class OnError { kLog, kRaise };
-OnError parse_on_error(std::string_view name);  // "log" | "raise"
-
-// Where the test-only delay hook is called (Config::delay_hook).
-enum class DelayPoint {
-  kPlacement,  // worker, before computing the placement
-  kRead,       // worker (forward thread in sync mode), before posting each round of reads
-  kControl,    // control thread, before each collective
-  kInstall,    // forward thread, inside step_end(), before each layer install (must not throw)
-};
-
-enum class Outcome {
-  kCompleted,  // every moved layer installed on every rank
-  kSkipped,    // predicted gain below min_gain, or nothing to move
-  kFailed,     // abandoned on every rank at the same step (see RebalanceRecord::error)
-  kCancelled,  // shutdown() came while it ran
-};
-std::string_view outcome_name(Outcome outcome);
-
-// What one rebalance did, as seen from this rank. Every rank records the same trigger_step,
-// end_step, outcome and (for the same load) the same plan figures; timings are this rank's.
-// A rebalance that failed before every rank had its plan records no plan figures.
-struct RebalanceRecord {
-  int64_t index = 0;         // 0, 1, ... in order of triggering
-  int64_t trigger_step = 0;  // step() when it was triggered
-  int64_t end_step = 0;      // step() when it ended (installed, skipped or abandoned)
-  Outcome outcome = Outcome::kCompleted;
-  std::string error;         // why it failed or was skipped; empty when completed
-  double placement_ms = 0;   // placement + plan + tables on the worker
-  double balancedness_before = 0;  // predicted on the window's load, current placement
-  double balancedness_after = 0;   // predicted on the window's load, new placement
-  int64_t layers_moved = 0;        // layers whose slots change
-  int64_t layers_installed = 0;
-  int64_t slots_moved = 0;         // slots whose expert changes, all ranks
-  int64_t bytes_intra_node = 0;    // remote reads of all ranks, moved layers
-  int64_t bytes_inter_node = 0;
-  int64_t bytes_local_copy = 0;
-  int64_t rounds = 0;              // read rounds, summed over moved layers
-  int64_t bytes_installed = 0;     // bytes this rank's installs wrote into live weights
-  int64_t bytes_restored = 0;      // bytes this rank restored from a backup (host copy or loader)
-  bool repair = false;             // triggered by reconfigure(): lost or empty slots to fill
-  int64_t steps = 0;               // end_step - trigger_step
-  double seconds = 0;              // wall time from trigger to end on this rank
-  double stall_total_ms = 0;       // this rank's forward thread in step_end, steps of this
-  double stall_max_ms = 0;         //   rebalance (trigger to end, both included): sum, max;
-                                   //   less the time it waited for a core (below)
-  double stall_preempted_ms = 0;   // time in those step_ends the forward thread was runnable
-                                   //   but the OS ran other threads (Linux; 0 elsewhere)
-};
-
-// The expert weights of one MoE layer: one or more tensors (gate_up, down, scales, ...), each
-// [slots_per_rank][expert_bytes] on every rank. Every layer has the same tensors.
-struct TensorSpec {
-  std::string name;
-  int64_t expert_bytes = 0;  // bytes of one expert of this tensor
-};
-
-// Where the engine keeps one tensor of one layer: this rank's slots of it, slot j at
-// base + j * stride (docs/runtime.md, "Embedding with the engine's own weights").
-struct TensorMemory {
-  void* base = nullptr;
-  int64_t stride = 0;  // bytes from one slot to the next, >= the tensor's expert_bytes; 0: those
-};
-
-struct WeightSpec {
-  int64_t layers = 0;
-  std::vector<TensorSpec> tensors;
-  // The engine's own tensors, [layers][tensors] (layer-major), or empty for an arena eplb
-  // allocates. With them eplb allocates one staging layer only, registers these with the
-  // transport (peers read them in place), and installs by copying into them the slots whose
-  // expert changes: weights() is these tensors, at addresses that never change. Host memory,
-  // or device memory where the transport's capabilities().device_memory; every rank must give
-  // the same strides. The memory stays the engine's and must outlive the Rebalancer.
-  std::vector<TensorMemory> engine = {};
-
-  bool engine_weights() const { return !engine.empty(); }
-  const TensorMemory& memory(int64_t layer, int64_t tensor) const {
-    return engine[static_cast<size_t>(layer) * tensors.size() + static_cast<size_t>(tensor)];
-  }
-  int64_t stride(int64_t layer, int64_t tensor) const;  // resolved (never 0)
-  int64_t expert_bytes() const;  // sum over tensors: bytes that move with one expert
-  void validate() const;         // InvalidArgument naming the bad value
-};
-
-// Where an expert comes from when every slot that held it was on a lost rank (DESIGN.md, "The
-// runtime protocol", step 7; docs/elastic.md). Both are optional; with neither, a rank loss that
-// takes the last replica of an expert cannot be repaired (reconfigure's repair then fails,
-// naming the expert).
-struct Backup {
-  // Host copies of every expert of every layer kept across the ranks, each on a different rank
-  // (on different nodes while there are nodes enough): each rank holds about
-  // copies * experts / ranks experts of every layer (backup_bytes()), filled by fill_backup()
-  // after connect(). A repair reads a lost expert from a live rank's copy (its own first, then
-  // one on its node), one-sided like any read. 0: none. Host-memory transports only.
-  int64_t copies = 0;
-  // Reads expert `expert` of `layer`, tensor `tensor`, into `bytes` (this rank's staging, host
-  // memory): from the checkpoint, say. Called on the worker thread (the forward thread in sync
-  // mode), only for an expert that no live slot and no live copy holds. Empty: none.
-  std::function<void(int64_t layer, int64_t tensor, int32_t expert, std::span<std::byte> bytes)>
-      loader;
-};
-
-// Who serves after a reconfigure(): the seat (the rank of the layout) of each member of the new
-// group, by its rank in the new communicator and transport. Seats of the layout that are not
-// listed are lost: nothing is placed on them or routed to them until a member takes them back.
-struct Membership {
-  std::vector<int32_t> seats;  // [new group size], distinct, each in [0, layout.ranks)
-
-  // The identity: every seat of the layout, member g in seat g.
-  static Membership all(int64_t ranks);
-  // InvalidArgument naming the bad seat or size.
-  void validate(const Layout& layout) const;
-};
-
-// The largest lag and timeout Config takes.
-inline constexpr int64_t kMaxLag = 1024;
-inline constexpr std::chrono::milliseconds kMaxTimeout{24LL * 3600 * 1000};
-
-struct Config {
-  Layout layout;               // experts, physical, ranks (= communicator size), nodes, groups
-  int64_t interval = 100;      // a rebalance is triggered at steps that are multiples of this
-  int64_t window = 100;        // steps of load history the placement sees
-  placement::Policy policy = placement::Policy::kSticky;
-  bool hierarchical = false;   // pack groups to nodes first
-  double tolerance = 0.01;     // sticky: accepted balancedness loss against balanced
-  bool thorough = false;       // balanced / sticky: thorough counts at two slots per rank
-  double min_gain = 0;         // skip when predicted balancedness gain is smaller than this
-  int64_t lag = 2;             // agreement of step s is acted on at step s + lag, in [1, kMaxLag]
-  std::chrono::milliseconds timeout{30'000};  // every collective and every batch of reads
-  Mode mode = Mode::kAsync;
-  Agreement agreement = Agreement::kInternal;  // kExternal needs mode kAsync
-  int64_t peers_per_round = 1;  // read schedule: peers per rank per round
-  routing::DispatchPolicy dispatch = routing::DispatchPolicy::kStatic;
-  OnError on_error = OnError::kLog;
-  Install install = Install::kSwap;
-  std::shared_ptr<Installer> installer;  // null: host memory, see Installer
-  // Called on the forward thread, inside step_end(), when a rebalance fails (on every rank).
-  std::function<void(const RebalanceRecord&)> on_failure;
-  // Metrics (docs/runtime.md, "Metrics"): registered in `registry` when the engine passes the
-  // one it serves, else in one of the Rebalancer's own; every metric carries the label
-  // rank="<rank>" and `metric_labels` (say, a model name). Rebalancers sharing a registry need
-  // labels that tell them apart (the constructor refuses the same ones twice); a Rebalancer's
-  // metrics leave the registry when it is destroyed.
-  std::shared_ptr<prometheus::Registry> registry;
-  std::map<std::string, std::string> metric_labels;
-  // Watchdog: a rebalance in flight that makes no progress (no phase change, no layer read or
-  // installed) for this long logs a warning naming the phase, the layer and the ranks it waits
-  // for where it knows them, and again at most this often; 0 turns it off.
-  std::chrono::milliseconds stall_warn{10'000};
-  // Every this many steps the recorded window's balancedness under the placement in force is
-  // measured off the forward thread, logged and exported; 0: every `interval` steps; -1:
-  // never. It shares the window of a rebalance triggered at that step, skips a step with one
-  // in flight, and else adds one all-reduce of the window on the control thread.
-  int64_t balancedness_period = 0;
-  // Elastic serving: where lost experts are restored from.
-  Backup backup;
-  // Testing: called at each DelayPoint, from the thread named there (so it must be
-  // thread-safe). It may sleep; at kPlacement and kRead it may also throw, which fails the
-  // rebalance as a worker error would. It must not throw at kControl.
-  std::function<void(DelayPoint)> delay_hook;
-
-  void validate() const;  // InvalidArgument naming the bad value and the rule
-};
 
 class Rebalancer {
  public:
@@ -428,15 +197,6 @@ class Rebalancer {
   class Impl;
   std::unique_ptr<Impl> impl_;
 };
-
-// Start from any placement (all validated against `layout`, InvalidArgument naming the
-// mismatch):
-//   a placement file, eplb's or SGLang's physical_to_logical_map;
-Placement placement_from_file(const std::string& path, const Layout& layout);
-//   a load file (any format stats::read_load reads), placed with the configured policy
-//   (sticky starts from the trivial placement);
-Placement placement_from_load(const std::string& path, const Config& config);
-//   or the trivial one: eplb::trivial_placement (core/types.h).
 
 // Fills this rank's slots of every layer by calling fill(layer, tensor, expert, bytes) for
 // each (layer, tensor, local slot), `expert` being the slot's logical expert now. For tests,

@@ -36,7 +36,7 @@ struct BenchRuntimeArgs {
   bool verbose = false;
   // --threads: the ranks are threads, the invariants are checked at every step, and random
   // delays (seeded) are put into the fake forward pass, before step_end and into the runtime's
-  // own threads (Config::delay_hook).
+  // own threads (RebalancerTesting::set_delay_hook, runtime/testing.h).
   bool threads = false;
   uint64_t seed = 0;
   int64_t max_delay_us = 200;

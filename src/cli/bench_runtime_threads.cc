@@ -53,6 +53,7 @@
 #include "eplb/stats/recorder.h"
 #include "eplb/transport/registry.h"
 #include "eplb/transport/transport.h"
+#include "runtime/testing.h"
 
 namespace eplb::cli {
 namespace {
@@ -292,7 +293,7 @@ void run_rank(RunState& run, int rank) {
     std::atomic<uint64_t> at[4] = {};  // [DelayPoint]
   };
   auto drawn = std::make_shared<Drawn>();
-  config.delay_hook = [drawn, seed = args.seed, rank,
+  const auto delays = [drawn, seed = args.seed, rank,
                        max_us = args.max_delay_us](runtime::DelayPoint point) {
     const auto where = static_cast<uint64_t>(point);
     const uint64_t n = drawn->at[where].fetch_add(1, std::memory_order_relaxed);
@@ -303,6 +304,7 @@ void run_rank(RunState& run, int rank) {
   const runtime::WeightSpec spec = weight_spec(args, own);
   runtime::Rebalancer rb(config, comm, *transport, spec,
                          trivial_placement(args.layers, run.experts, config.layout.physical));
+  runtime::RebalancerTesting::set_delay_hook(rb, delays);
   me.bytes_held = rb.connect();
   runtime::fill_weights(rb, [](int64_t l, int64_t, int32_t e, std::span<std::byte> bytes) {
     fill_pattern(bytes, l, e);

@@ -210,7 +210,7 @@ StageContext Rebalancer::Impl::stage_context(const std::atomic<bool>* cancel, in
   context.layout = &config_.layout;
   context.rank = rank_;
   context.timeout = config_.timeout;
-  context.delay_hook = &config_.delay_hook;
+  context.delay_hook = &delay_hook_;
   context.cancel = cancel;
   context.installer = config_.installer.get();
   context.device_memory = transport_->capabilities().device_memory;
@@ -252,7 +252,7 @@ void Rebalancer::Impl::run_job(Active& a) {
     const std::vector<int64_t> window = std::move(result).take();
     if (cancelled()) return;
     progress_.note(a.index, Phase::kPlacement);
-    if (config_.delay_hook) config_.delay_hook(DelayPoint::kPlacement);
+    if (delay_hook_) delay_hook_(DelayPoint::kPlacement);
     a.plan = make_plan(window, a.current_phy2log, config_, spec_.expert_bytes(), a.elastic);
     progress_.note(a.index, Phase::kAgreeing);
     a.progress.store(1, std::memory_order_release);

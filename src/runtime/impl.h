@@ -33,6 +33,7 @@
 #include "runtime/metrics.h"
 #include "runtime/monitor.h"
 #include "runtime/plan.h"
+#include "runtime/testing.h"
 
 namespace eplb::runtime {
 
@@ -80,6 +81,8 @@ struct PendingAgreement {
 // values, never the exception object, cross to another thread (failure.h).
 
 class Rebalancer::Impl {
+  friend class RebalancerTesting;  // the delay hook (testing.h)
+
  public:
   Impl(Config config, control::Communicator& communicator, transport::Transport& transport,
        WeightSpec spec, const Placement& initial);
@@ -290,6 +293,8 @@ class Rebalancer::Impl {
   // Immutable after construction / connect(), or replaced by reconfigure() on the forward
   // thread while the worker is idle and no control thread runs.
   const Config config_;
+  // RebalancerTesting::set_delay_hook (testing.h): set before any runtime thread starts.
+  std::function<void(DelayPoint)> delay_hook_;
   control::Communicator* comm_ = nullptr;
   transport::Transport* transport_ = nullptr;
   const WeightSpec spec_;

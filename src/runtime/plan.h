@@ -14,6 +14,7 @@
 #include "eplb/migration/migration.h"
 #include "eplb/routing/dispatch.h"
 #include "eplb/runtime/rebalancer.h"
+#include "runtime/testing.h"
 #include "runtime/arena.h"
 #include "runtime/backup.h"
 #include "runtime/monitor.h"

@@ -507,7 +507,7 @@ void Rebalancer::Impl::publish_open() {
 
 void Rebalancer::Impl::install(RebalancePlan& plan, int64_t k) {
   const int64_t layer = plan.moved_layers[k];
-  if (config_.delay_hook) config_.delay_hook(DelayPoint::kInstall);
+  if (delay_hook_) delay_hook_(DelayPoint::kInstall);
   if (spec_.engine_weights()) {
     install_into_engine(plan, k);
   } else if (swaps()) {
@@ -676,5 +676,10 @@ std::string Rebalancer::metrics_text() const {
 }
 const Config& Rebalancer::config() const { return impl_->config(); }
 const WeightSpec& Rebalancer::weight_spec() const { return impl_->weight_spec(); }
+
+void RebalancerTesting::set_delay_hook(Rebalancer& rebalancer,
+                                       std::function<void(DelayPoint)> hook) {
+  rebalancer.impl_->delay_hook_ = std::move(hook);
+}
 
 }  // namespace eplb::runtime

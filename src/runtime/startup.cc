@@ -173,7 +173,7 @@ int64_t Rebalancer::Impl::connect() {
 
 void Rebalancer::Impl::start_control_thread() {
   control_ = std::make_unique<ControlThread>(
-      *comm_, [this] { if (config_.delay_hook) config_.delay_hook(DelayPoint::kControl); },
+      *comm_, [this] { if (delay_hook_) delay_hook_(DelayPoint::kControl); },
       make_background_thread);
 }
 

@@ -37,7 +37,7 @@ void Rebalancer::Impl::step_end_sync() {
   std::optional<Failure> local;
   progress_.note(open_->index, Phase::kPlacement);
   try {
-    if (config_.delay_hook) config_.delay_hook(DelayPoint::kPlacement);
+    if (delay_hook_) delay_hook_(DelayPoint::kPlacement);
     plan = make_plan(window, phy2log_, config_, spec_.expert_bytes(), elastic_inputs());
   } catch (...) {
     local = Failure::current();

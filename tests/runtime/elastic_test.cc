@@ -35,6 +35,7 @@
 #include "eplb/transport/registry.h"
 #include "eplb/transport/transport.h"
 #include "runtime/harness.h"
+#include "runtime/testing.h"
 
 namespace eplb::runtime {
 namespace {
@@ -272,7 +273,7 @@ int rank_body(const Trial& t, control::MembershipBoard& board, const std::string
   Config config = trial_config(t);
   std::atomic<bool> armed{false};
   const bool victim = !joining && seat == t.kill_seat;
-  config.delay_hook = [&armed, victim, point = t.point, delays = t.delays,
+  const std::function<void(DelayPoint)> hook = [&armed, victim, point = t.point, delays = t.delays,
                        seed = t.seed](DelayPoint p) {
     const bool match = (point == KillAt::kPlacement && p == DelayPoint::kPlacement) ||
                        (point == KillAt::kRead && p == DelayPoint::kRead) ||
@@ -298,6 +299,7 @@ int rank_body(const Trial& t, control::MembershipBoard& board, const std::string
   std::unique_ptr<Rebalancer> rb;
   if (joining) {
     rb = std::make_unique<Rebalancer>(config, spec, seat);
+    RebalancerTesting::set_delay_hook(*rb, hook);
     board.set_ready(seat, true);
     control::MembershipBoard::View view = board.view();
     while (!view.has(seat)) view = board.wait_newer(view.epoch, std::chrono::seconds(60));
@@ -308,6 +310,7 @@ int rank_body(const Trial& t, control::MembershipBoard& board, const std::string
     rb = std::make_unique<Rebalancer>(config, *group.communicator, *group.transport, spec,
                                       trivial_placement(kLayers, kExperts,
                                                         config.layout.physical));
+    RebalancerTesting::set_delay_hook(*rb, hook);
     rb->connect();
     fill_weights(*rb, fill_expert);
   }

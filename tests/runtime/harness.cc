@@ -27,6 +27,7 @@
 #include "eplb/stats/load_file.h"
 #include "eplb/transport/registry.h"
 #include "eplb/transport/transport.h"
+#include "runtime/testing.h"
 
 namespace eplb::runtime::testing {
 namespace {
@@ -577,7 +578,7 @@ RankResult run_rank(const Scenario& s, int rank, const std::string& rendezvous,
   Config config = s.config;
   if (s.carrier != Carrier::kControl) config.agreement = Agreement::kExternal;
   auto hook = std::make_shared<DelayHook>(s, rank);
-  config.delay_hook = [hook](DelayPoint p) { (*hook)(p); };
+  const std::function<void(DelayPoint)> delays = [hook](DelayPoint p) { (*hook)(p); };
   const Placement initial = trivial_placement(s.weights.layers, config.layout.experts,
                                               config.layout.physical);
   std::shared_ptr<CountingInstaller> installer;
@@ -618,6 +619,7 @@ RankResult run_rank(const Scenario& s, int rank, const std::string& rendezvous,
     return true;
   };
   Rebalancer rb(config, *comm, transport, spec, initial);
+  RebalancerTesting::set_delay_hook(rb, delays);
   const int64_t held = rb.connect();
   // With Install::kCopy, or the engine's own tensors, the weights never move.
   std::vector<const std::byte*> addresses;

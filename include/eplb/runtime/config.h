@@ -60,14 +60,6 @@ std::string_view install_name(Install install);
 enum class OnError { kLog, kRaise };
 OnError parse_on_error(std::string_view name);  // "log" | "raise"
 
-// Where the test-only delay hook is called (Config::delay_hook).
-enum class DelayPoint {
-  kPlacement,  // worker, before computing the placement
-  kRead,       // worker (forward thread in sync mode), before posting each round of reads
-  kControl,    // control thread, before each collective
-  kInstall,    // forward thread, inside step_end(), before each layer install (must not throw)
-};
-
 // Weights. The engine's own tensors (WeightSpec::engine), which eplb registers with the
 // transport and installs into by copying only the slots whose expert changes (one staging
 // layer beside them); or an arena eplb allocates, for a server with no weights of its own.
@@ -187,10 +179,6 @@ struct Config {
   int64_t balancedness_period = 0;
   // Elastic serving: where lost experts are restored from.
   Backup backup;
-  // Testing: called at each DelayPoint, from the thread named there (so it must be
-  // thread-safe). It may sleep; at kPlacement and kRead it may also throw, which fails the
-  // rebalance as a worker error would. It must not throw at kControl.
-  std::function<void(DelayPoint)> delay_hook;
 
   void validate() const;  // InvalidArgument naming the bad value and the rule
 };

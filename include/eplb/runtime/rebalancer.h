@@ -194,6 +194,7 @@ class Rebalancer {
   const WeightSpec& weight_spec() const;
 
  private:
+  friend class RebalancerTesting;  // test hooks: src/runtime/testing.h
   class Impl;
   std::unique_ptr<Impl> impl_;
 };

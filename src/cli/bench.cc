@@ -263,12 +263,24 @@ void run_bench_placement(BenchPlacementArgs args) {
     args.nodes = found->nodes;
     args.groups = found->groups;
   }
-  if (args.layers < 1) fail("--layers ", args.layers, " must be at least 1");
+  // The shape is checked before lognormal loads are sized by it (a file's loads are already
+  // bounded by the file).
+  if (args.load_path.empty()) {
+    if (args.layers < 1 || args.layers > kMaxLayers) {
+      fail("--layers ", args.layers, " is outside [1, ", kMaxLayers, "] (MoE layers)");
+    }
+    const Layout given{.experts = args.experts, .physical = args.physical, .ranks = args.ranks,
+                       .nodes = args.nodes, .groups = args.groups};
+    given.validate();
+  }
   std::mt19937_64 rng(args.seed);
   // Real loads (say SGLang's statistics of DeepSeek-V3, dense layers included) or lognormal ones.
   const LoadMatrix load = args.load_path.empty()
                               ? lognormal_load(args.layers, args.experts, 1.0, rng)
                               : stats::read_load(args.load_path);
+  // The loads' own checks (a layer's sum among them) before sticky derives a drifted copy, so
+  // that a bad file is named as such.
+  load.validate();
   const Layout layout{.experts = load.experts, .physical = args.physical, .ranks = args.ranks,
                       .nodes = args.nodes, .groups = args.groups};
   layout.validate();

@@ -46,18 +46,33 @@ void LoadMatrix::validate() const {
   if (layers <= 0 || experts <= 0) {
     fail("load matrix is empty (", layers, " layers x ", experts, " experts)");
   }
+  if (layers > kMaxLayers || experts > kMaxExperts) {
+    fail("load matrix has ", layers, " layers x ", experts, " experts; eplb supports at most ",
+         kMaxLayers, " layers and ", kMaxExperts, " experts per layer");
+  }
   if (values.size() != static_cast<size_t>(layers * experts)) {
     fail("load matrix holds ", values.size(), " values, expected ", layers, " x ", experts);
   }
   for (int64_t l = 0; l < layers; ++l) {
+    double total = 0;
     for (int64_t e = 0; e < experts; ++e) {
       const double v = at(l, e);
       if (!std::isfinite(v) || v < 0) {
         fail("load of layer ", l, " expert ", e, " is ", v,
              " (loads must be finite and non-negative)");
       }
+      total += v;
     }
+    check_layer_total(l, total);
   }
+}
+
+void check_layer_total(int64_t layer, double total, std::string_view context) {
+  if (total <= kMaxLayerLoad) return;  // false for NaN too
+  fail("the loads of layer ", layer, context, " sum to ", total,
+       std::isinf(total) ? " (past the largest double)" : "", ", above ", kMaxLayerLoad,
+       ", the most one layer's loads may sum to (the deepseek policy computes in float32, as its "
+       "reference does, and would overflow): scale the loads down");
 }
 
 void Placement::derive_from_phy2log() {

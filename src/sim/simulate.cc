@@ -74,14 +74,24 @@ void check_options(const stats::LoadHistory& history, const SimOptions& options)
 // Bad loads (negative, NaN, infinite) are caught on the passes that read the history anyway,
 // elementwise so that those passes still vectorize: `least` keeps the least value seen of each
 // (layer, expert) (0 until a negative one), and a NaN or infinite load leaves its sum NaN or
-// infinite. A check of a sum and `least` after each pass costs a layer x experts loop.
+// infinite. A check of a sum and `least` after each pass costs a layer x experts loop. A layer
+// whose sum passes kMaxLayerLoad is refused here, naming the steps, rather than by the policy
+// (which would name a layer only) or not at all (the scored steps' sums feed only the bound,
+// whose arithmetic would overflow into NaN).
 void check_sum(const stats::LoadHistory& history, int64_t begin, int64_t end, const LoadMatrix& sum,
                const std::vector<double>& least) {
   bool ok = true;
   for (size_t i = 0; i < least.size(); ++i) {
     ok &= least[i] >= 0 && sum.values[i] <= std::numeric_limits<double>::max();
   }
-  if (ok) return;
+  if (ok) {
+    for (int64_t l = 0; l < sum.layers; ++l) {
+      double total = 0;
+      for (const double v : sum.row(l)) total += v;
+      check_layer_total(l, total, eplb::detail::concat(" over steps [", begin, ", ", end, ")"));
+    }
+    return;
+  }
   for (int64_t s = begin; s < end; ++s) {
     const double* step = history.step(s);
     for (int64_t i = 0; i < history.layers * history.experts; ++i) {
@@ -200,6 +210,18 @@ const LoadMatrix& spread_load(const stats::LoadHistory& history, int64_t begin, 
     const double mean = sums.values[i] / steps;
     const double variance = std::max(0.0, out.values[i] / steps - mean * mean);
     out.values[i] = sums.values[i] + z * steps * std::sqrt(variance);
+  }
+  // The sums were checked (check_sum): past the bound now, it is the spread that put them there,
+  // and the message says so rather than blaming the loads.
+  for (int64_t l = 0; l < out.layers; ++l) {
+    double total = 0;
+    for (const double v : out.row(l)) total += v;
+    if (!(total <= kMaxLayerLoad)) {
+      fail("spread ", z, " (--spread) takes the load placed from steps [", begin, ", ", end,
+           ") of layer ", l, " to ", total, ", above ", kMaxLayerLoad,
+           ", the most one layer's loads may sum to: give a smaller spread (a few standard "
+           "deviations)");
+    }
   }
   return out;
 }

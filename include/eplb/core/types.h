@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace eplb {
@@ -18,6 +19,17 @@ inline constexpr int64_t kMaxPhysical = int64_t{1} << 20;  // physical slots per
 inline constexpr int64_t kMaxRanks = int64_t{1} << 16;     // ranks (and so nodes)
 inline constexpr int64_t kMaxLayers = int64_t{1} << 16;    // MoE layers
 inline constexpr int64_t kMaxSteps = int64_t{1} << 40;     // an interval or a window, in steps
+
+// The most the loads of one layer may sum to. Loads are token counts, far below it: past it a
+// load is corrupt data or needs scaling down. The deepseek policy computes in float32 as the
+// public reference does (whose largest number is 3.4e38), and balanced compares layers with
+// deepseek's: at most 1e38 a layer, every float32 sum of a layer's loads (a group, a rank's
+// replicas) stays finite with room for rounding, and every figure computed in double (rank
+// loads, means, bounds, balancedness) is far from overflowing into inf or NaN.
+inline constexpr double kMaxLayerLoad = 1e38;
+// Loads are doubles, which hold every integer up to 2^53 exactly and round some above it: load
+// files refuse a count written as an integer above this rather than change it.
+inline constexpr int64_t kMaxExactLoad = int64_t{1} << 53;
 
 // The shape of one expert-parallel deployment. Slot p lives on rank p / slots_per_rank();
 // rank g lives on node g / ranks_per_node(); experts [k*E/groups, (k+1)*E/groups) form group k.
@@ -61,8 +73,10 @@ struct LoadMatrix {
   double& at(int64_t layer, int64_t expert) { return values[layer * experts + expert]; }
   double at(int64_t layer, int64_t expert) const { return values[layer * experts + expert]; }
 
-  // Throws InvalidArgument on an empty matrix, a size mismatch, or a negative / non-finite load
-  // (naming its layer and expert).
+  // Throws InvalidArgument on an empty matrix, more than kMaxLayers layers, a size mismatch, a
+  // negative / non-finite load (naming its layer and expert), or a layer whose loads sum past
+  // kMaxLayerLoad (naming the layer and the sum). Every policy, the metrics and the simulator
+  // call it, so no load past it reaches a computation that would overflow.
   void validate() const;
 };
 
@@ -110,6 +124,10 @@ struct Placement {
   // violation.
   void validate() const;
 };
+
+// Throws InvalidArgument unless `total`, the sum of the loads of layer `layer`, is at most
+// kMaxLayerLoad; `context` follows the layer in the message (" over steps [0, 4)").
+void check_layer_total(int64_t layer, double total, std::string_view context = {});
 
 // The trivial placement: slot p holds expert p mod E (what engines start with).
 Placement trivial_placement(int64_t layers, int64_t experts, int64_t physical);

@@ -2,6 +2,10 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <limits>
+#include <string>
+
 #include "eplb/core/error.h"
 
 namespace eplb {
@@ -54,6 +58,45 @@ TEST(LoadMatrix, RejectsNegativeAndNonFinite) {
   m.at(1, 2) = std::numeric_limits<double>::quiet_NaN();
   EXPECT_THROW(m.validate(), InvalidArgument);
   EXPECT_THROW(LoadMatrix().validate(), InvalidArgument);
+}
+
+// Every value finite, but the layer's sum is not (or is past what float32, in which the
+// deepseek policy computes, holds): refused with the layer and the sum, before any policy would
+// turn it into NaN or an internal check.
+TEST(LoadMatrix, RejectsALayerWhoseSumOverflows) {
+  LoadMatrix m(2, 8);
+  std::fill(m.values.begin(), m.values.begin() + 8, 1.0);
+  std::fill(m.values.begin() + 8, m.values.end(), 1e308);
+  try {
+    m.validate();
+    FAIL() << "a layer summing to inf was accepted";
+  } catch (const InvalidArgument& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("the loads of layer 1 sum to inf"), std::string::npos) << what;
+    EXPECT_NE(what.find("above 1e+38"), std::string::npos) << what;
+  }
+  // Finite in double, past float32's largest (3.4e38).
+  std::fill(m.values.begin() + 8, m.values.end(), 5e37);
+  try {
+    m.validate();
+    FAIL() << "a layer summing to 4e38 was accepted";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("the loads of layer 1 sum to 4e+38"), std::string::npos)
+        << e.what();
+  }
+  // At the bound: taken.
+  std::fill(m.values.begin() + 8, m.values.end(), kMaxLayerLoad / 8);
+  EXPECT_NO_THROW(m.validate());
+}
+
+TEST(LoadMatrix, RejectsMoreLayersThanSupported) {
+  LoadMatrix m(kMaxLayers + 1, 1);
+  try {
+    m.validate();
+    FAIL() << "65537 layers accepted";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("65537 layers"), std::string::npos) << e.what();
+  }
 }
 
 TEST(Placement, TrivialIsValidAndDerivesLog2phy) {

@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# User errors found by a probe of the CLI: option parse errors, loads whose layer sum overflows,
+# a spread that overflows good loads, a bench shape past the limits, counts a double cannot
+# hold. Each must end with one "eplb: error: ..." line naming the option or the value, exit 2,
+# never CLI11's own exit codes, an internal check or NaN; --help and --version still exit 0.
+# Usage: user_errors_test.sh <eplb binary> <source dir>
+set -u
+eplb=$1
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+failures=0
+fail() { echo "FAIL: $*"; failures=$((failures + 1)); }
+
+# expect_error NAME PATTERN COMMAND...: exit 2, one "eplb: error:" message matching PATTERN
+# (grep -E), no internal check text, no NaN on either stream.
+expect_error() {
+  local name=$1 pattern=$2
+  shift 2
+  timeout 120 "$@" >"$tmp/out" 2>"$tmp/err"
+  local rc=$?
+  if [ $rc -ne 2 ]; then
+    fail "$name: exit $rc (expected 2): $(head -c 300 "$tmp/err")"
+  elif ! grep -q "^eplb: error: " "$tmp/err" || grep -qE "internal error|heap.empty|\[.* at src/" "$tmp/err"; then
+    fail "$name: not one clear error: $(head -c 300 "$tmp/err")"
+  elif grep -qi "nan" "$tmp/out"; then
+    fail "$name: NaN in the output: $(head -c 300 "$tmp/out")"
+  elif ! grep -qE -- "$pattern" "$tmp/err"; then
+    fail "$name: message does not match '$pattern': $(head -c 300 "$tmp/err")"
+  fi
+}
+
+cd "$tmp" || exit 1
+
+# Option parse errors: the CLI's prefix and exit status, the option named.
+expect_error steps-abc "--steps abc is not an integer; see 'eplb run --help'" "$eplb" run --steps abc
+expect_error metrics-port "--metrics-port 99999999999 is out of the range" \
+  "$eplb" run --metrics-port 99999999999
+expect_error unknown-flag "unexpected argument --no-such-flag for 'eplb run'" \
+  "$eplb" run --no-such-flag
+expect_error convert-no-input "input is required; see 'eplb convert --help'" "$eplb" convert
+expect_error spread-no-value "--spread needs a value \(a number\)" "$eplb" simulate --spread
+expect_error unknown-command "unknown command 'nope' \(expected plan, " "$eplb" nope
+expect_error no-command "'eplb' needs a command" "$eplb"
+"$eplb" --help >"$tmp/out" 2>"$tmp/err" && grep -q "Usage:" "$tmp/out" \
+  || fail "--help: exit $?: $(head -c 200 "$tmp/err")"
+"$eplb" run --help >"$tmp/out" 2>"$tmp/err" && grep -q -- "--steps" "$tmp/out" \
+  || fail "run --help: $(head -c 200 "$tmp/err")"
+"$eplb" --version >"$tmp/out" 2>"$tmp/err" && [ -s "$tmp/out" ] || fail "--version: exit $?"
+
+# Loads each finite, whose layer sums past what eplb takes: every policy and every verb that
+# places refuses them naming the layer and the sum.
+echo '{"load": [[1e308,1e308,1e308,1e308,1e308,1e308,1e308,1e308]]}' >big.json
+echo '{"load": [[1,1,1,1,1,1,1,1]]}' >one.json
+"$eplb" plan --load one.json --ranks 2 --redundant 2 -o previous.json >/dev/null || fail "plan one.json"
+for policy in balanced sticky deepseek; do
+  expect_error "overflow-$policy" "the loads of layer 0 sum to inf .*above 1e\+38" \
+    "$eplb" plan --load big.json --ranks 2 --redundant 2 --policy $policy --previous previous.json
+done
+expect_error overflow-bench "the loads of layer 0 sum to inf" \
+  "$eplb" bench placement --load big.json --physical 10 --ranks 2 --nodes 1 --groups 1 --repeat 1
+expect_error overflow-bench-sticky "the loads of layer 0 sum to inf" \
+  "$eplb" bench placement --load big.json --physical 10 --ranks 2 --nodes 1 --groups 1 \
+  --repeat 1 --policy sticky
+# Finite in double but past float32, in which deepseek computes.
+echo '{"load": [[1e38,1e38,1e38,1e38,1e38,1e38,1e38,1e38]]}' >float32.json
+expect_error overflow-float32 "the loads of layer 0 sum to 8e\+38, above 1e\+38" \
+  "$eplb" plan --load float32.json --ranks 2 --redundant 2 --policy deepseek
+
+# --spread that takes good loads past the bound is named, not the loads.
+{
+  printf '{"load_history": ['
+  for s in $(seq 0 11); do
+    [ "$s" -gt 0 ] && printf ','
+    printf '{"logical_expert_load": [[%s,1,2,3,4,5,6,7]]}' $((s % 2))
+  done
+  printf ']}'
+} >steps.json
+expect_error spread "spread 1e\+308 \(--spread\) takes the load" \
+  "$eplb" simulate --ranks 2 --redundant 2 --interval 4 --window 4 --load-history steps.json \
+  --spread 1e308
+"$eplb" simulate --ranks 2 --redundant 2 --interval 4 --window 4 --load-history steps.json \
+  --spread 2 >/dev/null 2>"$tmp/err" || fail "simulate --spread 2: $(head -c 300 "$tmp/err")"
+
+# The bench's shape is checked before its loads are sized.
+expect_error bench-layers "--layers 100000 is outside \[1, 65536\]" \
+  "$eplb" bench placement --layers 100000 --repeat 1
+expect_error bench-experts "experts 100000000 is outside \[1, 65536\]" \
+  "$eplb" bench placement --experts 100000000 --repeat 1
+
+# Integer counts stay exact or are refused.
+echo '{"load": [[9223372036854775807,1,2,3]]}' >int64.json
+expect_error convert-int64 "load\[0\]\[0\] is 9223372036854775807, above 9007199254740992 \(2\^53\)" \
+  "$eplb" convert int64.json --to eplb
+echo '{"load": [[9007199254740992,1,2,3]]}' >exact.json
+out=$("$eplb" convert exact.json --to csv 2>"$tmp/err") || fail "convert 2^53: $(head -c 300 "$tmp/err")"
+[ "$out" = "9007199254740992,1,2,3" ] || fail "convert 2^53 wrote '$out'"
+
+[ $failures -eq 0 ] && echo "user errors: all checks passed"
+exit $((failures > 0))

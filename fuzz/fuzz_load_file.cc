@@ -1,5 +1,5 @@
-// parse_load_history with format detection, then the invariants of a LoadHistory and a round
-// trip through eplb's writer.
+// parse_load_history with format detection, then the invariants of a LoadHistory and round
+// trips through eplb's writers (eplb's format, and CSV's sum of the steps).
 
 #include <cmath>
 #include <cstddef>
@@ -54,6 +54,14 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
                        back.experts == history.experts && back.values == history.values);
     } catch (const eplb::InvalidArgument&) {
       EPLB_FUZZ_ASSERT(!"a written history did not read back");
+    }
+    // CSV holds the steps' sum: it reads back exactly, or is refused (a sum past the largest
+    // double, or a sum of integer counts past 2^53 that a double may have rounded).
+    try {
+      const LoadHistory csv =
+          parse_load_history(format_load(history, LoadFormat::kCsv), {}, "<csv round trip>");
+      EPLB_FUZZ_ASSERT(csv.values == sum.values);
+    } catch (const eplb::InvalidArgument&) {
     }
   }
   return 0;

@@ -37,6 +37,13 @@ constexpr detail::RowLimit kLoadRowLimit{
     .most = kMaxExperts, .what = "eplb supports at most 65536 experts per layer"};
 static_assert(kMaxExperts == 65536, "kLoadRowLimit's message");
 
+// An integer count above kMaxExactLoad is refused rather than rounded (core/types.h).
+constexpr detail::IntegerLimit kLoadIntegerLimit{
+    .most = static_cast<uint64_t>(kMaxExactLoad),
+    .what = " (2^53), the largest integer a double holds exactly; eplb holds loads as doubles "
+            "and would round it"};
+static_assert(kMaxExactLoad == int64_t{1} << 53, "kLoadIntegerLimit's message");
+
 constexpr std::array<std::string_view, 6> kFormatNames = {"auto", "eplb",  "sglang",
                                                           "vllm", "csv",   "trace"};
 
@@ -79,6 +86,17 @@ const char* parse_load_value(std::string_view field, double& out) {
   if (ec != std::errc() || ptr != digits.data() + digits.size()) return "is not a number";
   if (!std::isfinite(out)) return "is not finite (loads must be finite, non-negative numbers)";
   if (out < 0) return "is negative (loads must be non-negative)";
+  // A count written as an integer is compared exactly (the double may have rounded it down to
+  // the bound): above kMaxExactLoad it is refused, not rounded.
+  if (out >= static_cast<double>(kMaxExactLoad) &&
+      digits.find_first_not_of("0123456789") == std::string_view::npos) {
+    uint64_t exact = 0;
+    const auto [end, error] = std::from_chars(digits.data(), digits.data() + digits.size(), exact);
+    if (error != std::errc() || exact > static_cast<uint64_t>(kMaxExactLoad)) {
+      return "is an integer above 9007199254740992 (2^53), the largest integer a double holds "
+             "exactly; eplb holds loads as doubles and would round it";
+    }
+  }
   out += 0.0;  // -0 -> +0
   return nullptr;
 }
@@ -512,10 +530,16 @@ void check_shape(const LoadHistory& history) {
              " does not match its ", history.values.size(), " values");
 }
 
+// The shortest text that reads back as `v`. Above kMaxExactLoad in scientific notation: the
+// shortest text of such a double can be all digits (9223372036854775808), which would claim an
+// exact integer count the double does not hold, and which the readers refuse.
 void append_number(std::string& out, double v) {
   if (!std::isfinite(v)) fail("cannot write the load ", v, " (loads must be finite)");
   char buf[32];
-  const auto [ptr, ec] = std::to_chars(buf, buf + sizeof(buf), v);
+  const auto [ptr, ec] =
+      v > static_cast<double>(kMaxExactLoad)
+          ? std::to_chars(buf, buf + sizeof(buf), v, std::chars_format::scientific)
+          : std::to_chars(buf, buf + sizeof(buf), v);
   out.append(buf, ptr);
 }
 
@@ -573,6 +597,30 @@ std::string format_load_vllm(const LoadHistory& history) {
 std::string format_load_csv(const LoadHistory& history) {
   check_shape(history);
   const LoadMatrix sum = history.sum();
+  // A sum of integer counts past kMaxExactLoad may have been rounded (even down to it): refused,
+  // since the steps it came from can be written exactly in the formats that keep them. The
+  // exact sum of counts (each at most 2^53) is taken until it passes 2^53, so it fits 64 bits.
+  // Loads written as decimals or above 2^53 (1e20) are floats, summed as such.
+  if (history.steps > 1) {
+    constexpr auto kExact = static_cast<double>(kMaxExactLoad);
+    for (size_t i = 0; i < sum.values.size(); ++i) {
+      if (!(sum.values[i] >= kExact)) continue;
+      bool counts = true;
+      uint64_t exact = 0;
+      for (int64_t s = 0; s < history.steps && counts; ++s) {
+        const double v = history.step(s)[i];
+        counts = v == std::floor(v) && v <= kExact;
+        if (counts) exact += static_cast<uint64_t>(v);
+        if (exact > static_cast<uint64_t>(kMaxExactLoad)) break;
+      }
+      if (counts && exact > static_cast<uint64_t>(kMaxExactLoad)) {
+        fail("the counts of layer ", static_cast<int64_t>(i) / sum.experts, " expert ",
+             static_cast<int64_t>(i) % sum.experts, " sum over ", history.steps,
+             " steps past 9007199254740992 (2^53), the largest integer a double holds exactly: "
+             "csv would hold their rounded sum; write eplb, sglang or vllm, which keep the steps");
+      }
+    }
+  }
   std::string out;
   out.reserve(static_cast<size_t>(sum.values.size() * 4 + 64));
   for (int64_t l = 0; l < sum.layers; ++l) {
@@ -616,7 +664,8 @@ LoadFormat detect_load_format(std::string_view content) {
   const std::string_view body = body_of(content);
   if (body.empty()) fail("the input is empty");
   if (looks_like_json(body)) {
-    return json_format(detail::parse_json(content, "<input>", kLoadRowLimit), "<input>");
+    return json_format(detail::parse_json(content, "<input>", kLoadRowLimit, kLoadIntegerLimit),
+                       "<input>");
   }
   return is_trace_header(first_line(body)) ? LoadFormat::kTrace : LoadFormat::kCsv;
 }
@@ -639,7 +688,7 @@ LoadHistory parse_load_history(std::string_view content, const LoadReadOptions& 
                            format == LoadFormat::kVllm);
   if (json) {
     // Whole: byte offsets are the file's.
-    const Json doc = detail::parse_json(content, source, kLoadRowLimit);
+    const Json doc = detail::parse_json(content, source, kLoadRowLimit, kLoadIntegerLimit);
     if (format == LoadFormat::kAuto) format = json_format(doc, source);
     out = parse_json_loads(doc, format, source);
   } else {

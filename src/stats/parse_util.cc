@@ -35,11 +35,36 @@ bool contains_nocase(std::string_view haystack, std::string_view needle) {
 
 }  // namespace
 
+// nlohmann's DOM builder with a callback, which also keeps the text of a number it read as a
+// float although it is written as an integer (digits only: one too long for 64 bits), for the
+// callback (RowCounter) to refuse it with its path: it is called for that value right after.
+class IntegerAwareBuilder : public nlohmann::detail::json_sax_dom_callback_parser<Json> {
+ public:
+  IntegerAwareBuilder(Json& result, Json::parser_callback_t on_event, std::string& long_integer)
+      : json_sax_dom_callback_parser(result, std::move(on_event), true),
+        long_integer_(long_integer) {}
+
+  // Hides the base's: nlohmann's parser is a template over the builder's type.
+  bool number_float(double value, const std::string& text) {
+    long_integer_.clear();
+    if (!text.empty() && text.find_first_not_of("0123456789") == std::string::npos) {
+      long_integer_ = text;
+    }
+    return json_sax_dom_callback_parser::number_float(value, text);
+  }
+
+ private:
+  std::string& long_integer_;
+};
+
 // Counts the numbers of every open array while nlohmann's parser runs (its callback sees
-// every event in document order) and throws once one passes the limit.
+// every event in document order) and throws once one passes the limit, or once an array holds
+// an integer above `integers`.
 class RowCounter {
  public:
-  RowCounter(std::string_view source, RowLimit limit) : source_(source), limit_(limit) {}
+  RowCounter(std::string_view source, RowLimit limit, IntegerLimit integers,
+             const std::string* long_integer)
+      : source_(source), limit_(limit), integers_(integers), long_integer_(long_integer) {}
 
   bool operator()(int /*depth*/, Json::parse_event_t event, Json& parsed) {
     switch (event) {
@@ -59,16 +84,31 @@ class RowCounter {
       case Json::parse_event_t::value:
         if (open_.empty()) break;
         ++open_.back().index;
-        if (open_.back().array && parsed.is_number() && ++open_.back().numbers > limit_.most) {
+        if (!open_.back().array || !parsed.is_number()) break;
+        if (limit_.most > 0 && ++open_.back().numbers > limit_.most) {
           fail(source_, ": ", path(), " holds more than ", limit_.most, " numbers; ",
                limit_.what);
         }
+        if (integers_.most > 0) check_integer(parsed);
         break;
     }
     return true;
   }
 
  private:
+  void check_integer(const Json& parsed) const {
+    std::string written;
+    if (parsed.is_number_unsigned() && parsed.get<uint64_t>() > integers_.most) {
+      written = std::to_string(parsed.get<uint64_t>());
+    } else if (parsed.is_number_float() && long_integer_ != nullptr && !long_integer_->empty()) {
+      written = *long_integer_;
+    }
+    if (written.empty()) return;
+    fail(source_, ": ", path(), "[", open_.back().index, "] is ",
+         written.size() > 40 ? written.substr(0, 40) + "..." : written, ", above ",
+         integers_.most, integers_.what);
+  }
+
   struct Open {
     bool array = false;
     int64_t index = -1;  // of the element being parsed
@@ -90,14 +130,25 @@ class RowCounter {
 
   std::string_view source_;
   RowLimit limit_;
+  IntegerLimit integers_;
+  const std::string* long_integer_;  // IntegerAwareBuilder's, or null
   std::vector<Open> open_;
   std::string pending_key_;
 };
 
-Json parse_json(std::string_view content, std::string_view source, RowLimit limit) {
+Json parse_json(std::string_view content, std::string_view source, RowLimit limit,
+                IntegerLimit integers) {
   try {
+    if (integers.most > 0) {
+      Json result;
+      std::string long_integer;
+      IntegerAwareBuilder builder(result, RowCounter(source, limit, integers, &long_integer),
+                                  long_integer);
+      Json::sax_parse(content.begin(), content.end(), &builder);
+      return result;
+    }
     if (limit.most > 0) {
-      return Json::parse(content.begin(), content.end(), RowCounter(source, limit));
+      return Json::parse(content.begin(), content.end(), RowCounter(source, limit, {}, nullptr));
     }
     return Json::parse(content.begin(), content.end());
   } catch (const Json::parse_error& e) {

@@ -30,9 +30,20 @@ struct RowLimit {
   std::string_view what;
 };
 
+// The largest number written as an integer (digits only) that an array may hold, checked while
+// parsing: above it the number is refused naming its path, where a double would have rounded
+// it. An integer too long for 64 bits, which nlohmann reads as a float, is caught by its digits.
+// `what` ends the message.
+struct IntegerLimit {
+  uint64_t most = 0;  // 0: no limit
+  std::string_view what;
+};
+
 // Parses JSON; any error becomes InvalidArgument "<source>: not valid JSON at byte N ...", a
-// row over `limit` InvalidArgument naming its path ("load[0][2]") and the limit.
-Json parse_json(std::string_view content, std::string_view source, RowLimit limit = {});
+// row over `limit` or an integer over `integers` InvalidArgument naming its path ("load[0][2]")
+// and the limit.
+Json parse_json(std::string_view content, std::string_view source, RowLimit limit = {},
+                IntegerLimit integers = {});
 
 // A value for a message: strings quoted and cut to a few dozen characters, control bytes
 // escaped; other JSON values by kind ("an array", "null", "true").

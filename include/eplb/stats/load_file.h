@@ -13,6 +13,8 @@
 //
 // Every malformed input (ragged rows, negative, non-numeric, NaN or infinite loads, truncated or
 // empty files) throws InvalidArgument naming the file and the position; nothing else escapes.
+// So does a load written as an integer above kMaxExactLoad (2^53): loads are doubles, which
+// would round it, and a count is kept exact or refused.
 
 #include <cstdint>
 #include <string>
@@ -93,8 +95,12 @@ void write_file(const std::string& path, std::string_view text);
 //   sglang  {"logical_count": ...}: [L][E] for one step, as SGLang's statistics files are,
 //           [steps][L][E] for more
 //   vllm    {"load_history": [{"logical_expert_load": [[...E]...L]}, ...]}, one entry per step
-//   csv     one line per layer, the steps summed (a matrix holds no steps)
-// A trace cannot be written back from loads (InvalidArgument naming the formats that can).
+//   csv     one line per layer, the steps summed (a matrix holds no steps); a sum of integer
+//           counts past 2^53, which a double may have rounded, is refused (InvalidArgument
+//           naming the layer and expert)
+// A double above 2^53 is written in scientific notation, never as digits that would claim an
+// exact count. A trace cannot be written back from loads (InvalidArgument naming the formats
+// that can).
 std::string format_load(const LoadHistory& history, LoadFormat format);
 std::string format_load_eplb(const LoadHistory& history);
 std::string format_load_sglang(const LoadHistory& history);

@@ -94,13 +94,13 @@ runtime::Config to_config(const py::dict& d, int world_size) {
     } else if (key == "window") {
       c.window = int_of(v, key);
     } else if (key == "policy") {
-      c.policy = placement::parse_policy(string_of(v, key));
+      c.placement.policy = placement::parse_policy(string_of(v, key));
     } else if (key == "hierarchical") {
-      c.hierarchical = bool_of(v, key);
+      c.placement.hierarchical = bool_of(v, key);
     } else if (key == "tolerance") {
-      c.tolerance = float_of(v, key);
+      c.placement.tolerance = float_of(v, key);
     } else if (key == "thorough") {
-      c.thorough = bool_of(v, key);
+      c.placement.thorough = bool_of(v, key);
     } else if (key == "min_gain") {
       c.min_gain = float_of(v, key);
     } else if (key == "lag") {
@@ -162,10 +162,10 @@ py::dict config_dict(const runtime::Config& c) {
   d["groups"] = c.layout.groups;
   d["interval"] = c.interval;
   d["window"] = c.window;
-  d["policy"] = std::string(placement::policy_name(c.policy));
-  d["hierarchical"] = c.hierarchical;
-  d["tolerance"] = c.tolerance;
-  d["thorough"] = c.thorough;
+  d["policy"] = std::string(placement::policy_name(c.placement.policy));
+  d["hierarchical"] = c.placement.hierarchical;
+  d["tolerance"] = c.placement.tolerance;
+  d["thorough"] = c.placement.thorough;
   d["min_gain"] = c.min_gain;
   d["lag"] = c.lag;
   d["timeout_ms"] = static_cast<int64_t>(c.timeout.count());

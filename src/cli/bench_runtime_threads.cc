@@ -284,7 +284,7 @@ void run_rank(RunState& run, int rank) {
   config.window = args.window;
   config.lag = args.lag;
   config.mode = run.mode;
-  config.policy = placement::parse_policy(args.policy);
+  config.placement.policy = placement::parse_policy(args.policy);
   config.min_gain = -1;  // forced: every trigger rebalances
   config.timeout = std::chrono::milliseconds(args.timeout_ms);
   config.balancedness_period = -1;  // not measured here: one collective less per interval

@@ -84,7 +84,7 @@ runtime::Config make_config(const RunOptions& options, const Workload& workload)
   // EPLB off: the same workers and the same runtime, with a trigger that never comes.
   config.interval = off ? options.steps + 1 : options.interval;
   config.window = options.window;
-  config.policy = placement::parse_policy(options.policy);
+  config.placement.policy = placement::parse_policy(options.policy);
   config.mode = off ? runtime::Mode::kAsync : runtime::parse_mode(options.mode);
   config.lag = options.lag;
   config.dispatch = routing::parse_dispatch_policy(options.dispatch);

@@ -23,8 +23,8 @@ uint64_t config_fingerprint(const Config& c, const WeightSpec& w) {
     }
   };
   mix(c.layout.experts), mix(c.layout.physical), mix(c.layout.ranks), mix(c.layout.nodes);
-  mix(c.layout.groups), mix(c.interval), mix(c.window), mix(static_cast<int64_t>(c.policy));
-  mix(c.hierarchical), mix(c.lag), mix(static_cast<int64_t>(c.mode)), mix(c.peers_per_round);
+  mix(c.layout.groups), mix(c.interval), mix(c.window), mix(static_cast<int64_t>(c.placement.policy));
+  mix(c.placement.hierarchical), mix(c.lag), mix(static_cast<int64_t>(c.mode)), mix(c.peers_per_round);
   mix(static_cast<int64_t>(c.agreement));
   mix(c.balancedness_period);  // it adds collectives: every rank must add the same
   // With kSwap the buffer map changes at installs and peers compute offsets from it; with
@@ -32,8 +32,8 @@ uint64_t config_fingerprint(const Config& c, const WeightSpec& w) {
   mix(static_cast<int64_t>(c.install));
   // The placement's options decide the plan (a rank that skips by min_gain while another
   // installs would diverge): compared bit for bit.
-  mix(std::bit_cast<int64_t>(c.tolerance)), mix(std::bit_cast<int64_t>(c.min_gain));
-  mix(c.thorough);
+  mix(std::bit_cast<int64_t>(c.placement.tolerance)), mix(std::bit_cast<int64_t>(c.min_gain));
+  mix(c.placement.thorough);
   // Where lost experts come from decides the plans of a repair.
   mix(c.backup.copies), mix(c.backup.loader ? 1 : 0);
   mix(w.layers);
@@ -156,17 +156,17 @@ void Config::validate() const {
   }
   // What balanced and sticky placements need of the layout, checked here rather than at the
   // first rebalance (deepseek's packing allows two replicas of an expert on one rank).
-  if (policy != placement::Policy::kDeepseek) {
-    if (hierarchical && layout.groups % layout.nodes != 0) {
+  if (placement.policy != placement::Policy::kDeepseek) {
+    if (placement.hierarchical && layout.groups % layout.nodes != 0) {
       fail("hierarchical placement needs groups ", layout.groups, " to be a multiple of nodes ",
            layout.nodes, " (whole groups are packed onto nodes)");
     }
-    const int64_t experts = hierarchical ? layout.experts / layout.nodes : layout.experts;
+    const int64_t experts = placement.hierarchical ? layout.experts / layout.nodes : layout.experts;
     if (layout.slots_per_rank() > experts) {
       fail("each rank holds ", layout.slots_per_rank(), " slots (", layout.describe(),
-           ") but only ", experts, hierarchical ? " experts live on each node" : " experts exist",
+           ") but only ", experts, placement.hierarchical ? " experts live on each node" : " experts exist",
            ", so a rank would hold two replicas of one expert (need physical / ranks <= ",
-           experts, " with the ", placement::policy_name(policy), " policy)");
+           experts, " with the ", placement::policy_name(placement.policy), " policy)");
     }
   }
   if (stall_warn.count() < 0 || stall_warn > kMaxTimeout) {
@@ -194,8 +194,14 @@ void Config::validate() const {
     }
   }
   if (peers_per_round < 1) fail("peers_per_round ", peers_per_round, " must be at least 1");
-  if (!(tolerance >= 0 && tolerance < 1)) fail("tolerance ", tolerance, " must be in [0, 1)");
-  if (thorough && policy == placement::Policy::kDeepseek) {
+  if (!(placement.tolerance >= 0 && placement.tolerance < 1)) {
+    fail("tolerance ", placement.tolerance, " must be in [0, 1)");
+  }
+  if (placement.previous != nullptr || !placement.live_ranks.empty()) {
+    fail("Config::placement's previous and live_ranks are the runtime's to give at each "
+         "rebalance: leave them empty");
+  }
+  if (placement.thorough && placement.policy == placement::Policy::kDeepseek) {
     fail("thorough applies to the balanced and sticky policies, not deepseek (whose replica "
          "counts are the reference's own)");
   }

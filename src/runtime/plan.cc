@@ -110,11 +110,8 @@ RebalancePlan make_plan(std::span<const int64_t> window, std::span<const int32_t
   // Step 2: the new placement over the members' seats, and the predicted gain.
   // A repair moves as few slots as it can (sticky against what the members hold), so that lost
   // experts come back sooner; the configured policy takes over at the next interval.
-  placement::PolicyOptions options;
-  options.policy = elastic.repair ? placement::Policy::kSticky : config.policy;
-  options.hierarchical = config.hierarchical;
-  options.tolerance = config.tolerance;
-  options.thorough = config.thorough;
+  placement::PolicyOptions options = config.placement;
+  if (elastic.repair) options.policy = placement::Policy::kSticky;
   options.previous = &before;
   if (static_cast<int64_t>(elastic.members.size()) < layout.ranks) {
     options.live_ranks = elastic.members;

@@ -38,11 +38,7 @@ Placement placement_from_load(const std::string& path, const Config& config) {
          config.layout.describe());
   }
   const Placement trivial = trivial_placement(load.layers, load.experts, config.layout.physical);
-  placement::PolicyOptions options;
-  options.policy = config.policy;
-  options.hierarchical = config.hierarchical;
-  options.tolerance = config.tolerance;
-  options.thorough = config.thorough;
+  placement::PolicyOptions options = config.placement;
   options.previous = &trivial;
   return placement::place(load, config.layout, options);
 }

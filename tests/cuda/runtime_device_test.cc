@@ -110,7 +110,7 @@ TEST_P(CudaRuntime, DeviceWeightsStayRightThroughRebalances) {
     config.lag = 2;
     config.mode = p.mode;
     config.install = p.install;
-    config.policy = placement::Policy::kBalanced;
+    config.placement.policy = placement::Policy::kBalanced;
     config.timeout = 20s;
     config.installer = std::make_shared<cuda::StreamInstaller>(stream);
     WeightSpec spec{.layers = kLayers, .tensors = {{"w", kExpertBytes}}};
@@ -201,7 +201,7 @@ TEST(CudaRuntimeSpin, SyncRebalanceFinishesWhileEverySmSpins) {
     config.interval = 4;
     config.window = 4;
     config.mode = Mode::kSync;
-    config.policy = placement::Policy::kBalanced;
+    config.placement.policy = placement::Policy::kBalanced;
     config.timeout = 30s;  // a read that needs an SM fails the rebalance after this
     config.installer = std::make_shared<cuda::StreamInstaller>(engine);
     WeightSpec spec{.layers = 2, .tensors = {{"w", kBigExpertBytes}}};

@@ -126,7 +126,7 @@ Config trial_config(const Trial& t) {
   c.window = 8;
   c.lag = 2;
   c.mode = t.mode;
-  c.policy = t.policy;
+  c.placement.policy = t.policy;
   c.timeout = std::chrono::milliseconds(5'000);
   c.balancedness_period = -1;
   c.stall_warn = std::chrono::milliseconds(0);

@@ -74,7 +74,7 @@ class OneRank : public ::testing::Test {
     config_.layout = Layout{.experts = 4, .physical = 6, .ranks = 1, .nodes = 1, .groups = 1};
     config_.interval = 100;
     config_.window = 4;
-    config_.policy = placement::Policy::kDeepseek;  // two replicas on the one rank
+    config_.placement.policy = placement::Policy::kDeepseek;  // two replicas on the one rank
     control::Options options;
     options.rendezvous = "engine-seams-one";
     comm_ = control::connect("inproc", options);

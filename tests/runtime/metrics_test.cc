@@ -104,7 +104,7 @@ Scenario four_ranks(const std::string& name) {
   s.config.layout = Layout{.experts = 8, .physical = 12, .ranks = 4, .nodes = 2, .groups = 1};
   s.config.interval = 4;
   s.config.window = 4;
-  s.config.policy = placement::Policy::kBalanced;
+  s.config.placement.policy = placement::Policy::kBalanced;
   s.config.timeout = std::chrono::milliseconds(20'000);
   s.weights.layers = 4;
   s.weights.tensors = {{"w13", 40}, {"w2", 24}};

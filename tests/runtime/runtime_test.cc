@@ -139,7 +139,7 @@ TEST(RuntimeThreads, SyncSkewedWithDelays) {
 
 TEST(RuntimeThreads, AsyncFlameStickyLagOne) {
   Scenario s = flame("async-flame", Mode::kAsync);
-  s.config.policy = placement::Policy::kSticky;
+  s.config.placement.policy = placement::Policy::kSticky;
   s.delays = true;
   const auto results = testing::run_scenario(s);
   expect_consistent(s, results);
@@ -311,7 +311,7 @@ TEST(RuntimeThreads, ExternalAgreementWithDelays) {
 TEST(RuntimeThreads, ExternalAgreementFlameLagOneAndThree) {
   for (const int64_t lag : {1, 3}) {
     Scenario s = flame("external-flame-lag" + std::to_string(lag), Mode::kAsync);
-    s.config.policy = placement::Policy::kSticky;
+    s.config.placement.policy = placement::Policy::kSticky;
     s.config.lag = lag;
     s.carrier = Carrier::kSharedMemory;
     s.delays = true;
@@ -648,8 +648,8 @@ TEST(RuntimeConfig, ConnectRefusesRanksThatDifferInPlanOptions) {
     return errors;
   };
   for (const auto& change : std::vector<std::function<void(Config&)>>{
-           [](Config& c) { c.min_gain = 0.01; }, [](Config& c) { c.tolerance = 0.02; },
-           [](Config& c) { c.thorough = true; },
+           [](Config& c) { c.min_gain = 0.01; }, [](Config& c) { c.placement.tolerance = 0.02; },
+           [](Config& c) { c.placement.thorough = true; },
            [](Config& c) { c.agreement = Agreement::kExternal; }}) {
     for (const std::string& e : differ(change)) {
       EXPECT_NE(e.find("different configuration"), std::string::npos) << "[" << e << "]";
@@ -680,7 +680,7 @@ TEST(RuntimeConfig, RefusesWhatCouldOnlyFailLater) {
             "sticky policy)");
   EXPECT_EQ(message([](Config& c) {
               c.layout = Layout{.experts = 8, .physical = 12, .ranks = 1, .nodes = 1, .groups = 1};
-              c.policy = placement::Policy::kDeepseek;  // packs two replicas on a rank
+              c.placement.policy = placement::Policy::kDeepseek;  // packs two replicas on a rank
             }),
             "accepted");
   EXPECT_NE(message([](Config& c) { c.lag = 2147483647; })
@@ -690,11 +690,11 @@ TEST(RuntimeConfig, RefusesWhatCouldOnlyFailLater) {
                 .find("is outside [1, 86400000] ms"),
             std::string::npos);
   EXPECT_NE(message([](Config& c) {
-              c.policy = placement::Policy::kDeepseek;
-              c.thorough = true;
+              c.placement.policy = placement::Policy::kDeepseek;
+              c.placement.thorough = true;
             }).find("thorough applies to the balanced and sticky policies, not deepseek"),
             std::string::npos);
-  EXPECT_EQ(message([](Config& c) { c.thorough = true; }), "accepted");
+  EXPECT_EQ(message([](Config& c) { c.placement.thorough = true; }), "accepted");
   EXPECT_EQ(message([](Config&) {}), "accepted");
   // A window is checked against the memory it needs when the recorder is made.
   EXPECT_THROW(stats::LoadRecorder(58, 256, int64_t{1} << 40), InvalidArgument);
@@ -720,7 +720,7 @@ TEST(RuntimeConfig, ExternalAgreementByHand) {
     auto transport = transport::create("inproc", {});
     Config config = one_rank_config();
     config.layout = Layout{.experts = 4, .physical = 4, .ranks = 1, .nodes = 1, .groups = 1};
-    config.policy = placement::Policy::kBalanced;
+    config.placement.policy = placement::Policy::kBalanced;
     config.interval = 4;
     config.window = 4;
     config.lag = 1;

@@ -15,7 +15,7 @@ Scenario skewed(const std::string& name, Mode mode) {
   s.config.window = 4;
   s.config.lag = 2;
   s.config.mode = mode;
-  s.config.policy = placement::Policy::kBalanced;
+  s.config.placement.policy = placement::Policy::kBalanced;
   s.config.timeout = std::chrono::milliseconds(20'000);
   s.weights.layers = 4;
   s.weights.tensors = {{"w13", 40}, {"w2", 24}};

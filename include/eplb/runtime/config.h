@@ -145,10 +145,10 @@ struct Config {
   Layout layout;               // experts, physical, ranks (= communicator size), nodes, groups
   int64_t interval = 100;      // a rebalance is triggered at steps that are multiples of this
   int64_t window = 100;        // steps of load history the placement sees
-  placement::Policy policy = placement::Policy::kSticky;
-  bool hierarchical = false;   // pack groups to nodes first
-  double tolerance = 0.01;     // sticky: accepted balancedness loss against balanced
-  bool thorough = false;       // balanced / sticky: thorough counts at two slots per rank
+  // How a rebalance places (placement/policy.h): policy (default sticky, from the placement
+  // in force), hierarchical, tolerance, thorough. `previous` and `live_ranks` are left empty:
+  // the runtime gives them at each rebalance.
+  placement::PolicyOptions placement{.policy = placement::Policy::kSticky};
   double min_gain = 0;         // skip when predicted balancedness gain is smaller than this
   int64_t lag = 2;             // agreement of step s is acted on at step s + lag, in [1, kMaxLag]
   std::chrono::milliseconds timeout{30'000};  // every collective and every batch of reads

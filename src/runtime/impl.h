@@ -1,8 +1,15 @@
 #pragma once
-// Rebalancer::Impl, the runtime behind the public Rebalancer, shared by the files that define
-// it: rebalancer.cc (construction, the forward thread, the public forwarding methods),
-// startup.cc (connect(), the threads and regions), async.cc (the async protocol and the worker
-// thread), sync.cc (sync mode) and elastic.cc (reconfigure() and lost slots).
+// Rebalancer::Impl, the runtime behind the public Rebalancer. One rebalance, step by step, and
+// the file of each:
+//   record      the loads of each step (rebalancer.cc: record, record_counts, record_pass)
+//   trigger     at an interval, the window to the control thread's all-reduce (trigger.cc)
+//   compute     placement, migration plan, schedule, tables, on the worker (worker.cc, compute.cc)
+//   stage       one layer at a time, reads of peers' live weights into staging (stage.cc)
+//   agree       one tiny all-reduce per step; its result acts lag steps later (agree.cc)
+//   install     staging becomes live, tables and maps change, every rank at one step (install.cc)
+//   record      the rebalance's record, published when it ends (records.cc)
+// Sync mode does all of it inside one step_end (sync.cc); start-up is connect.cc, the starting
+// placement initial_placement.cc, reconfigure() and lost slots elastic.cc.
 
 #include <atomic>
 #include <chrono>
@@ -21,6 +28,7 @@
 #include <vector>
 
 #include "eplb/control/communicator.h"
+#include "eplb/core/clock.h"
 #include "eplb/routing/dispatch.h"
 #include "eplb/runtime/rebalancer.h"
 #include "eplb/stats/recorder.h"
@@ -32,7 +40,8 @@
 #include "runtime/failure.h"
 #include "runtime/metrics.h"
 #include "runtime/monitor.h"
-#include "runtime/plan.h"
+#include "runtime/compute.h"
+#include "runtime/stage.h"
 #include "runtime/testing.h"
 
 namespace eplb::runtime {

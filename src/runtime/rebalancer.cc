@@ -29,20 +29,14 @@
 #include "runtime/failure.h"
 #include "runtime/impl.h"
 
-#include "runtime/plan.h"
+#include "runtime/compute.h"
+#include "runtime/stage.h"
 
-// Rebalancer::Impl's construction and forward thread, and the public Rebalancer that forwards
-// to it. Start-up (connect(), the threads, the regions) is in startup.cc, the async protocol
-// and the worker thread in async.cc, sync mode in sync.cc; the class itself is in impl.h.
+// Rebalancer::Impl's construction and forward thread (record, dispatch, weights, step_end,
+// shutdown), and the public Rebalancer that forwards to it. impl.h lists where each step of a
+// rebalance lives.
 
 namespace eplb::runtime {
-namespace {
-
-double ms_between(Clock::time_point a, Clock::time_point b) {
-  return std::chrono::duration<double, std::milli>(b - a).count();
-}
-
-}  // namespace
 
 Rebalancer::Impl::Impl(Config config, control::Communicator& communicator,
                        transport::Transport& transport, WeightSpec spec,
@@ -154,13 +148,6 @@ void Rebalancer::Impl::record_pass(const IntTensor& counts, CountsOf of) {
 void Rebalancer::Impl::bind_maps(std::vector<MapBinding> maps) {
   maps_.bind(std::move(maps), layers_, config_.layout);
   for (int64_t l = 0; l < layers_; ++l) write_maps(l);
-}
-
-void Rebalancer::Impl::write_maps(int64_t layer) const {
-  if (maps_.empty()) return;
-  const int64_t P = config_.layout.physical;
-  maps_.write(layer, {phy2log_.data() + layer * P, static_cast<size_t>(P)}, tables_[layer],
-              rank_);
 }
 
 const routing::DispatchTables& Rebalancer::Impl::dispatch(int64_t layer) const {
@@ -332,28 +319,6 @@ void Rebalancer::Impl::shutdown() {
   metrics_->set_in_flight({});
 }
 
-int64_t Rebalancer::Impl::agreement_contribution() const {
-  return contribution_.load(std::memory_order_acquire);
-}
-
-void Rebalancer::Impl::agreement_result(int64_t step, int64_t min_value) {
-  if (config_.agreement != Agreement::kExternal) {
-    fail("agreement_result(): this runtime's agreement is internal (it runs on the control "
-         "plane); set Config::agreement = external to hand results in");
-  }
-  const int64_t now = published_step_.load(std::memory_order_acquire);
-  if (step < 0 || step > now) {
-    fail("agreement_result(step ", step, "): step() is ", now, "; hand in the result of a "
-         "step after the step_end() that ended it");
-  }
-  {
-    std::lock_guard<std::mutex> lock(external_mu_);
-    ExternalResult& slot = external_[static_cast<size_t>(step) % external_.size()];
-    if (step > slot.step) slot = {step, min_value};  // a stale result never hides a newer one
-  }
-  external_cv_.notify_all();
-}
-
 int Rebalancer::Impl::rank() const { return rank_; }
 
 int64_t Rebalancer::Impl::step() const { return step_; }
@@ -405,14 +370,6 @@ const Config& Rebalancer::Impl::config() const { return config_; }
 
 const WeightSpec& Rebalancer::Impl::weight_spec() const { return spec_; }
 
-bool Rebalancer::Impl::should_trigger() const {
-  if (control_broken() || open_) return false;
-  // A repair starts at once after reconfigure(); after a failed one, again at the next interval
-  // (a loader that keeps failing must not cost a collective and a warning at every step).
-  const bool at_interval = step_ > 0 && step_ % config_.interval == 0;
-  return (repair_pending_ && !repair_failed_) || at_interval;
-}
-
 routing::DispatchTables Rebalancer::Impl::build_tables(const Placement& placement, int64_t layer,
                                                        bool after_install) const {
   const Layout& layout = config_.layout;
@@ -429,157 +386,6 @@ routing::DispatchTables Rebalancer::Impl::build_tables(const Placement& placemen
     for (int64_t p = 0; p < layout.physical; ++p) usable[p] = peer_of_seat_[p / spr] >= 0;
   }
   return routing::build_dispatch_tables(placement, layer, layout, {}, usable);
-}
-
-std::chrono::milliseconds Rebalancer::Impl::result_bound() const {
-  // A balancedness window only runs while no rebalance does: at most one ahead of a window.
-  return config_.timeout * (config_.lag + 4);
-}
-
-void Rebalancer::Impl::open_record() {
-  open_.emplace();
-  open_->index = next_index_++;
-  open_->trigger_step = step_;
-  open_->repair = repair_pending_;
-  open_finished_ = false;
-  open_started_ = Clock::now();
-  progress_.start(open_->index, step_);
-  metrics_->set_age_steps(0);
-}
-
-void Rebalancer::Impl::close_open(std::optional<Failure> raise) {
-  // A repair that completed (or found nothing to do) leaves every member slot filled.
-  if (open_->repair && open_->outcome != Outcome::kFailed && open_->outcome != Outcome::kCancelled) {
-    repair_pending_ = false;
-  }
-  if (open_->repair && open_->outcome == Outcome::kFailed) repair_failed_ = true;
-  open_->end_step = step_;
-  open_->steps = step_ - open_->trigger_step;
-  open_->seconds = ms_between(open_started_, Clock::now()) / 1000.0;
-  open_finished_ = true;
-  raise_ = std::move(raise);
-  progress_.finish();
-  metrics_->set_age_steps(0);
-}
-
-void Rebalancer::Impl::fill_plan_figures(const RebalancePlan& plan) {
-  open_->placement_ms = plan.placement_ms;
-  open_->balancedness_before = plan.balancedness_before;
-  open_->balancedness_after = plan.balancedness_after;
-  open_->layers_moved = static_cast<int64_t>(plan.moved_layers.size());
-  open_->slots_moved = plan.slots_moved;
-  open_->bytes_intra_node = plan.bytes_intra_node;
-  open_->bytes_inter_node = plan.bytes_inter_node;
-  open_->bytes_local_copy = plan.bytes_local_copy;
-  open_->rounds = plan.rounds;
-}
-
-void Rebalancer::Impl::publish_open() {
-  RebalanceRecord record = std::move(*open_);
-  open_.reset();
-  open_finished_ = false;
-  const std::optional<Failure> raise = std::exchange(raise_, std::nullopt);
-  const auto level = record.outcome == Outcome::kFailed      ? spdlog::level::warn
-                     : record.outcome == Outcome::kCompleted ? spdlog::level::info
-                                                             : spdlog::level::debug;
-  spdlog::log(level,
-              "eplb runtime rank {}: rebalance {} {} at step {} (triggered at {}): "
-              "balancedness {:.4f} -> {:.4f}, {} layers ({} installed), {} slots, "
-              "{} B intra-node + {} B inter-node, {} rounds, {} steps, {:.3f} s, placement "
-              "{:.2f} ms, stall {:.3f} ms (max {:.3f} ms){}{}",
-              rank_, record.index, outcome_name(record.outcome), record.end_step,
-              record.trigger_step, record.balancedness_before, record.balancedness_after,
-              record.layers_moved, record.layers_installed, record.slots_moved,
-              record.bytes_intra_node, record.bytes_inter_node, record.rounds, record.steps,
-              record.seconds, record.placement_ms, record.stall_total_ms,
-              record.stall_max_ms, record.error.empty() ? "" : ": ", record.error);
-  metrics_->on_record(record);
-  if (monitor_) monitor_->refresh();
-  {
-    std::lock_guard<std::mutex> lock(history_mu_);
-    history_.push_back(record);
-  }
-  if (record.outcome == Outcome::kFailed) {
-    if (config_.on_failure) config_.on_failure(record);
-    if (config_.on_error == OnError::kRaise && raise) raise->raise();
-  }
-}
-
-void Rebalancer::Impl::install(RebalancePlan& plan, int64_t k) {
-  const int64_t layer = plan.moved_layers[k];
-  if (delay_hook_) delay_hook_(DelayPoint::kInstall);
-  if (spec_.engine_weights()) {
-    install_into_engine(plan, k);
-  } else if (swaps()) {
-    map_.install(layer);
-  } else {
-    std::byte* live = region_.data + arena_.offset(map_.buffer_of_layer[layer], 0, 0);
-    const std::byte* staged = region_.data + arena_.offset(map_.spare, 0, 0);
-    const auto bytes = static_cast<size_t>(arena_.layer_bytes());
-    if (config_.installer) {
-      installer_or_stop([&] { config_.installer->copy(live, staged, bytes); }, layer);
-    } else {
-      std::memcpy(live, staged, bytes);
-    }
-    open_->bytes_installed += static_cast<int64_t>(bytes);
-  }
-  if (config_.installer) installer_or_stop([&] { config_.installer->mark(); }, layer);
-  std::swap(tables_[layer], plan.tables[k]);
-  std::copy(plan.phy2log[k].begin(), plan.phy2log[k].end(),
-            phy2log_.begin() + layer * config_.layout.physical);
-  write_maps(layer);
-  mark_installed(layer);
-  for (const migration::Restore& r : plan.migrations[k].plan.restores) {
-    if (r.dst_rank == rank_) open_->bytes_restored += spec_.expert_bytes();
-  }
-  ++installed_total_;
-  ++open_->layers_installed;
-  metrics_->on_layer_installed(plan.migrations[k].plan, config_.layout, rank_,
-                               spec_.expert_bytes());
-  progress_.touch(open_->index);
-}
-
-bool Rebalancer::Impl::swaps() const {
-  return !spec_.engine_weights() && config_.install == Install::kSwap;
-}
-
-void Rebalancer::Impl::install_into_engine(const RebalancePlan& plan, int64_t k) {
-  const int64_t layer = plan.moved_layers[k];
-  const auto actions = plan.migrations[k].plan.rank_actions(rank_, config_.layout);
-  for (size_t j = 0; j < actions.size(); ++j) {
-    if (actions[j].action == migration::Action::kUnchanged) continue;
-    for (int64_t t = 0; t < arena_.tensors(); ++t) {
-      const EngineTensors::Tensor& e = engine_.of(layer, t);
-      std::byte* live = e.base + static_cast<int64_t>(j) * e.stride;
-      const std::byte* staged = region_.data + arena_.offset(0, t, static_cast<int64_t>(j));
-      const auto bytes = static_cast<size_t>(arena_.tensor_bytes(t));
-      if (config_.installer) {
-        installer_or_stop([&] { config_.installer->copy(live, staged, bytes); }, layer);
-      } else {
-        std::memcpy(live, staged, bytes);
-      }
-      open_->bytes_installed += static_cast<int64_t>(bytes);
-    }
-  }
-}
-
-template <typename F>
-void Rebalancer::Impl::installer_or_stop(F&& call, int64_t layer) {
-  try {
-    call();
-  } catch (...) {
-    spdlog::critical("eplb runtime rank {}: the installer failed installing layer {}: {}; "
-                     "this rank's weights can no longer be trusted, stopping the process",
-                     rank_, layer, Failure::current().message);
-    spdlog::shutdown();
-    std::abort();
-  }
-}
-
-void Rebalancer::Impl::fail_open(std::string message, std::optional<Failure> error) {
-  open_->outcome = Outcome::kFailed;
-  open_->error = std::move(message);
-  close_open(error ? std::move(error) : Failure{FailureKind::kIoError, open_->error});
 }
 
 Rebalancer::Rebalancer(Config config, control::Communicator& communicator,

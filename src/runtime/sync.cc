@@ -9,7 +9,8 @@
 #include "eplb/core/error.h"
 #include "runtime/control_thread.h"
 #include "runtime/failure.h"
-#include "runtime/plan.h"
+#include "runtime/compute.h"
+#include "runtime/stage.h"
 
 // Rebalancer::Impl's sync mode: the whole rebalance inside one step_end.
 

@@ -1,7 +1,7 @@
 #pragma once
-// The two halves of a rebalance that sync and async modes share: computing it (placement,
-// plan, schedule, tables: pure, identical on every rank for the same window) and staging one
-// layer on this rank (local copies and one-sided reads into the spare buffer).
+// Staging one layer on this rank, the other half sync and async modes share: local copies and
+// one-sided reads of peers' live weights into the staging buffer, before the layer is
+// installed. Called on the worker thread (the forward thread in sync mode).
 
 #include <atomic>
 #include <chrono>
@@ -24,43 +24,6 @@ class Transport;
 }
 
 namespace eplb::runtime {
-
-// What a plan needs to know beyond the window after a reconfigure (elastic serving): who is in
-// the group, which slots hold valid weights, where the backup copies are.
-struct ElasticInputs {
-  std::vector<int32_t> members;  // seats of the group, ascending; empty: every rank
-  std::vector<uint8_t> usable;   // [layers][physical] nonzero: valid weights; empty: all
-  std::vector<std::vector<int32_t>> backup_holders;  // [experts] members with a filled copy
-  bool loader = false;           // every member can load an expert itself
-  bool repair = false;           // fill lost slots: no min_gain, a uniform load if none
-
-  bool any() const { return !members.empty() || !usable.empty(); }
-};
-
-struct RebalancePlan {
-  bool skipped = false;
-  std::string skip_reason;
-  // The install order: layers with an unavailable expert first, then ascending.
-  std::vector<int64_t> moved_layers;
-  std::vector<migration::LayerMigration> migrations;  // [moved]
-  std::vector<std::vector<int32_t>> phy2log;          // [moved][physical]
-  std::vector<routing::DispatchTables> tables;        // [moved]
-  // Figures for the record.
-  double placement_ms = 0;
-  double balancedness_before = 0;
-  double balancedness_after = 0;
-  int64_t slots_moved = 0;
-  int64_t bytes_intra_node = 0;
-  int64_t bytes_inter_node = 0;
-  int64_t bytes_local_copy = 0;
-  int64_t rounds = 0;
-  int64_t bytes_restored = 0;  // all ranks
-};
-
-// window: summed loads of all ranks [layers][experts]; current: phy2log in force [layers][physical].
-RebalancePlan make_plan(std::span<const int64_t> window, std::span<const int32_t> current,
-                        const Config& config, int64_t expert_bytes,
-                        const ElasticInputs& elastic = {});
 
 struct StageContext {
   transport::Transport* transport = nullptr;

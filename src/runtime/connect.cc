@@ -27,7 +27,8 @@
 #include "runtime/control_thread.h"
 #include "runtime/failure.h"
 #include "runtime/impl.h"
-#include "runtime/plan.h"
+#include "runtime/compute.h"
+#include "runtime/stage.h"
 
 namespace eplb::runtime {
 namespace {

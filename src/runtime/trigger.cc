@@ -1,0 +1,74 @@
+// A rebalance starts: at the steps that trigger one, this rank's window goes to the control
+// thread's all-reduce and the rebalance, as an Active, to the worker (Rebalancer::Impl).
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <functional>
+#include <future>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <spdlog/spdlog.h>
+
+#include "eplb/core/error.h"
+#include "runtime/compute.h"
+#include "runtime/control_thread.h"
+#include "runtime/failure.h"
+#include "runtime/impl.h"
+#include "runtime/stage.h"
+
+namespace eplb::runtime {
+
+bool Rebalancer::Impl::should_trigger() const {
+  if (control_broken() || open_) return false;
+  // A repair starts at once after reconfigure(); after a failed one, again at the next interval
+  // (a loader that keeps failing must not cost a collective and a warning at every step).
+  const bool at_interval = step_ > 0 && step_ % config_.interval == 0;
+  return (repair_pending_ && !repair_failed_) || at_interval;
+}
+
+void Rebalancer::Impl::open_record() {
+  open_.emplace();
+  open_->index = next_index_++;
+  open_->trigger_step = step_;
+  open_->repair = repair_pending_;
+  open_finished_ = false;
+  open_started_ = Clock::now();
+  progress_.start(open_->index, step_);
+  metrics_->set_age_steps(0);
+}
+
+std::function<void()> Rebalancer::Impl::installs_done() {
+  if (!config_.installer) return {};
+  return [installer = config_.installer, timeout = config_.timeout] {
+    installer->wait_marked(timeout);
+  };
+}
+
+void Rebalancer::Impl::trigger_async() {
+  open_record();
+  auto a = std::make_shared<Active>();
+  a->index = open_->index;
+  std::vector<int64_t> window(static_cast<size_t>(layers_ * config_.layout.experts));
+  recorder_.snapshot_window(window);
+  a->window = control_->all_reduce(std::move(window), control::ReduceOp::kSum,
+                                   config_.timeout, installs_done())
+                  .share();
+  a->current_phy2log = phy2log_;
+  a->map = map_;
+  a->elastic = elastic_inputs();
+  {
+    std::lock_guard<std::mutex> lock(worker_mu_);
+    worker_queue_.push_back(a);
+  }
+  worker_cv_.notify_one();
+  active_ = std::move(a);
+}
+
+}  // namespace eplb::runtime

@@ -1,0 +1,120 @@
+// The worker thread: for each rebalance, waits for the window, computes the placement and plan
+// (compute.h), then stages the moved layers one by one (stage.h), each after the previous one
+// was installed everywhere (Rebalancer::Impl).
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <functional>
+#include <future>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <spdlog/spdlog.h>
+
+#include "eplb/core/error.h"
+#include "runtime/compute.h"
+#include "runtime/control_thread.h"
+#include "runtime/failure.h"
+#include "runtime/impl.h"
+#include "runtime/stage.h"
+
+namespace eplb::runtime {
+namespace {
+
+// What a worker that failed leaves for the forward thread: its failure first, then (release)
+// the failure in the progress value.
+void worker_failed(Active& a, int rank, Failure failure) {
+  a.failure = std::move(failure);
+  a.progress.store(-1 - rank, std::memory_order_release);
+}
+
+}  // namespace
+
+StageContext Rebalancer::Impl::stage_context(const std::atomic<bool>* cancel, int64_t index) {
+  StageContext context;
+  context.transport = transport_;
+  context.arena = &arena_;
+  context.base = region_.data;
+  context.peer_region = &peer_region_;
+  context.peer_of_seat = &peer_of_seat_;
+  context.self_peer = transport_->rank();
+  context.backup_base = backup_region_.data;
+  context.backup = &backup_;
+  context.peer_backup_region = &peer_backup_region_;
+  context.loader = &config_.backup.loader;
+  context.layout = &config_.layout;
+  context.rank = rank_;
+  context.timeout = config_.timeout;
+  context.delay_hook = &delay_hook_;
+  context.cancel = cancel;
+  context.installer = config_.installer.get();
+  context.device_memory = transport_->capabilities().device_memory;
+  context.own_region = region_.id;
+  context.engine = spec_.engine_weights() ? &engine_ : nullptr;
+  context.progress = &progress_;
+  context.rebalance = index;
+  return context;
+}
+
+// -------------------------------------------------------------- worker thread
+void Rebalancer::Impl::worker_loop() {
+  for (;;) {
+    std::shared_ptr<Active> job;
+    {
+      std::unique_lock<std::mutex> lock(worker_mu_);
+      worker_cv_.wait(lock, [&] { return worker_stop_ || !worker_queue_.empty(); });
+      if (worker_stop_) return;
+      job = std::move(worker_queue_.front());
+      worker_queue_.pop_front();
+      worker_busy_ = true;
+    }
+    run_job(*job);
+    {
+      std::lock_guard<std::mutex> lock(worker_mu_);
+      worker_busy_ = false;
+    }
+    worker_idle_cv_.notify_all();
+  }
+}
+
+void Rebalancer::Impl::run_job(Active& a) {
+  const auto cancelled = [&] { return a.cancel.load(std::memory_order_acquire); };
+  try {
+    while (a.window.wait_for(std::chrono::milliseconds(2)) != std::future_status::ready) {
+      if (cancelled()) return;
+    }
+    CollectiveResult result = a.window.get();  // a copy: the monitor may read it too
+    const std::vector<int64_t> window = std::move(result).take();
+    if (cancelled()) return;
+    progress_.note(a.index, Phase::kPlacement);
+    if (delay_hook_) delay_hook_(DelayPoint::kPlacement);
+    a.plan = make_plan(window, a.current_phy2log, config_, spec_.expert_bytes(), a.elastic);
+    progress_.note(a.index, Phase::kAgreeing);
+    a.progress.store(1, std::memory_order_release);
+    if (a.plan.skipped) return;
+    BufferMap map = a.map;
+    const StageContext context = stage_context(&a.cancel, a.index);
+    for (size_t k = 0; k < a.plan.moved_layers.size(); ++k) {
+      const int64_t layer = a.plan.moved_layers[k];
+      progress_.note(a.index, Phase::kReading, layer);
+      if (!stage_layer(context, map, layer, a.plan.migrations[k])) return;
+      progress_.note(a.index, Phase::kAgreeing, layer);
+      a.progress.store(2 + static_cast<int64_t>(k), std::memory_order_release);
+      // One layer of staging: the next layer waits until this one is installed everywhere.
+      std::unique_lock<std::mutex> lock(a.mu);
+      a.cv.wait(lock, [&] { return a.installed > static_cast<int64_t>(k) || cancelled(); });
+      if (cancelled()) return;
+      if (swaps()) map.install(layer);
+    }
+  } catch (...) {
+    worker_failed(a, rank_, Failure::current());
+  }
+}
+
+}  // namespace eplb::runtime

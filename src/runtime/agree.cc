@@ -27,6 +27,9 @@
 
 namespace eplb::runtime {
 
+// The longest the forward thread waits for a collective's result: each queued collective
+// (at most lag + 1 agreements, a window, and a balancedness window before it) is bounded by
+// the timeout itself.
 std::chrono::milliseconds Rebalancer::Impl::result_bound() const {
   // A balancedness window only runs while no rebalance does: at most one ahead of a window.
   return config_.timeout * (config_.lag + 4);
@@ -46,12 +49,7 @@ void Rebalancer::Impl::agreement_result(int64_t step, int64_t min_value) {
     fail("agreement_result(step ", step, "): step() is ", now, "; hand in the result of a "
          "step after the step_end() that ended it");
   }
-  {
-    std::lock_guard<std::mutex> lock(external_mu_);
-    ExternalResult& slot = external_[static_cast<size_t>(step) % external_.size()];
-    if (step > slot.step) slot = {step, min_value};  // a stale result never hides a newer one
-  }
-  external_cv_.notify_all();
+  external_.hand_in(step, min_value);
 }
 
 // -------------------------------------------------------------- async protocol
@@ -77,6 +75,10 @@ void Rebalancer::Impl::submit_agreement() {
   contribution_.store(progress, std::memory_order_release);
 }
 
+// The agreed value of `pending`, waiting for it within its bound. When there is none (a
+// failed or late collective, a missing or impossible external result) the rebalance is
+// abandoned here and nothing is returned: the agreement can no longer be trusted to be the
+// same on every rank, so no rebalance triggers again.
 std::optional<int64_t> Rebalancer::Impl::take_agreement(PendingAgreement pending) {
   const auto broken = [&](std::string message, std::optional<Failure> error) {
     control_broken_.store(true, std::memory_order_release);
@@ -84,20 +86,14 @@ std::optional<int64_t> Rebalancer::Impl::take_agreement(PendingAgreement pending
     return std::nullopt;
   };
   if (config_.agreement == Agreement::kExternal) {
-    int64_t value = 0;
-    {
-      std::unique_lock<std::mutex> lock(external_mu_);
-      ExternalResult& slot = external_[static_cast<size_t>(pending.step) % external_.size()];
-      if (!external_cv_.wait_for(lock, config_.timeout,
-                                 [&] { return slot.step == pending.step; })) {
-        lock.unlock();
-        return broken(detail::concat("the agreement result of step ", pending.step,
-                                     " was not handed in (agreement_result) within ",
-                                     config_.timeout.count(), " ms"),
-                      std::nullopt);
-      }
-      value = slot.value;
+    const std::optional<int64_t> taken = external_.take(pending.step, config_.timeout);
+    if (!taken) {
+      return broken(detail::concat("the agreement result of step ", pending.step,
+                                   " was not handed in (agreement_result) within ",
+                                   config_.timeout.count(), " ms"),
+                    std::nullopt);
     }
+    const int64_t value = *taken;
     if (value > pending.mine) {
       return broken(detail::concat("agreement_result(", pending.step, ", ", value,
                                    ") is above this rank's contribution ", pending.mine,
@@ -132,7 +128,7 @@ void Rebalancer::Impl::advance_async() {
   if (agreed < 0) {
     const int64_t failed_rank = -1 - agreed;
     if (a.progress.load(std::memory_order_acquire) < 0) {
-      end_active(detail::concat("rank ", rank_, ": ", a.failure.message), a.failure);
+      end_active(detail::concat("rank ", seat_, ": ", a.failure.message), a.failure);
     } else {
       end_active(detail::concat("rank ", failed_rank, " failed (its log has the error)"),
                  std::nullopt);
@@ -148,8 +144,8 @@ void Rebalancer::Impl::advance_async() {
     a.figures_filled = true;
   }
   if (plan.skipped) {
-    open_->outcome = Outcome::kSkipped;
-    open_->error = plan.skip_reason;
+    records_.open->outcome = Outcome::kSkipped;
+    records_.open->error = plan.skip_reason;
     close_open(std::nullopt);
     finish_active();
     return;
@@ -165,12 +161,18 @@ void Rebalancer::Impl::advance_async() {
     a.cv.notify_one();
   }
   if (a.installed_fwd == moved) {
-    open_->outcome = Outcome::kCompleted;
+    records_.open->outcome = Outcome::kCompleted;
     close_open(std::nullopt);
     finish_active();
   }
 }
 
+// Abandons the running rebalance at this step: layers installed so far stay (they are
+// complete on every rank), the others keep their old buffers and tables.
+//
+// The record keeps the plan's figures only if an agreement proved every rank had the plan
+// (figures_filled): filling them from this rank's own plan would make the records of ranks
+// whose workers were at different points differ.
 void Rebalancer::Impl::end_active(std::string message, std::optional<Failure> error) {
   fail_open(std::move(message), std::move(error));
   cancel_worker(*active_);

@@ -28,21 +28,10 @@
 #include "runtime/failure.h"
 #include "runtime/impl.h"
 #include "runtime/compute.h"
+#include "runtime/cpu_wait.h"
 #include "runtime/stage.h"
 
 namespace eplb::runtime {
-namespace {
-
-// The worker and control threads yield to the forward thread: under SCHED_BATCH, waking them
-// (a submitted agreement, an installed layer) does not preempt the thread that woke them.
-// Their latency is hidden by the lag; the forward thread's is not. Best effort.
-void make_background_thread() {
-  sched_param param{};
-  param.sched_priority = 0;
-  (void)pthread_setschedparam(pthread_self(), SCHED_BATCH, &param);
-}
-
-}  // namespace
 
 // ---------------------------------------------------------------- start-up
 void Rebalancer::Impl::check_engine_slots_apart() const {
@@ -111,7 +100,7 @@ int64_t Rebalancer::Impl::connect() {
     std::memcpy(&theirs, b.data(), sizeof theirs);
     if (theirs != fingerprint) {
       fail("runtime: rank ", g, " has a different configuration or weight spec than rank ",
-           rank_, " (layout, interval, window, policy, lag, mode, peers_per_round and tensor "
+           seat_, " (layout, interval, window, policy, lag, mode, peers_per_round and tensor "
            "sizes must be the same on every rank)");
     }
     std::memcpy(&peer_region_[g], b.data() + sizeof theirs, sizeof(int32_t));
@@ -120,12 +109,12 @@ int64_t Rebalancer::Impl::connect() {
     // The engine's tensors follow the staging region in the same order on every rank, so
     // their region ids are the same everywhere when the staging regions' are.
     if (engine && peer_region_[g] != region_id) {
-      fail("runtime: rank ", g, " registered its regions in another order than rank ", rank_,
+      fail("runtime: rank ", g, " registered its regions in another order than rank ", seat_,
            " (staging region ", peer_region_[g], " against ", region_id,
            "): create the transport for the Rebalancer alone, or register the same regions "
            "before connect() on every rank");
     }
-    if (static_cast<int>(g) != rank_) {
+    if (static_cast<int>(g) != seat_) {
       transport_->import_descriptor(
           static_cast<int>(g),
           std::span<const std::byte>(b).subspan(kHead));
@@ -137,7 +126,7 @@ int64_t Rebalancer::Impl::connect() {
   std::vector<std::byte> probe(kProbe * all.size());
   std::vector<transport::Read> reads;
   for (int g = 0; g < static_cast<int>(all.size()); ++g) {
-    if (g == rank_) continue;
+    if (g == seat_) continue;
     // With the engine's tensors, from the first of them: what rebalances will read.
     reads.push_back({.peer = g,
                      .region = engine ? engine_.at.front().region : peer_region_[g],
@@ -161,17 +150,18 @@ int64_t Rebalancer::Impl::connect() {
   if (engine) {
     spdlog::info("eplb runtime rank {}: connected to {} peers over {} ({}), holding {} bytes "
                  "of staging beside the engine's {} layers x {} tensors, mode {}",
-                 rank_, all.size() - 1, transport_->backend(), comm_->backend(), region_.bytes,
+                 seat_, all.size() - 1, transport_->backend(), comm_->backend(), region_.bytes,
                  layers_, arena_.tensors(), mode_name(config_.mode));
   } else {
     spdlog::info("eplb runtime rank {}: connected to {} peers over {} ({}), holding {} bytes "
                  "({} layers + 1 staging of {} bytes), mode {}",
-                 rank_, all.size() - 1, transport_->backend(), comm_->backend(), region_.bytes,
+                 seat_, all.size() - 1, transport_->backend(), comm_->backend(), region_.bytes,
                  layers_, arena_.layer_bytes(), mode_name(config_.mode));
   }
   return static_cast<int64_t>(region_.bytes);
 }
 
+// The control thread on comm_ (connect(), reconfigure()), and the worker thread.
 void Rebalancer::Impl::start_control_thread() {
   control_ = std::make_unique<ControlThread>(
       *comm_, [this] { if (delay_hook_) delay_hook_(DelayPoint::kControl); },
@@ -179,12 +169,11 @@ void Rebalancer::Impl::start_control_thread() {
 }
 
 void Rebalancer::Impl::start_worker_thread() {
-  worker_ = std::thread([this] {
-    make_background_thread();
-    worker_loop();
-  });
+  worker_.start([this](Active& job) { run_job(job); });
 }
 
+// Allocates the arena or staging, registers the engine's tensors and allocates the backup, in
+// that order (the same region ids on every rank), in transport_.
 void Rebalancer::Impl::allocate_regions() {
   const bool engine = spec_.engine_weights();
   const bool device = transport_->capabilities().device_memory;
@@ -196,11 +185,12 @@ void Rebalancer::Impl::allocate_regions() {
   region_ = transport_->allocate(
       static_cast<size_t>(engine ? arena_.layer_bytes() : arena_.total_bytes()));
   if (engine) register_engine_tensors();
-  const int64_t backup_bytes = backup_.bytes(rank_);
+  const int64_t backup_bytes = backup_.bytes(seat_);
   backup_region_ = backup_bytes > 0 ? transport_->allocate(static_cast<size_t>(backup_bytes))
                                     : transport::Region{};
 }
 
+// The engine's tensors, one transport region each, right after the staging region.
 void Rebalancer::Impl::register_engine_tensors() {
   if (!transport_->capabilities().register_memory) {
     fail<NotSupported>("the ", transport_->backend(), " transport cannot serve reads from "

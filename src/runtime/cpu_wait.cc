@@ -1,6 +1,8 @@
 #include "runtime/cpu_wait.h"
 
 #include <fcntl.h>
+#include <pthread.h>
+#include <sched.h>
 #include <unistd.h>
 
 #include <charconv>
@@ -38,6 +40,12 @@ class SchedStat {
 };
 
 }  // namespace
+
+void make_background_thread() {
+  sched_param param{};
+  param.sched_priority = 0;
+  (void)pthread_setschedparam(pthread_self(), SCHED_BATCH, &param);
+}
 
 int64_t run_queue_wait_ns() {
   thread_local const SchedStat stat;

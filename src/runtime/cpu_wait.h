@@ -13,4 +13,10 @@ namespace eplb::runtime {
 // of a file the thread keeps open (closed when the thread ends); any thread may call it.
 int64_t run_queue_wait_ns();
 
+// The calling thread yields to the forward thread from now on: under SCHED_BATCH, waking it (a
+// submitted agreement, an installed layer) does not preempt the thread that woke it. The
+// worker's and control thread's latency is hidden by the lag; the forward thread's is not.
+// Best effort.
+void make_background_thread();
+
 }  // namespace eplb::runtime

@@ -65,8 +65,8 @@ void Rebalancer::Impl::reconfigure(control::Communicator& communicator,
   EPLB_CHECK_EQ(transport.rank(), communicator.rank(),
                 "the transport and the communicator must be of the same rank");
   const int32_t seat = membership.seats[static_cast<size_t>(communicator.rank())];
-  if (seat != rank_) {
-    fail("reconfigure: this rank holds seat ", rank_, " but the membership puts it (rank ",
+  if (seat != seat_) {
+    fail("reconfigure: this rank holds seat ", seat_, " but the membership puts it (rank ",
          communicator.rank(), " of the new group) in seat ", seat,
          ": a member keeps its seat, list it at its own position");
   }
@@ -84,9 +84,9 @@ void Rebalancer::Impl::reconfigure(control::Communicator& communicator,
   // every member alike (installed layers stay: what each slot holds is exchanged below).
   if (active_) {
     cancel_worker(*active_);
-    if (open_) {
-      open_->outcome = Outcome::kFailed;
-      open_->error = "reconfigure() while the rebalance ran";
+    if (records_.open) {
+      records_.open->outcome = Outcome::kFailed;
+      records_.open->error = "reconfigure() while the rebalance ran";
       close_open(std::nullopt);
       publish_open();
     }
@@ -184,11 +184,13 @@ void Rebalancer::Impl::reconfigure(control::Communicator& communicator,
   metrics_->set_unavailable(unavailable_total);
   spdlog::info("eplb runtime rank {}: reconfigured at step {} ({}): {} of {} seats serve, {} "
                "slots lost, {} experts unavailable (all layers){}",
-               rank_, step_, joining ? "joined" : "group changed", members_.size(),
+               seat_, step_, joining ? "joined" : "group changed", members_.size(),
                layout.ranks, lost_slots, unavailable_total,
                repair_pending_ ? "; a repair rebalance starts at the next step" : "");
 }
 
+// The exchange of reconfigure(): descriptors and every member's slots; adopts the group's
+// state.
 void Rebalancer::Impl::exchange_membership(const Membership& membership, bool joining) {
   const Layout& layout = config_.layout;
   const int64_t spr = layout.slots_per_rank();
@@ -203,20 +205,20 @@ void Rebalancer::Impl::exchange_membership(const Membership& membership, bool jo
   std::vector<std::byte> mine(sizeof(Head) + own * sizeof(int32_t) + own + descriptor.size());
   Head head{};
   head.fingerprint = config_fingerprint(config_, spec_);
-  head.seat = rank_;
+  head.seat = seat_;
   head.joining = joining ? 1 : 0;
   head.backup_filled = backup_filled_.load(std::memory_order_acquire) ? 1 : 0;
   head.region = region_.id;
   head.backup_region = backup_region_.bytes > 0 ? backup_region_.id : -1;
   head.repair = repair_pending_ ? 1 : 0;
   head.step = step_;
-  head.next_index = next_index_;
+  head.next_index = records_.next_index();
   std::memcpy(mine.data(), &head, sizeof head);
   auto* slots = reinterpret_cast<int32_t*>(mine.data() + sizeof head);
   auto* valid = reinterpret_cast<uint8_t*>(mine.data() + sizeof head + own * sizeof(int32_t));
   for (int64_t l = 0; l < layers_; ++l) {
     for (int64_t j = 0; j < spr; ++j) {
-      const int64_t p = l * P + rank_ * spr + j;
+      const int64_t p = l * P + seat_ * spr + j;
       slots[l * spr + j] = phy2log_[p];
       valid[l * spr + j] = joining ? 0 : usable_[p];
     }
@@ -228,7 +230,7 @@ void Rebalancer::Impl::exchange_membership(const Membership& membership, bool jo
   // Check and read every member's part.
   std::vector<Head> heads(all.size());
   int64_t step = -1;
-  int64_t next_index = next_index_;
+  int64_t next_index = records_.next_index();
   for (size_t g = 0; g < all.size(); ++g) {
     EPLB_CHECK_GE(all[g].size(), sizeof(Head) + own * (sizeof(int32_t) + 1),
                   "reconfigure: short message from rank ", g);
@@ -236,7 +238,7 @@ void Rebalancer::Impl::exchange_membership(const Membership& membership, bool jo
     const Head& h = heads[g];
     if (h.fingerprint != head.fingerprint) {
       fail("reconfigure: member ", g, " (seat ", h.seat, ") has a different configuration or "
-           "weight spec than seat ", rank_, " (layout, interval, window, policy, lag, mode, "
+           "weight spec than seat ", seat_, " (layout, interval, window, policy, lag, mode, "
            "backup and tensor sizes must be the same on every rank)");
     }
     if (h.seat != membership.seats[g]) {
@@ -267,7 +269,7 @@ void Rebalancer::Impl::exchange_membership(const Membership& membership, bool jo
     const Head& h = heads[g];
     if (engine && h.region != region_.id) {
       fail("reconfigure: seat ", h.seat, " registered its regions in another order than seat ",
-           rank_, " (staging region ", h.region, " against ", region_.id,
+           seat_, " (staging region ", h.region, " against ", region_.id,
            "): give the Rebalancer a transport of its own");
     }
     peer_region_[h.seat] = h.region;
@@ -347,7 +349,7 @@ void Rebalancer::Impl::exchange_membership(const Membership& membership, bool jo
   phy2log_ = std::move(phy2log);
   usable_ = std::move(usable);
   step_ = step;
-  next_index_ = next_index;
+  records_.set_next_index(next_index);
   published_step_.store(step_, std::memory_order_release);
   const Placement now = placement();
   for (int64_t l = 0; l < layers_; ++l) {
@@ -393,6 +395,7 @@ ElasticInputs Rebalancer::Impl::elastic_inputs() const {
   return in;
 }
 
+// After installing `layer`: every member slot of it holds its expert now.
 void Rebalancer::Impl::mark_installed(int64_t layer) {
   const int64_t P = config_.layout.physical;
   const int64_t spr = config_.layout.slots_per_rank();
@@ -400,10 +403,8 @@ void Rebalancer::Impl::mark_installed(int64_t layer) {
   if (repair_pending_) metrics_->set_unavailable(unavailable_count());
 }
 
-void Rebalancer::Impl::wait_worker_idle() {
-  std::unique_lock<std::mutex> lock(worker_mu_);
-  worker_idle_cv_.wait(lock, [&] { return worker_queue_.empty() && !worker_busy_; });
-}
+// Waits until the worker has no job (after a cancel).
+void Rebalancer::Impl::wait_worker_idle() { worker_.wait_idle(); }
 
 std::vector<int32_t> Rebalancer::Impl::members() const { return members_; }
 
@@ -432,7 +433,7 @@ bool Rebalancer::Impl::any_unavailable() const {
 
 // ---------------------------------------------------------------- backup
 std::vector<int32_t> Rebalancer::Impl::backup_experts() const {
-  return backup_.copies() > 0 ? backup_.experts_of(rank_) : std::vector<int32_t>{};
+  return backup_.copies() > 0 ? backup_.experts_of(seat_) : std::vector<int32_t>{};
 }
 
 std::span<std::byte> Rebalancer::Impl::backup_weights(int64_t layer, int64_t tensor,
@@ -444,11 +445,11 @@ std::span<std::byte> Rebalancer::Impl::backup_weights(int64_t layer, int64_t ten
              " is outside [0, ", layers_, ")");
   EPLB_CHECK(tensor >= 0 && tensor < arena_.tensors(), "backup_weights: tensor ", tensor,
              " is outside [0, ", arena_.tensors(), ")");
-  if (backup_.index(rank_, expert) < 0) {
-    fail("backup_weights: seat ", rank_, " keeps no copy of expert ", expert,
+  if (backup_.index(seat_, expert) < 0) {
+    fail("backup_weights: seat ", seat_, " keeps no copy of expert ", expert,
          " (backup_experts() lists those it does)");
   }
-  return {backup_region_.data + backup_.offset(rank_, layer, expert, tensor),
+  return {backup_region_.data + backup_.offset(seat_, layer, expert, tensor),
           static_cast<size_t>(arena_.tensor_bytes(tensor))};
 }
 
@@ -460,7 +461,7 @@ void Rebalancer::Impl::fill_backup(
     const std::function<void(int64_t, int64_t, int32_t, std::span<std::byte>)>& fill) {
   if (backup_.copies() == 0) return;
   for (int64_t l = 0; l < layers_; ++l) {
-    for (const int32_t e : backup_.experts_of(rank_)) {
+    for (const int32_t e : backup_.experts_of(seat_)) {
       for (int64_t t = 0; t < arena_.tensors(); ++t) fill(l, t, e, backup_weights(l, t, e));
     }
   }

@@ -26,13 +26,17 @@
 
 namespace eplb::runtime {
 
+// Rows `layer` of the bound maps from phy2log_ and tables_ (after any change of either).
 void Rebalancer::Impl::write_maps(int64_t layer) const {
   if (maps_.empty()) return;
   const int64_t P = config_.layout.physical;
   maps_.write(layer, {phy2log_.data() + layer * P, static_cast<size_t>(P)}, tables_[layer],
-              rank_);
+              seat_);
 }
 
+// Installs moved layer k of `plan` on this rank: the staged buffer becomes live, the new
+// tables and phy2log take effect. kSwap: O(1) in the weights' size; kCopy: one layer copied
+// (or enqueued, by the installer).
 void Rebalancer::Impl::install(RebalancePlan& plan, int64_t k) {
   const int64_t layer = plan.moved_layers[k];
   if (delay_hook_) delay_hook_(DelayPoint::kInstall);
@@ -49,7 +53,7 @@ void Rebalancer::Impl::install(RebalancePlan& plan, int64_t k) {
     } else {
       std::memcpy(live, staged, bytes);
     }
-    open_->bytes_installed += static_cast<int64_t>(bytes);
+    records_.open->bytes_installed += static_cast<int64_t>(bytes);
   }
   if (config_.installer) installer_or_stop([&] { config_.installer->mark(); }, layer);
   std::swap(tables_[layer], plan.tables[k]);
@@ -58,22 +62,25 @@ void Rebalancer::Impl::install(RebalancePlan& plan, int64_t k) {
   write_maps(layer);
   mark_installed(layer);
   for (const migration::Restore& r : plan.migrations[k].plan.restores) {
-    if (r.dst_rank == rank_) open_->bytes_restored += spec_.expert_bytes();
+    if (r.dst_rank == seat_) records_.open->bytes_restored += spec_.expert_bytes();
   }
   ++installed_total_;
-  ++open_->layers_installed;
-  metrics_->on_layer_installed(plan.migrations[k].plan, config_.layout, rank_,
+  ++records_.open->layers_installed;
+  metrics_->on_layer_installed(plan.migrations[k].plan, config_.layout, seat_,
                                spec_.expert_bytes());
-  progress_.touch(open_->index);
+  progress_.touch(records_.open->index);
 }
 
+// Installs swap buffers only with the arena and Install::kSwap.
 bool Rebalancer::Impl::swaps() const {
   return !spec_.engine_weights() && config_.install == Install::kSwap;
 }
 
+// The engine's tensors of layer k of `plan` get, slot by slot, the staged bytes of every
+// slot whose expert changes; the others are not written.
 void Rebalancer::Impl::install_into_engine(const RebalancePlan& plan, int64_t k) {
   const int64_t layer = plan.moved_layers[k];
-  const auto actions = plan.migrations[k].plan.rank_actions(rank_, config_.layout);
+  const auto actions = plan.migrations[k].plan.rank_actions(seat_, config_.layout);
   for (size_t j = 0; j < actions.size(); ++j) {
     if (actions[j].action == migration::Action::kUnchanged) continue;
     for (int64_t t = 0; t < arena_.tensors(); ++t) {
@@ -86,11 +93,15 @@ void Rebalancer::Impl::install_into_engine(const RebalancePlan& plan, int64_t k)
       } else {
         std::memcpy(live, staged, bytes);
       }
-      open_->bytes_installed += static_cast<int64_t>(bytes);
+      records_.open->bytes_installed += static_cast<int64_t>(bytes);
     }
   }
 }
 
+// An installer that fails mid-install (a CUDA error on the engine's stream) leaves this rank's
+// weights, tables and buffer map no longer in step with each other or with the other ranks',
+// and there is no consistent way back: the process stops, loudly, so that its peers see a dead
+// rank and abandon the rebalance cleanly instead of serving wrong experts.
 template <typename F>
 void Rebalancer::Impl::installer_or_stop(F&& call, int64_t layer) {
   try {
@@ -98,7 +109,7 @@ void Rebalancer::Impl::installer_or_stop(F&& call, int64_t layer) {
   } catch (...) {
     spdlog::critical("eplb runtime rank {}: the installer failed installing layer {}: {}; "
                      "this rank's weights can no longer be trusted, stopping the process",
-                     rank_, layer, Failure::current().message);
+                     seat_, layer, Failure::current().message);
     spdlog::shutdown();
     std::abort();
   }

@@ -38,6 +38,7 @@
 
 namespace eplb::runtime {
 
+// A joining rank in `seat`: no group until reconfigure().
 Rebalancer::Impl::Impl(Config config, control::Communicator& communicator,
                        transport::Transport& transport, WeightSpec spec,
                        const Placement& initial)
@@ -53,11 +54,11 @@ Rebalancer::Impl::Impl(Config config, WeightSpec spec, int seat, const Placement
       comm_(communicator),
       transport_(transport),
       spec_(std::move(spec)),
-      rank_(seat),
+      seat_(seat),
       layers_(spec_.layers),
       recorder_(spec_.layers, config_.layout.experts, std::max<int64_t>(config_.window, 1)),
       map_(spec_.layers),
-      external_(static_cast<size_t>(config_.lag + 2)) {
+      external_(config_.lag) {
   const Layout& layout = config_.layout;
   balancedness_period_ = config_.balancedness_period == 0 ? config_.interval
                                                           : std::max<int64_t>(
@@ -101,10 +102,10 @@ Rebalancer::Impl::Impl(Config config, WeightSpec spec, int seat, const Placement
   for (int64_t l = 0; l < layers_; ++l) tables_.push_back(build_tables(start, l, false));
   // Last, once everything is valid: nothing in the engine's registry from a refused config.
   // The monitor exists from here on, so collect_metrics() (any thread) never races its start.
-  metrics_ = std::make_unique<RuntimeMetrics>(config_.registry, rank_, config_.metric_labels);
+  metrics_ = std::make_unique<RuntimeMetrics>(config_.registry, seat_, config_.metric_labels);
   if (!joining_) metrics_->set_members(layout.ranks);
   monitor_ = std::make_unique<Monitor>(
-      rank_, layout, config_.stall_warn, config_.timeout, progress_, *metrics_,
+      seat_, layout, config_.stall_warn, config_.timeout, progress_, *metrics_,
       [this](const Failure&, int64_t group) {
         broken_group_.store(group, std::memory_order_release);
       });
@@ -121,6 +122,7 @@ void Rebalancer::Impl::record_counts(int64_t layer, std::span<const int64_t> cou
   recorder_.record_counts(layer, counts);
 }
 
+// The engine's seams (engine_maps.h): one pass of its counters, its map tensors.
 void Rebalancer::Impl::record_pass(const IntTensor& counts, CountsOf of) {
   const int64_t E = config_.layout.experts;
   if (pass_step_ == step_) {
@@ -223,7 +225,7 @@ void Rebalancer::Impl::step_end() {
   published_step_.store(step_, std::memory_order_release);
   const double wall_ms = ms_between(start, Clock::now());
   metrics_->on_step();
-  if (!open_) return;
+  if (!records_.open) return;
   // The stall is what eplb kept the forward thread for: its work and its waits for peers, not
   // the time the OS ran other threads on the core (cpu_wait.h).
   const int64_t waited_after = waited_before >= 0 ? run_queue_wait_ns() : -1;
@@ -232,12 +234,12 @@ void Rebalancer::Impl::step_end() {
           ? std::min(wall_ms, static_cast<double>(waited_after - waited_before) / 1e6)
           : 0.0;
   const double ms = wall_ms - preempted_ms;
-  open_->stall_total_ms += ms;
-  open_->stall_max_ms = std::max(open_->stall_max_ms, ms);
-  open_->stall_preempted_ms += preempted_ms;
+  records_.open->stall_total_ms += ms;
+  records_.open->stall_max_ms = std::max(records_.open->stall_max_ms, ms);
+  records_.open->stall_preempted_ms += preempted_ms;
   metrics_->on_stall(ms / 1000.0);
-  metrics_->set_age_steps(step_ - open_->trigger_step);
-  if (open_finished_) publish_open();
+  metrics_->set_age_steps(step_ - records_.open->trigger_step);
+  if (records_.ended()) publish_open();
 }
 
 Rebalancer::Impl::ServedBy Rebalancer::Impl::served_by_now() const {
@@ -249,6 +251,11 @@ Rebalancer::Impl::ServedBy Rebalancer::Impl::served_by_now() const {
   return by;
 }
 
+// At steps that are multiples of the balancedness period, after this step's protocol: the
+// window for the monitor thread to measure under `phy2log`. A rebalance triggered at this step
+// all-reduced it already (that result is shared); with one in flight since an earlier step
+// there is no measurement (no collective queues up among its agreements); else one all-reduce,
+// on every rank alike. `served_by`: the group's seats and usable slots when `phy2log` served.
 void Rebalancer::Impl::submit_balancedness(std::vector<int32_t> phy2log, ServedBy served_by) {
   // Triggered at this step: its window is this very window, all-reduced already.
   if (sync_window_) {
@@ -258,14 +265,14 @@ void Rebalancer::Impl::submit_balancedness(std::vector<int32_t> phy2log, ServedB
                       std::move(served_by.members), std::move(served_by.usable));
     return;
   }
-  if (active_ && open_ && open_->trigger_step == step_) {
+  if (active_ && records_.open && records_.open->trigger_step == step_) {
     monitor_->measure(active_->window, std::move(phy2log), step_, group_.load(),
                       std::move(served_by.members), std::move(served_by.usable));
     return;
   }
   // In flight since an earlier step (its agreements must not wait behind a window), or a
   // broken control plane (no collective runs any more): no figure this time.
-  if (open_ || control_broken()) return;
+  if (records_.open || control_broken()) return;
   std::vector<int64_t> window(static_cast<size_t>(layers_ * config_.layout.experts));
   recorder_.snapshot_window(window);
   monitor_->measure(control_->all_reduce(std::move(window), control::ReduceOp::kSum,
@@ -299,31 +306,26 @@ void Rebalancer::Impl::shutdown() {
   shut_down_ = true;
   if (active_) {
     cancel_worker(*active_);
-    if (open_) {
-      open_->outcome = Outcome::kCancelled;
-      open_->error = "shutdown() while the rebalance ran";
+    if (records_.open) {
+      records_.open->outcome = Outcome::kCancelled;
+      records_.open->error = "shutdown() while the rebalance ran";
       close_open(std::nullopt);
       publish_open();
     }
     active_.reset();
   }
-  {
-    std::lock_guard<std::mutex> lock(worker_mu_);
-    worker_stop_ = true;
-  }
-  worker_cv_.notify_one();
-  if (worker_.joinable()) worker_.join();
+  worker_.stop();
   if (control_) control_->stop();
   if (monitor_) monitor_->stop();
   agreements_.clear();
   metrics_->set_in_flight({});
 }
 
-int Rebalancer::Impl::rank() const { return rank_; }
+int Rebalancer::Impl::rank() const { return seat_; }
 
 int64_t Rebalancer::Impl::step() const { return step_; }
 
-bool Rebalancer::Impl::rebalancing() const { return open_.has_value(); }
+bool Rebalancer::Impl::rebalancing() const { return records_.open.has_value(); }
 
 int64_t Rebalancer::Impl::installed_layers() const { return installed_total_; }
 
@@ -353,8 +355,7 @@ int64_t Rebalancer::Impl::host_bytes() const {
 }
 
 std::vector<RebalanceRecord> Rebalancer::Impl::history() const {
-  std::lock_guard<std::mutex> lock(history_mu_);
-  return history_;
+  return records_.history();
 }
 
 std::shared_ptr<prometheus::Registry> Rebalancer::Impl::registry() const {
@@ -370,6 +371,8 @@ const Config& Rebalancer::Impl::config() const { return config_; }
 
 const WeightSpec& Rebalancer::Impl::weight_spec() const { return spec_; }
 
+// The tables of `layer` of `placement` routing only to usable slots (usable_ now, or the
+// members' slots all, `after_install`).
 routing::DispatchTables Rebalancer::Impl::build_tables(const Placement& placement, int64_t layer,
                                                        bool after_install) const {
   const Layout& layout = config_.layout;

@@ -36,40 +36,42 @@ void Rebalancer::Impl::step_end_sync() {
   }
   RebalancePlan plan;
   std::optional<Failure> local;
-  progress_.note(open_->index, Phase::kPlacement);
+  progress_.note(records_.open->index, Phase::kPlacement);
   try {
     if (delay_hook_) delay_hook_(DelayPoint::kPlacement);
     plan = make_plan(window, phy2log_, config_, spec_.expert_bytes(), elastic_inputs());
   } catch (...) {
     local = Failure::current();
   }
-  progress_.note(open_->index, Phase::kAgreeing);
+  progress_.note(records_.open->index, Phase::kAgreeing);
   if (!agree_sync(local)) return;
   fill_plan_figures(plan);
   if (plan.skipped) {
-    open_->outcome = Outcome::kSkipped;
-    open_->error = plan.skip_reason;
+    records_.open->outcome = Outcome::kSkipped;
+    records_.open->error = plan.skip_reason;
     close_open(std::nullopt);
     return;
   }
-  const StageContext context = stage_context(nullptr, open_->index);
+  const StageContext context = stage_context(nullptr, records_.open->index);
   for (size_t k = 0; k < plan.moved_layers.size(); ++k) {
-    progress_.note(open_->index, Phase::kReading, plan.moved_layers[k]);
+    progress_.note(records_.open->index, Phase::kReading, plan.moved_layers[k]);
     try {
       stage_layer(context, map_, plan.moved_layers[k], plan.migrations[k]);
     } catch (...) {
       local = Failure::current();
     }
-    progress_.note(open_->index, Phase::kAgreeing, plan.moved_layers[k]);
+    progress_.note(records_.open->index, Phase::kAgreeing, plan.moved_layers[k]);
     if (!agree_sync(local)) return;
     install(plan, static_cast<int64_t>(k));
   }
-  open_->outcome = Outcome::kCompleted;
+  records_.open->outcome = Outcome::kCompleted;
   close_open(std::nullopt);
 }
 
+// One agreement of sync mode, on whether this rank failed (`local`); false (and the record
+// failed) unless every rank succeeded.
 bool Rebalancer::Impl::agree_sync(const std::optional<Failure>& local) {
-  const int64_t mine = local ? -1 - rank_ : 1;
+  const int64_t mine = local ? -1 - seat_ : 1;
   int64_t agreed = 0;
   try {
     agreed = await(control_->all_reduce({mine}, control::ReduceOp::kMin, config_.timeout)).at(0);
@@ -82,7 +84,7 @@ bool Rebalancer::Impl::agree_sync(const std::optional<Failure>& local) {
   }
   if (agreed >= 0) return true;
   if (local) {
-    fail_open(detail::concat("rank ", rank_, ": ", local->message), local);
+    fail_open(detail::concat("rank ", seat_, ": ", local->message), local);
   } else {
     fail_open(detail::concat("rank ", -1 - agreed, " failed (its log has the error)"),
               std::nullopt);

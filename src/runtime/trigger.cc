@@ -26,7 +26,7 @@
 namespace eplb::runtime {
 
 bool Rebalancer::Impl::should_trigger() const {
-  if (control_broken() || open_) return false;
+  if (control_broken() || records_.open) return false;
   // A repair starts at once after reconfigure(); after a failed one, again at the next interval
   // (a loader that keeps failing must not cost a collective and a warning at every step).
   const bool at_interval = step_ > 0 && step_ % config_.interval == 0;
@@ -34,16 +34,14 @@ bool Rebalancer::Impl::should_trigger() const {
 }
 
 void Rebalancer::Impl::open_record() {
-  open_.emplace();
-  open_->index = next_index_++;
-  open_->trigger_step = step_;
-  open_->repair = repair_pending_;
-  open_finished_ = false;
-  open_started_ = Clock::now();
-  progress_.start(open_->index, step_);
+  records_.start(step_, repair_pending_);
+  progress_.start(records_.open->index, step_);
   metrics_->set_age_steps(0);
 }
 
+// Run on the control thread before this rank contributes its window: peers start reading this
+// rank's live buffers once every window is in, so the last install's queued work (a copy into
+// a live buffer, kCopy) must have run by then. Nothing to wait for on host memory.
 std::function<void()> Rebalancer::Impl::installs_done() {
   if (!config_.installer) return {};
   return [installer = config_.installer, timeout = config_.timeout] {
@@ -54,7 +52,7 @@ std::function<void()> Rebalancer::Impl::installs_done() {
 void Rebalancer::Impl::trigger_async() {
   open_record();
   auto a = std::make_shared<Active>();
-  a->index = open_->index;
+  a->index = records_.open->index;
   std::vector<int64_t> window(static_cast<size_t>(layers_ * config_.layout.experts));
   recorder_.snapshot_window(window);
   a->window = control_->all_reduce(std::move(window), control::ReduceOp::kSum,
@@ -63,11 +61,7 @@ void Rebalancer::Impl::trigger_async() {
   a->current_phy2log = phy2log_;
   a->map = map_;
   a->elastic = elastic_inputs();
-  {
-    std::lock_guard<std::mutex> lock(worker_mu_);
-    worker_queue_.push_back(a);
-  }
-  worker_cv_.notify_one();
+  worker_.submit(a);
   active_ = std::move(a);
 }
 

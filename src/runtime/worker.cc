@@ -22,6 +22,8 @@
 #include "runtime/control_thread.h"
 #include "runtime/failure.h"
 #include "runtime/impl.h"
+#include "runtime/worker.h"
+#include "runtime/cpu_wait.h"
 #include "runtime/stage.h"
 
 namespace eplb::runtime {
@@ -49,7 +51,7 @@ StageContext Rebalancer::Impl::stage_context(const std::atomic<bool>* cancel, in
   context.peer_backup_region = &peer_backup_region_;
   context.loader = &config_.backup.loader;
   context.layout = &config_.layout;
-  context.rank = rank_;
+  context.rank = seat_;
   context.timeout = config_.timeout;
   context.delay_hook = &delay_hook_;
   context.cancel = cancel;
@@ -63,24 +65,49 @@ StageContext Rebalancer::Impl::stage_context(const std::atomic<bool>* cancel, in
 }
 
 // -------------------------------------------------------------- worker thread
-void Rebalancer::Impl::worker_loop() {
-  for (;;) {
-    std::shared_ptr<Active> job;
-    {
-      std::unique_lock<std::mutex> lock(worker_mu_);
-      worker_cv_.wait(lock, [&] { return worker_stop_ || !worker_queue_.empty(); });
-      if (worker_stop_) return;
-      job = std::move(worker_queue_.front());
-      worker_queue_.pop_front();
-      worker_busy_ = true;
+void WorkerThread::start(std::function<void(Active&)> run) {
+  thread_ = std::thread([this, run = std::move(run)] {
+    make_background_thread();
+    for (;;) {
+      std::shared_ptr<Active> job;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+        if (stopping_) return;
+        job = std::move(queue_.front());
+        queue_.pop_front();
+        busy_ = true;
+      }
+      run(*job);
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        busy_ = false;
+      }
+      idle_cv_.notify_all();
     }
-    run_job(*job);
-    {
-      std::lock_guard<std::mutex> lock(worker_mu_);
-      worker_busy_ = false;
-    }
-    worker_idle_cv_.notify_all();
+  });
+}
+
+void WorkerThread::submit(std::shared_ptr<Active> job) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    queue_.push_back(std::move(job));
   }
+  cv_.notify_one();
+}
+
+void WorkerThread::wait_idle() {
+  std::unique_lock<std::mutex> lock(mu_);
+  idle_cv_.wait(lock, [&] { return queue_.empty() && !busy_; });
+}
+
+void WorkerThread::stop() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping_ = true;
+  }
+  cv_.notify_one();
+  if (thread_.joinable()) thread_.join();
 }
 
 void Rebalancer::Impl::run_job(Active& a) {
@@ -113,7 +140,7 @@ void Rebalancer::Impl::run_job(Active& a) {
       if (swaps()) map.install(layer);
     }
   } catch (...) {
-    worker_failed(a, rank_, Failure::current());
+    worker_failed(a, seat_, Failure::current());
   }
 }
 

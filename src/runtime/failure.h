@@ -8,7 +8,9 @@
 // the error is to reach the engine. A shared std::exception_ptr would work too, but its object
 // is freed by whichever thread drops the last reference while another may still read it, and
 // the reference count lives where ThreadSanitizer cannot see it: a suite that reports that at
-// random is not a check.
+// random is not a check. Every catch on a runtime thread takes everything (a foreign exception
+// type from a hook or a backend is still an error to report, never a reason to end the process
+// from a thread the engine does not own) and keeps it as a Failure.
 
 #include <string>
 

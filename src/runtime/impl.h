@@ -13,18 +13,15 @@
 
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
 #include <deque>
 #include <functional>
 #include <future>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <span>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "eplb/control/communicator.h"
@@ -35,27 +32,23 @@
 #include "eplb/transport/transport.h"
 #include "runtime/arena.h"
 #include "runtime/backup.h"
+#include "runtime/compute.h"
 #include "runtime/control_thread.h"
 #include "runtime/engine_maps.h"
+#include "runtime/external_agreement.h"
 #include "runtime/failure.h"
+#include "runtime/in_flight.h"
 #include "runtime/metrics.h"
 #include "runtime/monitor.h"
-#include "runtime/compute.h"
-#include "runtime/external_agreement.h"
-#include "runtime/in_flight.h"
 #include "runtime/record_book.h"
-#include "runtime/worker.h"
 #include "runtime/stage.h"
 #include "runtime/testing.h"
+#include "runtime/worker.h"
 
 namespace eplb::runtime {
 
 using Clock = std::chrono::steady_clock;
 
-// Every catch on a runtime thread takes everything (a foreign exception type from a hook or a
-// backend is still an error to report, never a reason to end the process from a thread the
-// engine does not own) and keeps it as a Failure: plain values, never the exception object,
-// cross to another thread (failure.h).
 class Rebalancer::Impl {
   friend class RebalancerTesting;  // the delay hook (testing.h)
 

@@ -1,10 +1,10 @@
 #pragma once
 // Where the expert weights of this rank live: one transport region of layers + 1 layer
 // buffers, each [tensors][slots_per_rank][expert_bytes of the tensor]. Layer l lives in
-// buffer_of_layer[l]; the remaining buffer is the staging buffer ("spare"). Installing layer l
+// buffer_of_layer[l]; the remaining buffer is the staging buffer. Installing layer l
 // swaps the two, so the staged content becomes live without a copy.
 //
-// The map starts as the identity (spare = layers) and changes only by install(), at the same
+// The map starts as the identity (staging = layers) and changes only by install(), at the same
 // steps on every rank, so it is the same on every rank at every step: a reader computes a
 // peer's offsets from its own copy of the map.
 
@@ -69,13 +69,13 @@ struct EngineTensors {
 
 struct BufferMap {
   std::vector<int32_t> buffer_of_layer;  // [layers]
-  int32_t spare = 0;
+  int32_t staging = 0;
 
   explicit BufferMap(int64_t layers = 0) : buffer_of_layer(static_cast<size_t>(layers)) {
     for (int64_t l = 0; l < layers; ++l) buffer_of_layer[l] = static_cast<int32_t>(l);
-    spare = static_cast<int32_t>(layers);
+    staging = static_cast<int32_t>(layers);
   }
-  void install(int64_t layer) { std::swap(buffer_of_layer[layer], spare); }
+  void install(int64_t layer) { std::swap(buffer_of_layer[layer], staging); }
 };
 
 }  // namespace eplb::runtime

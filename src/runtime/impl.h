@@ -38,7 +38,7 @@
 #include "runtime/external_agreement.h"
 #include "runtime/failure.h"
 #include "runtime/in_flight.h"
-#include "runtime/metrics.h"
+#include "runtime/runtime_metrics.h"
 #include "runtime/monitor.h"
 #include "runtime/record_book.h"
 #include "runtime/stage.h"
@@ -180,7 +180,7 @@ class Rebalancer::Impl {
   // Metrics (atomic), the progress of the rebalance in flight (any thread, monitor.h), and the
   // monitor thread from connect() on.
   std::unique_ptr<RuntimeMetrics> metrics_;
-  Progress progress_;
+  PhaseTracker progress_;
   std::unique_ptr<Monitor> monitor_;
 
   // Forward thread.

@@ -24,7 +24,7 @@ namespace eplb::runtime {
 //   written by the forward thread under `mu`, waited on by the worker: installed, cancel.
 struct Active {
   // Set by the forward thread before the worker sees it; then read-only.
-  int64_t index = 0;                     // the rebalance's record index (for Progress)
+  int64_t index = 0;                     // the rebalance's record index (for the PhaseTracker)
   std::vector<int32_t> current_phy2log;  // [layers][physical] at the trigger
   BufferMap map;                         // at the trigger
   ElasticInputs elastic;                 // members, usable slots, backups at the trigger

@@ -46,7 +46,7 @@ void Rebalancer::Impl::install(RebalancePlan& plan, int64_t k) {
     map_.install(layer);
   } else {
     std::byte* live = region_.data + arena_.offset(map_.buffer_of_layer[layer], 0, 0);
-    const std::byte* staged = region_.data + arena_.offset(map_.spare, 0, 0);
+    const std::byte* staged = region_.data + arena_.offset(map_.staging, 0, 0);
     const auto bytes = static_cast<size_t>(arena_.layer_bytes());
     if (config_.installer) {
       installer_or_stop([&] { config_.installer->copy(live, staged, bytes); }, layer);

@@ -55,7 +55,7 @@ std::optional<placement::PlacementMetrics> served_metrics(const LoadMatrix& load
   return placement::evaluate(load, c, compact, nullptr, /*with_bound=*/false);
 }
 
-void Progress::start(int64_t index, int64_t trigger_step) {
+void PhaseTracker::start(int64_t index, int64_t trigger_step) {
   std::lock_guard<std::mutex> lock(mu_);
   const auto now = MonitorClock::now();
   now_.active = true;
@@ -69,7 +69,7 @@ void Progress::start(int64_t index, int64_t trigger_step) {
   ++now_.generation;
 }
 
-void Progress::note(int64_t index, Phase phase, int64_t layer, std::vector<int> peers) {
+void PhaseTracker::note(int64_t index, Phase phase, int64_t layer, std::vector<int> peers) {
   std::lock_guard<std::mutex> lock(mu_);
   if (!now_.active || now_.index != index) return;
   now_.phase = phase;
@@ -79,14 +79,14 @@ void Progress::note(int64_t index, Phase phase, int64_t layer, std::vector<int> 
   ++now_.generation;
 }
 
-void Progress::touch(int64_t index) {
+void PhaseTracker::touch(int64_t index) {
   std::lock_guard<std::mutex> lock(mu_);
   if (!now_.active || now_.index != index) return;
   now_.last = MonitorClock::now();
   ++now_.generation;
 }
 
-void Progress::finish() {
+void PhaseTracker::finish() {
   std::lock_guard<std::mutex> lock(mu_);
   now_.active = false;
   now_.phase = Phase::kIdle;
@@ -95,12 +95,12 @@ void Progress::finish() {
   ++now_.generation;
 }
 
-Progress::Snapshot Progress::snapshot() const {
+PhaseTracker::Snapshot PhaseTracker::snapshot() const {
   std::lock_guard<std::mutex> lock(mu_);
   return now_;
 }
 
-std::string describe_stall(const Progress::Snapshot& s, int rank, double seconds) {
+std::string describe_stall(const PhaseTracker::Snapshot& s, int rank, double seconds) {
   std::string what;
   switch (s.phase) {
     case Phase::kWindow:
@@ -130,7 +130,7 @@ std::string describe_stall(const Progress::Snapshot& s, int rank, double seconds
 }
 
 Monitor::Monitor(int rank, Layout layout, std::chrono::milliseconds stall_warn,
-                 std::chrono::milliseconds timeout, Progress& progress, RuntimeMetrics& metrics,
+                 std::chrono::milliseconds timeout, PhaseTracker& progress, RuntimeMetrics& metrics,
                  std::function<void(const Failure&, int64_t)> on_failed_window)
     : rank_(rank),
       layout_(layout),
@@ -181,7 +181,7 @@ void Monitor::measure(std::shared_future<CollectiveResult> window,
 
 void Monitor::refresh() {
   std::lock_guard<std::mutex> lock(refresh_mu_);
-  const Progress::Snapshot s = progress_.snapshot();
+  const PhaseTracker::Snapshot s = progress_.snapshot();
   const auto now = MonitorClock::now();
   RuntimeMetrics::InFlight f;
   f.active = s.active;
@@ -198,7 +198,7 @@ void Monitor::refresh() {
 void Monitor::watch(MonitorClock::time_point now) {
   refresh();
   if (stall_warn_.count() <= 0) return;
-  const Progress::Snapshot s = progress_.snapshot();
+  const PhaseTracker::Snapshot s = progress_.snapshot();
   if (!s.active || now - s.last < stall_warn_) return;
   // Once per stall_warn while the same stall lasts; at once for a new one.
   if (s.generation == warned_generation_ && now - warned_at_ < stall_warn_) return;

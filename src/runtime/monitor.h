@@ -1,6 +1,6 @@
 #pragma once
 // What watches a running Rebalancer from the side: the progress of the rebalance in flight
-// (Progress, written by whichever thread moves it on), and the monitor thread, which keeps the
+// (PhaseTracker, written by whichever thread moves it on), and the monitor thread, which keeps the
 // in-flight metrics fresh, warns about a rebalance that makes no progress (the watchdog), and
 // measures the recorded window's balancedness off the forward thread.
 
@@ -21,7 +21,7 @@
 #include "eplb/core/types.h"
 #include "eplb/placement/metrics.h"
 #include "runtime/control_thread.h"
-#include "runtime/metrics.h"
+#include "runtime/runtime_metrics.h"
 
 namespace eplb::runtime {
 
@@ -40,7 +40,7 @@ std::optional<placement::PlacementMetrics> served_metrics(const LoadMatrix& load
 
 // The rebalance in flight, as far as this rank knows. Any thread (one mutex: a few calls per
 // layer, never per token).
-class Progress {
+class PhaseTracker {
  public:
   struct Snapshot {
     bool active = false;
@@ -68,14 +68,14 @@ class Progress {
 };
 
 // The watchdog's sentence for a stall: the phase, the layer, who it waits for.
-std::string describe_stall(const Progress::Snapshot& s, int rank, double seconds);
+std::string describe_stall(const PhaseTracker::Snapshot& s, int rank, double seconds);
 
 class Monitor {
  public:
   // `stall_warn` 0: no watchdog. `on_failed_window` (monitor thread) is told of a window
   // all-reduce that failed: the control plane is broken. Starts its thread.
   Monitor(int rank, Layout layout, std::chrono::milliseconds stall_warn,
-          std::chrono::milliseconds timeout, Progress& progress, RuntimeMetrics& metrics,
+          std::chrono::milliseconds timeout, PhaseTracker& progress, RuntimeMetrics& metrics,
           std::function<void(const Failure&, int64_t group)> on_failed_window);
   ~Monitor();  // stop()
   Monitor(const Monitor&) = delete;
@@ -118,7 +118,7 @@ class Monitor {
   const Layout layout_;
   const std::chrono::milliseconds stall_warn_;
   const std::chrono::milliseconds timeout_;
-  Progress& progress_;
+  PhaseTracker& progress_;
   RuntimeMetrics& metrics_;
   const std::function<void(const Failure&, int64_t)> on_failed_window_;
 

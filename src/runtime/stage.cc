@@ -67,7 +67,7 @@ bool stage_layer(const StageContext& context, const BufferMap& map, int64_t laye
   const int64_t first = context.rank * spr;
   // The arena's live buffer of the layer (none with the engine's tensors: live_at says where).
   const int64_t live = context.engine != nullptr ? -1 : map.buffer_of_layer[layer];
-  const int64_t spare = map.spare;
+  const int64_t staging = map.staging;
   const auto cancelled = [&] {
     return context.cancel && context.cancel->load(std::memory_order_acquire);
   };
@@ -88,14 +88,14 @@ bool stage_layer(const StageContext& context, const BufferMap& map, int64_t laye
   };
   // Local copies: memcpy on host memory; on device memory, reads of this rank's own regions,
   // gathered and done as one batch by flush_local(). From the live weights (from_live) or
-  // within the spare buffer.
+  // within the staging buffer.
   std::vector<transport::Read> local_reads;
   const auto copy_slot = [&](bool from_live, int64_t src_slot, int64_t dst_slot) {
     for (int64_t t = 0; t < arena.tensors(); ++t) {
-      std::byte* dst = context.base + arena.offset(spare, t, dst_slot);
+      std::byte* dst = context.base + arena.offset(staging, t, dst_slot);
       const auto bytes = static_cast<size_t>(arena.tensor_bytes(t));
       std::pair<int, uint64_t> src{context.own_region,
-                                   static_cast<uint64_t>(arena.offset(spare, t, src_slot))};
+                                   static_cast<uint64_t>(arena.offset(staging, t, src_slot))};
       if (from_live) src = live_at(context.rank, t, src_slot);
       if (context.device_memory) {
         local_reads.push_back({.peer = context.self_peer, .region = src.first, .offset = src.second,
@@ -126,7 +126,7 @@ bool stage_layer(const StageContext& context, const BufferMap& map, int64_t laye
     if (r.dst_rank != context.rank) continue;
     if (cancelled()) return false;
     for (int64_t t = 0; t < arena.tensors(); ++t) {
-      std::byte* dst = context.base + arena.offset(spare, t, r.dst_slot - first);
+      std::byte* dst = context.base + arena.offset(staging, t, r.dst_slot - first);
       const auto bytes = static_cast<size_t>(arena.tensor_bytes(t));
       if (r.src_rank < 0) {
         EPLB_CHECK(context.loader != nullptr && *context.loader,
@@ -176,7 +176,7 @@ bool stage_layer(const StageContext& context, const BufferMap& map, int64_t laye
         transport::Read read;
         read.peer = peer_of(r.src_rank);
         std::tie(read.region, read.offset) = live_at(r.src_rank, t, src_local);
-        read.dst = context.base + arena.offset(spare, t, r.dst_slot - first);
+        read.dst = context.base + arena.offset(staging, t, r.dst_slot - first);
         read.bytes = static_cast<size_t>(arena.tensor_bytes(t));
         batch_reads.push_back(read);
       }

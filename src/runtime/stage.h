@@ -49,19 +49,19 @@ struct StageContext {
   // The engine's own tensors hold the live weights (null: the arena's layer buffers do); the
   // arena is then the staging layer alone.
   const EngineTensors* engine = nullptr;
-  Progress* progress = nullptr;  // told of each round of reads (null: nobody watches)
+  PhaseTracker* progress = nullptr;  // told of each round of reads (null: nobody watches)
   int64_t rebalance = 0;         // the index the progress is told of
 };
 
-// Builds layer `layer`'s new content for this rank in the spare buffer of `map`: unchanged
+// Builds layer `layer`'s new content for this rank in the staging buffer of `map`: unchanged
 // slots (arena only: with the engine's tensors they stay where they are) and local copies from
 // the live weights, reads from peers' live weights round by round, then free rides within the
-// spare buffer. First waits for the installer's last mark, so
+// staging buffer. First waits for the installer's last mark, so
 // nothing the engine may still read is overwritten. Local copies are memcpy on host memory and
 // reads of this rank's own region (the transport's copy engine) on device memory. Restores of
 // lost experts (a backup copy, read or copied, or the loader) come first of all. Nothing live
 // changes on any rank. Returns false
-// when cancelled (the spare buffer is then garbage); throws on a failed or late read.
+// when cancelled (the staging buffer is then garbage); throws on a failed or late read.
 bool stage_layer(const StageContext& context, const BufferMap& map, int64_t layer,
                  const migration::LayerMigration& migration);
 

@@ -272,7 +272,7 @@ TEST(RuntimeMetrics, TheWatchdogWarnsOfAStalledRebalance) {
 }
 
 TEST(RuntimeMetrics, TheWatchdogNamesThePeersOfARead) {
-  Progress progress;
+  PhaseTracker progress;
   progress.start(3, 40);
   progress.note(2, Phase::kReading, 9);  // an older rebalance's worker: ignored
   EXPECT_EQ(progress.snapshot().phase, Phase::kWindow);

@@ -1,4 +1,4 @@
-#include "runtime/metrics.h"
+#include "runtime/runtime_metrics.h"
 
 #include <array>
 #include <limits>

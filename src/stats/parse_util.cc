@@ -246,4 +246,6 @@ std::string_view skip_bom(std::string_view text) {
   return text;
 }
 
+bool is_blank(std::string_view line) { return trim(line).empty(); }
+
 }  // namespace eplb::stats::detail

@@ -1,6 +1,7 @@
 #pragma once
 // Helpers shared by the stats file parsers (private to src/stats): turning nlohmann-json's
-// exceptions into InvalidArgument with a position, and quoting user text in messages.
+// exceptions into InvalidArgument with a position, quoting user text in messages, and reading
+// text line by line.
 
 #include <cstdint>
 #include <new>
@@ -71,5 +72,29 @@ auto parse_within_memory(std::string_view path, size_t bytes, F&& parse) {
 
 std::string_view trim(std::string_view text);     // spaces, tabs, CR
 std::string_view skip_bom(std::string_view text);  // a leading UTF-8 byte-order mark
+bool is_blank(std::string_view line);              // nothing but spaces, tabs, CR
+
+// Yields the lines of a text one by one, numbered from 1, without their line ending.
+class Lines {
+ public:
+  explicit Lines(std::string_view text) : text_(text) {}
+
+  bool next(std::string_view& line) {
+    if (pos_ >= text_.size()) return false;
+    const size_t end = text_.find('\n', pos_);
+    const size_t stop = end == std::string_view::npos ? text_.size() : end;
+    line = text_.substr(pos_, stop - pos_);
+    if (!line.empty() && line.back() == '\r') line.remove_suffix(1);
+    pos_ = stop + 1;
+    ++number_;
+    return true;
+  }
+  int64_t number() const { return number_; }
+
+ private:
+  std::string_view text_;
+  size_t pos_ = 0;
+  int64_t number_ = 0;
+};
 
 }  // namespace eplb::stats::detail

@@ -1,16 +1,11 @@
 #include "eplb/stats/placement_file.h"
 
-#include <fcntl.h>
-#include <unistd.h>
-
 #include <algorithm>
-#include <cerrno>
-#include <cstring>
 #include <limits>
 #include <vector>
 
 #include "eplb/core/error.h"
-#include "eplb/stats/load_file.h"
+#include "eplb/core/file.h"
 #include "parse_util.h"
 
 namespace eplb::stats {

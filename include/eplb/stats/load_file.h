@@ -21,6 +21,7 @@
 #include <string_view>
 #include <vector>
 
+#include "eplb/core/file.h"
 #include "eplb/core/types.h"
 
 namespace eplb::stats {
@@ -79,15 +80,11 @@ LoadHistory read_load_history(const std::string& path, const LoadReadOptions& op
 LoadMatrix read_load(const std::string& path, const LoadReadOptions& options = {});
 RoutingTrace read_routing_trace(const std::string& path, int64_t experts = 0);
 
-// The whole file as a string; IoError naming the path and the reason when it cannot be read
-// or memory runs out while reading it (with the bytes read). A regular file is read whatever
-// its size; a pipe, FIFO or socket up to kMaxStreamBytes; a device or a directory is refused
-// (InvalidArgument).
-inline constexpr int64_t kMaxStreamBytes = int64_t{4} << 30;
-std::string read_file(const std::string& path);
-
-// Writes `text` to `path` (created or truncated); IoError naming the path and the reason.
-void write_file(const std::string& path, std::string_view text);
+// Whole files (read_file: regular files of any size, pipes up to kMaxStreamBytes, devices and
+// directories refused; write_file), from the core layer, where they are documented.
+using ::eplb::kMaxStreamBytes;
+using ::eplb::read_file;
+using ::eplb::write_file;
 
 // Writers, so a run can seed the next one and a recorded distribution can move between engines
 // (`eplb convert`). Each reads back, with parse_load_history, to the same loads:

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The main job: install what is missing, build eplb, and run the expert-parallel serving
-# emulator on its defaults: 4 rank processes serve the bundled real routing trace
-# (FLAME-MoE-290M, 8 MoE layers x 64 experts, top-6) through real expert FFNs, rebalance the
-# experts live, verify outputs bit for bit, and print what rebalancing bought and cost.
+# emulator on its defaults: 8 rank processes serve tokens drawn from DeepSeek-V3's real expert
+# loads (data/deepseek-v3-sglang/prefill_in1024.json: its first 6 MoE layers x 256 experts,
+# top-8) through real expert FFNs, route each step with `adaptive` dispatch, rebalance the
+# experts live (`balanced` placement, async), verify outputs bit for bit, and print what
+# rebalancing bought and cost.
 # Usage: scripts/main.sh [build-dir] [-- extra eplb run options]
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)

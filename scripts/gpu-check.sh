@@ -2,7 +2,7 @@
 # The GPU check: on a machine with one NVIDIA GPU (and ~16 cores), from the repository root,
 # with nothing to download: configure a Release build with CUDA, build what the check needs, run
 # the CUDA tests (which must not skip here) and the runtime tests, run the CUDA benchmarks, and
-# print a summary block of figures to paste into the README. A few minutes in all. The CUDA
+# print a summary block of figures to paste into docs/performance.md. A few minutes in all. The CUDA
 # tests include the split and adaptive dispatch kernels against the CPU's routing, bit for bit
 # (CudaSplitRouting.*), and routing-bench times them at DeepSeek-V3's shape.
 #

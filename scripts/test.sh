@@ -5,9 +5,9 @@
 #   --cuda:     build the CUDA layer in build-cuda (-DEPLB_WITH_CUDA=ON; needs nvcc, not a GPU)
 #               and run its tests, which skip with a message where there is no GPU
 #               (scripts/gpu-check.sh runs them, and the measurements, on a GPU machine).
-#   --long:     the tests labelled long instead (soaks, many ranks, kill trials, the pip
-#               install), in build/; the default suite leaves them out and runs a short version
-#               of each.
+#   --long:     the tests labelled long instead, in build/: the runtime soak, 500 kill trials,
+#               256 thread ranks and the pip install; the default suite leaves them out and runs
+#               a short version of each.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 sanitize=""

@@ -90,7 +90,7 @@ class Rebalancer:
             "sync"), ``agreement`` ("internal", or "external": see agreement_result()),
             ``install`` ("swap"; "copy" keeps weights() at fixed addresses, at the cost of one
             layer copy per installed layer), ``peers_per_round``, ``dispatch`` ("static",
-            "random", "hash", "weighted": what route() uses), ``on_error`` ("log", "raise"),
+            "random", "hash", "weighted", "split", "adaptive": what route() uses), ``on_error`` ("log", "raise"),
             ``backup_copies`` (host copies of every expert kept across the ranks for elastic
             serving, default 0: see fill_backup()); defaults as in docs/runtime.md.
         rank, world_size: this rank and the number of ranks (taken from `group` when that is

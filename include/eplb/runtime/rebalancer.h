@@ -5,7 +5,7 @@
 //
 // Use:
 //   Rebalancer rb(config, communicator, transport, weight_spec, initial_placement);
-//   rb.connect();                     // start-up: arena + staging allocated, every peer read once
+//   rb.connect();                     // start-up: staging (and any arena) allocated, peers read once
 //   fill rb.weights(layer, tensor) with the experts of rb.phy2log(layer) (this rank's slots)
 //   loop (forward thread):
 //     rb.record(layer, expert_ids) ...; rb.dispatch(layer) ...; forward pass ...; rb.step_end();
@@ -144,8 +144,9 @@ class Rebalancer {
   // With on_error = raise, throws the error of a rebalance that failed at this step (the
   // rebalance is already abandoned consistently; later calls go on serving).
   void step_end();
-  // Writes the recorded window ([steps][layers][experts]) as eplb's load format (kEplb) or
-  // SGLang's logical_count (kSglang), so a run can seed the next one.
+  // Writes the recorded window ([steps][layers][experts]) in any load format stats writes
+  // (eplb's, SGLang's logical_count, vLLM's load_history, a CSV matrix), so a run can seed the
+  // next one.
   void save_stats(const std::string& path, stats::LoadFormat format = stats::LoadFormat::kEplb)
       const;
 

@@ -116,6 +116,9 @@ py::array_t<int64_t> to_numpy(const int32_t* values, std::initializer_list<py::s
   return out;
 }
 
+// The cost model's bindings (cost.cc).
+void bind_cost(py::module_& m);
+
 }  // namespace eplb::python
 
 PYBIND11_MODULE(_eplb, m) {
@@ -125,4 +128,5 @@ PYBIND11_MODULE(_eplb, m) {
   eplb::python::bind_placement(m);
   eplb::python::bind_migration(m);
   eplb::python::bind_runtime(m);
+  eplb::python::bind_cost(m);
 }

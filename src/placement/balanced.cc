@@ -28,6 +28,7 @@
 #include "eplb/placement/metrics.h"
 #include "placement/replicas.h"
 #include "placement/sort_keys.h"
+#include "placement/packing.h"
 #include "placement/two_slots.h"
 
 namespace eplb::placement {
@@ -40,15 +41,6 @@ constexpr double kMinGain = 1e-12;
 // The local search stops once the most loaded bin is within this fraction of the lower bound
 // max(total / bins, heaviest item): the last 0.1% would cost more rounds than all the rest.
 constexpr double kCloseEnough = 1e-3;
-
-// n items packed into `bins` bins of `capacity` items each (n == bins * capacity).
-// No bin holds two items of the same class (replicas of one expert share a class).
-struct Packing {
-  int64_t bins = 0;
-  int64_t capacity = 0;
-  std::vector<int32_t> item;   // [bins][capacity]: the item in each place
-  std::vector<double> load;    // [bins]: sum of the bin's item weights
-};
 
 // The items by descending weight (descending_key: near-equal weights go by index). [n]
 std::vector<int32_t> heaviest_first(std::span<const double> weight) {
@@ -350,7 +342,9 @@ void improve_by_swaps(Packing& pack, std::span<const double> weight,
   }
 }
 
-// Steps 3a and 3b together.
+}  // namespace
+
+// Steps 3a and 3b together (placement/packing.h).
 Packing pack_balanced(std::span<const double> weight, std::span<const int32_t> cls,
                       int64_t classes, int64_t bins, int64_t capacity) {
   std::vector<uint8_t> holds;  // [bins][classes]
@@ -368,6 +362,8 @@ Packing pack_balanced(std::span<const double> weight, std::span<const int32_t> c
   improve_by_swaps(pack, weight, cls, classes, holds, bound * (1 + kCloseEnough));
   return pack;
 }
+
+namespace {
 
 // Two slots per rank: writes two_slots::place's pairs (local ids) as global ids, each rank's
 // two in ascending order.

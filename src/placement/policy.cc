@@ -79,6 +79,10 @@ Placement place_on_all_ranks(const LoadMatrix& load, const Layout& layout,
   switch (options.policy) {
     case Policy::kDeepseek: return deepseek(load, layout);
     case Policy::kBalanced:
+      if (options.cost) {
+        return place_dense_layers(
+            load, balanced_cost(load, layout, *options.cost, options.cost_steps), previous);
+      }
       return place_dense_layers(load, balanced(load, layout, hierarchical, options.thorough),
                                 previous);
     case Policy::kSticky:
@@ -219,6 +223,20 @@ Placement place(const LoadMatrix& load, const Layout& layout, const PolicyOption
   }
   if (options.policy == Policy::kSticky && options.previous == nullptr) {
     fail("policy sticky needs the previous placement (--previous FILE)");
+  }
+  if (options.cost) {
+    if (options.policy != Policy::kBalanced) {
+      fail("a cost model places with the balanced policy only, not ",
+           policy_name(options.policy));
+    }
+    if (options.hierarchical || options.thorough) {
+      fail("placement under a cost model is neither hierarchical nor thorough (drop ",
+           options.hierarchical ? "hierarchical" : "thorough", ")");
+    }
+    options.cost->validate();
+    if (options.cost_steps < 1) {
+      fail("cost_steps ", options.cost_steps, " must be at least 1 (the steps the loads sum)");
+    }
   }
   const std::span<const int32_t> live = options.live_ranks;
   check_live_ranks(live, layout);

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "eplb/core/types.h"
+#include "eplb/placement/cost.h"
 
 namespace eplb::placement {
 
@@ -25,5 +26,13 @@ std::vector<int32_t> balanced_layer(std::span<const double> w, const Layout& lay
 // The checks balanced makes of its inputs (InvalidArgument naming the value and the rule): the
 // layout, the load, and that a rank never needs two replicas of one expert.
 void check_balanced_inputs(const LoadMatrix& load, const Layout& layout, bool hierarchical);
+
+// `balanced` under a cost model (cost_placement.cc): replica counts that add a replica only
+// where it lowers the estimated busiest rank time (each replica pays the model's fixed part when
+// a step activates it), spares for the rest, packed by modeled time. `load` sums `steps` steps
+// (its per-step tokens are what the model prices). Not hierarchical. InvalidArgument for a bad
+// model or steps < 1, and balanced's checks.
+Placement balanced_cost(const LoadMatrix& load, const Layout& layout, const CostModel& model,
+                        int64_t steps);
 
 }  // namespace eplb::placement

@@ -25,11 +25,13 @@
 // of the other ranks, by slot; routing must not send anything to those (routing's `usable`).
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
 
 #include "eplb/core/types.h"
+#include "eplb/placement/cost.h"
 
 namespace eplb::placement {
 
@@ -61,6 +63,10 @@ struct PolicyOptions {
   // one of them); the slots of the other ranks keep the expert they have in `previous` (slot p
   // mod experts without one), and nothing should be routed to them (routing's `usable`).
   std::vector<int32_t> live_ranks = {};
+  // balanced: place under this cost model (balanced_cost, balanced.h) instead of by tokens,
+  // from loads that sum `cost_steps` steps. Not hierarchical; an error with deepseek or sticky.
+  std::optional<CostModel> cost = std::nullopt;
+  int64_t cost_steps = 1;
 };
 
 // Places every layer of `load` on `layout`. Validates layout, load and options first

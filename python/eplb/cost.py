@@ -1,0 +1,49 @@
+"""The cost model: what one rank pays, in time, for one MoE layer of one step.
+
+    rank time  = rank_us + sum over the rank's activated slots of slot_time(n)
+    slot_time(n) = slot_us + token_us * min(n, knee) + token_us_above * max(0, n - knee)
+
+(no knee: ``knee_tokens`` 0, every token costs ``token_us``). The same type as the C++
+library's ``eplb::placement::CostModel`` (docs/dispatch.md), used by ``eplb simulate --cost``
+and the ``adaptive_cost`` dispatch.
+
+Ways to get one:
+
+- ``fit_cost_model(slots, tokens, time_us)``: least squares on an engine's measured per-rank,
+  per-layer times (activated slots, tokens computed, microseconds), every parameter >= 0;
+- ``fit_slot_table(tokens, time_us)``: a kernel's time per token count, with a knee where two
+  lines fit better than one;
+- ``roofline_cost_model(hbm_bytes_per_s=, peak_flops=, expert_bytes=, flops_per_token=)``;
+- ``cost_model_preset("h100-v3-decode")`` (``cost_model_presets()`` lists them);
+- ``cost_model_from_json(text)``, and ``model.to_json()`` back.
+
+Bad input (a negative or NaN parameter, too few samples, a missing roofline figure) raises
+``eplb.InvalidArgument`` naming the value.
+"""
+
+from . import _eplb
+
+CostModel = _eplb.CostModel
+fit_slot_table = _eplb.fit_slot_table
+roofline_cost_model = _eplb.roofline_cost_model
+cost_model_preset = _eplb.cost_model_preset
+cost_model_presets = _eplb.cost_model_presets
+cost_model_from_json = _eplb.cost_model_from_json
+
+
+def fit_cost_model(slots, tokens, time_us):
+    """Fits rank_us, slot_us and token_us (>= 0) to samples of (activated slots, tokens,
+    microseconds), one per rank and layer and step; at least 8 samples, with tokens per slot
+    that vary (else the slots' cost cannot be told from the tokens')."""
+    return _eplb.fit_cost_model(slots, tokens, time_us)
+
+
+__all__ = [
+    "CostModel",
+    "fit_cost_model",
+    "fit_slot_table",
+    "roofline_cost_model",
+    "cost_model_preset",
+    "cost_model_presets",
+    "cost_model_from_json",
+]

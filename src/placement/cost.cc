@@ -1,0 +1,381 @@
+// The cost model (placement/cost.h): validation, fits, the roofline, presets and JSON.
+
+#include "eplb/placement/cost.h"
+
+#include <fmt/core.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <limits>
+#include <nlohmann/json.hpp>
+
+#include "eplb/core/error.h"
+
+namespace eplb::placement {
+namespace {
+
+void check_parameter(std::string_view name, double value) {
+  if (!std::isfinite(value) || value < 0) {
+    fail("cost model: ", name, " is ", value, " (must be a finite number >= 0)");
+  }
+  if (value > kMaxCostUs) {
+    fail("cost model: ", name, " is ", value, ", above ", kMaxCostUs,
+         " (a second per expert and layer is not a model of one; times are in microseconds)");
+  }
+}
+
+// Solves the normal equations of a least-squares fit over the columns in `use` (a subset of
+// {1, slots, tokens}); false when they are singular. Gaussian elimination with partial pivoting
+// on at most 3 x 3.
+bool solve_subset(const std::array<std::array<double, 3>, 3>& ata, const std::array<double, 3>& atb,
+                  const std::array<bool, 3>& use, std::array<double, 3>& out) {
+  std::array<int, 3> idx{};
+  int n = 0;
+  for (int i = 0; i < 3; ++i) {
+    if (use[i]) idx[n++] = i;
+  }
+  double m[3][4] = {};
+  for (int r = 0; r < n; ++r) {
+    for (int c = 0; c < n; ++c) m[r][c] = ata[idx[r]][idx[c]];
+    m[r][n] = atb[idx[r]];
+  }
+  // Relative pivot tolerance: the diagonal's scale.
+  double scale = 0;
+  for (int r = 0; r < n; ++r) scale = std::max(scale, std::abs(m[r][r]));
+  for (int c = 0; c < n; ++c) {
+    int best = c;
+    for (int r = c + 1; r < n; ++r) {
+      if (std::abs(m[r][c]) > std::abs(m[best][c])) best = r;
+    }
+    if (std::abs(m[best][c]) <= 1e-12 * scale) return false;
+    for (int k = 0; k <= n; ++k) std::swap(m[c][k], m[best][k]);
+    for (int r = 0; r < n; ++r) {
+      if (r == c) continue;
+      const double f = m[r][c] / m[c][c];
+      for (int k = c; k <= n; ++k) m[r][k] -= f * m[c][k];
+    }
+  }
+  out = {0, 0, 0};
+  for (int r = 0; r < n; ++r) out[idx[r]] = m[r][n] / m[r][r];
+  return true;
+}
+
+const nlohmann::json& number_field(const nlohmann::json& j, const char* key,
+                                   std::string_view where) {
+  const nlohmann::json& v = j.at(key);
+  if (!v.is_number()) {
+    fail(where, ": \"", key, "\" is ", v.dump(), " (expected a number)");
+  }
+  return v;
+}
+
+void check_fields(const nlohmann::json& j, std::initializer_list<const char*> allowed,
+                  std::string_view where, std::string_view what) {
+  for (auto it = j.begin(); it != j.end(); ++it) {
+    bool known = false;
+    for (const char* a : allowed) known = known || it.key() == a;
+    if (!known) {
+      std::string list;
+      for (const char* a : allowed) list += (list.empty() ? "" : ", ") + std::string(a);
+      fail(where, ": unknown field \"", it.key(), "\" in ", what, " (expected ", list, ")");
+    }
+  }
+}
+
+}  // namespace
+
+double CostModel::rank_time_us(std::span<const int64_t> slot_tokens) const {
+  double t = rank_us;
+  for (const int64_t n : slot_tokens) t += slot_time_us(static_cast<double>(n));
+  return t;
+}
+
+void CostModel::validate() const {
+  check_parameter("rank_us", rank_us);
+  check_parameter("slot_us", slot_us);
+  check_parameter("token_us", token_us);
+  check_parameter("knee_tokens", knee_tokens);
+  check_parameter("token_us_above", token_us_above);
+  if (slot_us == 0 && token_us == 0 && (!has_knee() || token_us_above == 0)) {
+    fail("cost model: slot_us, token_us", has_knee() ? " and token_us_above" : "",
+         " are all 0: nothing would cost anything (give a time per slot or per token)");
+  }
+}
+
+std::string CostModel::describe() const {
+  std::string s = fmt::format("rank {:.4g} us + per activated slot {:.4g} us + per token {:.4g} us",
+                              rank_us, slot_us, token_us);
+  if (has_knee()) {
+    s += fmt::format(" up to {:.4g} tokens, {:.4g} us above", knee_tokens, token_us_above);
+  }
+  return s;
+}
+
+CostModel fit_cost_model(std::span<const CostSample> samples) {
+  const auto n = static_cast<int64_t>(samples.size());
+  if (n < kMinCostSamples) {
+    fail("cost model fit: ", n, " sample", n == 1 ? "" : "s", " (need at least ",
+         kMinCostSamples, " measured (slots, tokens, time) samples)");
+  }
+  std::array<std::array<double, 3>, 3> ata{};
+  std::array<double, 3> atb{};
+  for (int64_t i = 0; i < n; ++i) {
+    const CostSample& s = samples[static_cast<size_t>(i)];
+    for (const double v : {s.slots, s.tokens, s.time_us}) {
+      if (!std::isfinite(v) || v < 0) {
+        fail("cost model fit: sample ", i, " is (slots ", s.slots, ", tokens ", s.tokens,
+             ", time ", s.time_us, " us); every figure must be finite and >= 0");
+      }
+    }
+    const std::array<double, 3> x{1.0, s.slots, s.tokens};
+    for (int r = 0; r < 3; ++r) {
+      for (int c = 0; c < 3; ++c) ata[r][c] += x[r] * x[c];
+      atb[r] += x[r] * s.time_us;
+    }
+  }
+  // Degenerate: slots and tokens in a fixed ratio in every sample (or either constant), so no
+  // fit can tell their costs apart. The correlation of the two columns, centred, says it.
+  const double ms = ata[0][1] / static_cast<double>(n), mt = ata[0][2] / static_cast<double>(n);
+  const double vs = ata[1][1] / static_cast<double>(n) - ms * ms;
+  const double vt = ata[2][2] / static_cast<double>(n) - mt * mt;
+  const double cst = ata[1][2] / static_cast<double>(n) - ms * mt;
+  if (!(vs > 1e-12 * std::max(1.0, ms * ms)) || !(vt > 1e-12 * std::max(1.0, mt * mt)) ||
+      cst * cst >= (1 - 1e-9) * vs * vt) {
+    fail("cost model fit: the ", n,
+         " samples cannot tell the slots' cost from the tokens' (activated slots ", ms,
+         " and tokens ", mt,
+         " on average, varying together or not at all): give samples with different numbers "
+         "of tokens per activated slot");
+  }
+  // Step 1: every subset of the parameters, unconstrained; keep the best one with none negative.
+  double best_sse = std::numeric_limits<double>::infinity();
+  std::array<double, 3> best{0, 0, 0};
+  for (int mask = 1; mask < 8; ++mask) {
+    const std::array<bool, 3> use{(mask & 1) != 0, (mask & 2) != 0, (mask & 4) != 0};
+    std::array<double, 3> p{};
+    if (!solve_subset(ata, atb, use, p)) continue;
+    if (p[0] < 0 || p[1] < 0 || p[2] < 0) continue;
+    double sse = 0;
+    for (const CostSample& s : samples) {
+      const double r = s.time_us - (p[0] + p[1] * s.slots + p[2] * s.tokens);
+      sse += r * r;
+    }
+    if (sse < best_sse) {
+      best_sse = sse;
+      best = p;
+    }
+  }
+  CostModel m;
+  m.rank_us = best[0];
+  m.slot_us = best[1];
+  m.token_us = best[2];
+  m.source = fmt::format("fit of {} samples", n);
+  m.validate();
+  return m;
+}
+
+CostModel fit_slot_table(std::span<const SlotTiming> table) {
+  const auto n = static_cast<int64_t>(table.size());
+  if (n < 4) fail("kernel table fit: ", n, " rows (need at least 4 (tokens, time) rows)");
+  std::vector<double> knees;
+  for (int64_t i = 0; i < n; ++i) {
+    const SlotTiming& r = table[static_cast<size_t>(i)];
+    if (!std::isfinite(r.tokens) || !(r.tokens > 0) || !std::isfinite(r.time_us) || r.time_us < 0) {
+      fail("kernel table fit: row ", i, " is (tokens ", r.tokens, ", time ", r.time_us,
+           " us); tokens must be > 0 and the time finite and >= 0");
+    }
+    knees.push_back(r.tokens);
+  }
+  std::sort(knees.begin(), knees.end());
+  knees.erase(std::unique(knees.begin(), knees.end()), knees.end());
+  if (knees.size() < 2) {
+    fail("kernel table fit: every row has ", knees.front(),
+         " tokens (need at least 2 distinct token counts)");
+  }
+  // Columns 1, min(n, k), max(0, n - k); k past the largest count is the linear fit.
+  const auto fit = [&](double knee, std::array<double, 3>& p) {
+    std::array<std::array<double, 3>, 3> ata{};
+    std::array<double, 3> atb{};
+    for (const SlotTiming& r : table) {
+      const std::array<double, 3> x{1.0, std::min(r.tokens, knee), std::max(0.0, r.tokens - knee)};
+      for (int a = 0; a < 3; ++a) {
+        for (int b = 0; b < 3; ++b) ata[a][b] += x[a] * x[b];
+        atb[a] += x[a] * r.time_us;
+      }
+    }
+    double best = std::numeric_limits<double>::infinity();
+    for (int mask = 1; mask < 8; ++mask) {
+      const std::array<bool, 3> use{(mask & 1) != 0, (mask & 2) != 0, (mask & 4) != 0};
+      std::array<double, 3> q{};
+      if (!solve_subset(ata, atb, use, q) || q[0] < 0 || q[1] < 0 || q[2] < 0) continue;
+      double sse = 0;
+      for (const SlotTiming& r : table) {
+        const double e = r.time_us - (q[0] + q[1] * std::min(r.tokens, knee) +
+                                      q[2] * std::max(0.0, r.tokens - knee));
+        sse += e * e;
+      }
+      if (sse < best) {
+        best = sse;
+        p = q;
+      }
+    }
+    return best;
+  };
+  std::array<double, 3> best_p{};
+  double best_knee = 0;
+  double best_sse = fit(knees.back(), best_p);  // linear
+  // A knee must beat the line by more than rounding: 1% of its error.
+  for (size_t i = 0; i + 1 < knees.size(); ++i) {
+    std::array<double, 3> p{};
+    const double sse = fit(knees[i], p);
+    if (sse < 0.99 * best_sse) {
+      best_sse = sse;
+      best_p = p;
+      best_knee = knees[i];
+    }
+  }
+  CostModel m;
+  m.slot_us = best_p[0];
+  m.token_us = best_p[1];
+  if (best_knee > 0) {
+    m.knee_tokens = best_knee;
+    m.token_us_above = best_p[2];
+  }
+  m.source = fmt::format("fit of a kernel table of {} rows", n);
+  m.validate();
+  return m;
+}
+
+CostModel roofline_cost_model(const Roofline& f) {
+  const auto required = [](std::string_view name, double v, std::string_view what) {
+    if (!std::isfinite(v) || !(v > 0)) {
+      fail("roofline: ", name, " is ", v, " (required: ", what, ", > 0)");
+    }
+  };
+  required("hbm_bytes_per_s", f.hbm_bytes_per_s, "the memory bandwidth in bytes per second");
+  required("peak_flops", f.peak_flops, "the dense FLOP/s of the experts' datatype");
+  required("expert_bytes", f.expert_bytes, "the bytes of one expert's weights in one layer");
+  required("flops_per_token", f.flops_per_token, "the FLOPs of one token through one expert");
+  check_parameter("launch_us", f.launch_us);
+  check_parameter("rank_us", f.rank_us);
+  CostModel m;
+  const double read_us = f.expert_bytes / f.hbm_bytes_per_s * 1e6;
+  m.rank_us = f.rank_us;
+  m.slot_us = f.launch_us + read_us;
+  m.token_us = 0;
+  m.token_us_above = f.flops_per_token / f.peak_flops * 1e6;
+  m.knee_tokens = read_us / m.token_us_above;
+  m.source = "roofline";
+  m.validate();
+  return m;
+}
+
+std::vector<std::string> cost_model_presets() {
+  return {"h100-v3-decode", "h200-v3-decode", "tokens"};
+}
+
+bool is_cost_model_preset(std::string_view name) {
+  for (const std::string& p : cost_model_presets()) {
+    if (p == name) return true;
+  }
+  return false;
+}
+
+CostModel cost_model_preset(std::string_view name) {
+  // DeepSeek-V3's routed expert: gate, up and down projections of 7168 x 2048, one byte each in
+  // fp8 (the block scales, 10.5 KiB, left out); 2 FLOPs per weight per token.
+  constexpr double kV3ExpertBytes = 3.0 * 7168 * 2048;
+  constexpr double kV3Flops = 2 * kV3ExpertBytes;
+  constexpr double kFp8DenseFlops = 1979e12;  // H100 / H200 SXM, fp8 tensor cores, dense
+  CostModel m;
+  if (name == "h100-v3-decode" || name == "h200-v3-decode") {
+    const bool h100 = name == "h100-v3-decode";
+    m = roofline_cost_model({.hbm_bytes_per_s = h100 ? 3.35e12 : 4.8e12,
+                             .peak_flops = kFp8DenseFlops,
+                             .expert_bytes = kV3ExpertBytes,
+                             .flops_per_token = kV3Flops});
+  } else if (name == "tokens") {
+    m.token_us = 1;
+  } else {
+    std::string list;
+    for (const std::string& p : cost_model_presets()) list += (list.empty() ? "" : ", ") + p;
+    fail("cost model '", name, "' is not a preset (", list, ") nor a JSON file of parameters");
+  }
+  m.source = "preset " + std::string(name);
+  return m;
+}
+
+CostModel cost_model_from_json(std::string_view text, std::string_view where) {
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(text);
+  } catch (const nlohmann::json::exception& e) {
+    fail(where, " is not JSON: ", e.what());
+  }
+  if (!j.is_object()) fail(where, " is not a JSON object of cost model parameters");
+  if (j.contains("preset")) {
+    check_fields(j, {"preset"}, where, "a preset");
+    if (!j["preset"].is_string()) fail(where, ": \"preset\" is ", j["preset"].dump(), " (a name)");
+    return cost_model_preset(j["preset"].get<std::string>());
+  }
+  if (j.contains("roofline")) {
+    check_fields(j, {"roofline", "source"}, where, "the model");
+    const nlohmann::json& r = j["roofline"];
+    if (!r.is_object()) fail(where, ": \"roofline\" is not an object of hardware figures");
+    check_fields(r,
+                 {"hbm_bytes_per_s", "peak_flops", "expert_bytes", "flops_per_token",
+                  "launch_us", "rank_us"},
+                 where, "\"roofline\"");
+    Roofline f;
+    const auto get = [&](const char* key, double& out) {
+      if (r.contains(key)) out = number_field(r, key, where).get<double>();
+    };
+    get("hbm_bytes_per_s", f.hbm_bytes_per_s);
+    get("peak_flops", f.peak_flops);
+    get("expert_bytes", f.expert_bytes);
+    get("flops_per_token", f.flops_per_token);
+    get("launch_us", f.launch_us);
+    get("rank_us", f.rank_us);
+    CostModel m = roofline_cost_model(f);
+    m.source = std::string(where) + " (roofline)";
+    return m;
+  }
+  check_fields(j, {"rank_us", "slot_us", "token_us", "knee_tokens", "token_us_above", "source"},
+               where, "the model");
+  CostModel m;
+  const auto get = [&](const char* key, double& out) {
+    if (j.contains(key)) out = number_field(j, key, where).get<double>();
+  };
+  get("rank_us", m.rank_us);
+  get("slot_us", m.slot_us);
+  get("token_us", m.token_us);
+  get("knee_tokens", m.knee_tokens);
+  get("token_us_above", m.token_us_above);
+  m.source = j.contains("source") && j["source"].is_string() ? j["source"].get<std::string>()
+                                                             : std::string(where);
+  m.validate();
+  return m;
+}
+
+std::string cost_model_to_json(const CostModel& m) {
+  nlohmann::json j = {{"rank_us", m.rank_us},
+                      {"slot_us", m.slot_us},
+                      {"token_us", m.token_us},
+                      {"knee_tokens", m.knee_tokens},
+                      {"token_us_above", m.token_us_above}};
+  if (!m.source.empty()) j["source"] = m.source;
+  return j.dump();
+}
+
+double least_expert_time_us(const CostModel& model, double tokens, int64_t replicas) {
+  if (!(tokens > 0) || replicas < 1) return 0;
+  double best = model.slot_time_us(tokens);
+  for (int64_t j = 2; j <= replicas; ++j) {
+    const auto jd = static_cast<double>(j);
+    best = std::min(best, jd * model.slot_time_us(tokens / jd));
+  }
+  return best;
+}
+
+}  // namespace eplb::placement

@@ -15,8 +15,9 @@ DispatchPolicy parse_dispatch_policy(std::string_view name) {
   if (name == "weighted") return DispatchPolicy::kWeighted;
   if (name == "split") return DispatchPolicy::kSplit;
   if (name == "adaptive") return DispatchPolicy::kAdaptive;
+  if (name == "adaptive_cost") return DispatchPolicy::kAdaptiveCost;
   fail("unknown dispatch policy '", name,
-       "' (expected static, random, hash, weighted, split or adaptive)");
+       "' (expected static, random, hash, weighted, split, adaptive or adaptive_cost)");
 }
 
 std::string_view dispatch_policy_name(DispatchPolicy policy) {
@@ -33,6 +34,8 @@ std::string_view dispatch_policy_name(DispatchPolicy policy) {
       return "split";
     case DispatchPolicy::kAdaptive:
       return "adaptive";
+    case DispatchPolicy::kAdaptiveCost:
+      return "adaptive_cost";
   }
   return "?";
 }
@@ -172,7 +175,7 @@ int32_t choose_slot(const DispatchTables& t, DispatchPolicy policy, int32_t expe
                     uint64_t token_index, int64_t rank, uint64_t& random_state) {
   // No usable replica: the token goes nowhere (the engine drops this expert's contribution).
   // Adaptive still throws below: that is a wrong call, whatever the expert.
-  if (t.replica_count[expert] == 0 && policy != DispatchPolicy::kAdaptive) return -1;
+  if (t.replica_count[expert] == 0 && !routes_by_shares(policy)) return -1;
   switch (policy) {
     case DispatchPolicy::kStatic:
       return t.static_slot[rank * t.experts + expert];
@@ -192,9 +195,10 @@ int32_t choose_slot(const DispatchTables& t, DispatchPolicy policy, int32_t expe
           .log2phy[expert * t.max_replicas + split_replica(static_cast<int64_t>(token_index), rank,
                                                            expert, t.replica_count[expert])];
     case DispatchPolicy::kAdaptive:
-      fail(
-          "adaptive dispatch needs the step's shares: call adaptive_shares() and "
-          "route_adaptive() instead of choose_slot()/route()");
+    case DispatchPolicy::kAdaptiveCost:
+      fail(dispatch_policy_name(policy),
+           " dispatch needs the step's shares: call adaptive_shares() (adaptive_cost_shares() "
+           "for adaptive_cost) and route_adaptive() instead of choose_slot()/route()");
   }
   return -1;
 }
@@ -209,10 +213,10 @@ void route(const DispatchTables& tables, DispatchPolicy policy, std::span<const 
              slots.size(), " slots to fill");
   EPLB_CHECK(rank >= 0 && rank < tables.ranks, "route: rank ", rank, " outside [0, ", tables.ranks,
              ")");
-  if (policy == DispatchPolicy::kAdaptive) {
-    fail(
-        "route: adaptive dispatch needs the step's shares: call adaptive_shares() and "
-        "route_adaptive()");
+  if (routes_by_shares(policy)) {
+    fail("route: ", dispatch_policy_name(policy),
+         " dispatch needs the step's shares: call adaptive_shares() (adaptive_cost_shares() for "
+         "adaptive_cost) and route_adaptive()");
   }
   if (random_state == 0) random_state = 0x853C49E6748FEA9Bull;
   const size_t n = experts.size();
@@ -261,6 +265,52 @@ void adaptive_shares(const DispatchTables& tables, std::span<const int64_t> glob
              " slots are inconsistent (a replica count outside [0, ", tables.max_replicas,
              "] or a slot outside [0, ", tables.ranks * tables.slots_per_rank,
              ")): build them with build_dispatch_tables");
+}
+
+void adaptive_cost_shares(const DispatchTables& tables, std::span<const int64_t> global_counts,
+                          const CostTicks& ticks, AdaptiveShares& out) {
+  EPLB_CHECK(static_cast<int64_t>(global_counts.size()) == tables.experts,
+             "adaptive_cost_shares: ", global_counts.size(),
+             " counts, expected one per logical expert (", tables.experts, ")");
+  int64_t total = 0;
+  for (size_t e = 0; e < global_counts.size(); ++e) {
+    if (global_counts[e] < 0) {
+      fail("adaptive_cost_shares: expert ", e, " has count ", global_counts[e],
+           " (counts are tokens, >= 0)");
+    }
+    total += global_counts[e];
+  }
+  // Every modeled time is at most rank + physical * slot + total * (largest per-token ticks).
+  const int64_t per_token = std::max(ticks.token, ticks.token_above);
+  const int64_t physical = tables.ranks * tables.slots_per_rank;
+  constexpr int64_t kLimit = int64_t{1} << 62;
+  if (ticks.rank < 0 || ticks.slot < 0 || ticks.token < 0 || ticks.token_above < 0 ||
+      (per_token > 0 && total > kLimit / 4 / per_token) ||
+      (ticks.slot > 0 && physical > kLimit / 4 / ticks.slot) || ticks.rank > kLimit / 4) {
+    fail("adaptive_cost_shares: ", total, " tokens under a model of ", per_token,
+         " ticks per token and ", ticks.slot,
+         " per slot would pass 2^62 ticks of modeled time (build the ticks with cost_ticks())");
+  }
+  out.share.resize(static_cast<size_t>(tables.experts * tables.max_replicas));
+  out.work.resize(static_cast<size_t>(adaptive_cost_workspace_words(
+      tables.experts, tables.max_replicas, tables.ranks, physical)));
+  out.modeled_ticks = adaptive_cost_split(adaptive_layer(tables), global_counts.data(),
+                                          ticks, out.share.data(), out.work.data());
+  EPLB_CHECK(out.modeled_ticks >= 0, "adaptive_cost_shares: the dispatch tables of ",
+             tables.experts, " experts on ", tables.ranks, " ranks of ", tables.slots_per_rank,
+             " slots are inconsistent: build them with build_dispatch_tables");
+  // The busiest rank's tokens under these shares (the rank times are in the workspace's tail,
+  // but tokens are what max_rank_load reports).
+  std::fill(out.work.begin(), out.work.begin() + tables.ranks, 0);
+  int64_t most = 0;
+  for (int64_t e = 0; e < tables.experts; ++e) {
+    for (int64_t i = 0; i < tables.replica_count[e]; ++i) {
+      const int64_t g = tables.log2phy[e * tables.max_replicas + i] / tables.slots_per_rank;
+      out.work[g] += out.share[e * tables.max_replicas + i];
+      most = std::max(most, out.work[g]);
+    }
+  }
+  out.max_rank_load = most;
 }
 
 void count_experts(std::span<const int32_t> experts, int64_t num_experts,

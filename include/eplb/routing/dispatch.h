@@ -18,6 +18,10 @@
 //             carries the least load possible, identically on every rank; route_adaptive()
 //             then gives each rank's tokens the ordinals after the lower ranks' tokens of the
 //             same expert (`prefix`) and sends ordinal q to the replica whose share covers q.
+//   adaptive_cost  the same, with the shares that minimise the busiest rank's *modeled time*
+//             under a cost model (adaptive_cost.h: an activated slot pays a fixed part, so a
+//             replica may be left idle rather than woken for a few tokens);
+//             adaptive_cost_shares() computes them, route_adaptive() routes by them.
 //
 // The tables of one layer are built once per placement change (off the forward thread) and
 // read by the router; they are plain arrays an engine can upload to a device as they are.
@@ -38,15 +42,20 @@
 #include "eplb/core/hash.h"
 #include "eplb/core/types.h"
 #include "eplb/routing/adaptive.h"
+#include "eplb/routing/adaptive_cost.h"
 
 namespace eplb::routing {
 
-enum class DispatchPolicy { kStatic, kRandom, kHash, kWeighted, kSplit, kAdaptive };
+enum class DispatchPolicy { kStatic, kRandom, kHash, kWeighted, kSplit, kAdaptive, kAdaptiveCost };
 
-// "static" | "random" | "hash" | "weighted" | "split" | "adaptive"; else InvalidArgument
-// listing them.
+// "static" | "random" | "hash" | "weighted" | "split" | "adaptive" | "adaptive_cost"; else
+// InvalidArgument listing them.
 DispatchPolicy parse_dispatch_policy(std::string_view name);
 std::string_view dispatch_policy_name(DispatchPolicy policy);
+// adaptive and adaptive_cost: routed by the step's shares (route_adaptive), not by route().
+inline bool routes_by_shares(DispatchPolicy policy) {
+  return policy == DispatchPolicy::kAdaptive || policy == DispatchPolicy::kAdaptiveCost;
+}
 
 // Dispatch tables of one layer.
 struct DispatchTables {
@@ -109,9 +118,11 @@ void route(const DispatchTables& tables, DispatchPolicy policy, std::span<const 
 // The step's shares of one layer under `adaptive` (and the best split the simulator scores).
 struct AdaptiveShares {
   std::vector<int64_t> share;  // [experts][max_replicas], aligned with log2phy; 0 in padding
-  // The busiest rank's load under them, the least possible; tokens of experts without a usable
-  // replica go nowhere and count on no rank.
+  // The busiest rank's load under them (for adaptive the least possible); tokens of experts
+  // without a usable replica go nowhere and count on no rank.
   int64_t max_rank_load = 0;
+  // adaptive_cost: the busiest rank's modeled time under them, in ticks (adaptive_cost.h).
+  int64_t modeled_ticks = 0;
   std::vector<int64_t> work;   // the solver's workspace, kept between calls
 };
 
@@ -124,6 +135,13 @@ AdaptiveLayer adaptive_layer(const DispatchTables& tables);
 // for a count array of the wrong size or a negative count.
 void adaptive_shares(const DispatchTables& tables, std::span<const int64_t> global_counts,
                      AdaptiveShares& out);
+
+// adaptive_shares under a cost model (`ticks`, from cost_ticks()): the shares whose busiest
+// rank's modeled time is least that the solver finds, never above adaptive_shares' (adaptive_cost.h).
+// Same outputs and reuse of buffers as adaptive_shares; InvalidArgument also when the step's
+// tokens are so many that a modeled time would pass 2^62 ticks.
+void adaptive_cost_shares(const DispatchTables& tables, std::span<const int64_t> global_counts,
+                          const CostTicks& ticks, AdaptiveShares& out);
 
 // Adds the batch's count of every expert to `counts` ([experts]); InvalidArgument for an id
 // outside [0, experts).

@@ -22,6 +22,8 @@
 #include "cli/commands.h"
 #include "cli/layout_options.h"
 #include "eplb/core/error.h"
+#include "eplb/emu/workload.h"
+#include "eplb/placement/cost.h"
 #include "eplb/sim/per_step.h"
 #include "eplb/stats/load_file.h"
 
@@ -56,7 +58,28 @@ struct SimulateArgs {
   std::string plot_path;
   std::string dispatches = "all";  // per-step scoring at token level; "none": off
   double spread = 0;
+  std::string cost;             // --cost: a preset or a JSON file; empty: token counts only
+  int64_t sample_tokens = 0;    // --sample-tokens: a load file drawn into a trace of this many
+  int64_t top_k = 8;
+  uint64_t seed = 1;
 };
+
+// --cost SPEC: a preset, else a JSON file of parameters (placement/cost.h).
+placement::CostModel read_cost(const std::string& spec) {
+  if (placement::is_cost_model_preset(spec)) return placement::cost_model_preset(spec);
+  std::string text;
+  try {
+    text = stats::read_file(spec);
+  } catch (const Error&) {
+    std::string list;
+    for (const std::string& p : placement::cost_model_presets()) {
+      list += (list.empty() ? "" : ", ") + p;
+    }
+    fail("--cost '", spec, "' is neither a preset (", list,
+         ") nor a readable JSON file of cost model parameters");
+  }
+  return placement::cost_model_from_json(text, "--cost " + spec);
+}
 
 // What was read: the history the replay runs on, and the trace its steps were grouped from.
 struct Input {
@@ -73,6 +96,31 @@ Input read_input(const SimulateArgs& args) {
   if (args.experts < 0) fail("--experts ", args.experts, " must not be negative");
   if (args.tokens_per_step < 1) {
     fail("--tokens-per-step ", args.tokens_per_step, " must be at least 1");
+  }
+  if (args.sample_tokens < 0) {
+    fail("--sample-tokens ", args.sample_tokens, " must not be negative (0: use the file's steps)");
+  }
+  if (args.sample_tokens > 0) {
+    if (args.load_path.empty()) {
+      fail("--sample-tokens draws tokens from a load file: give --load-history FILE, not --trace");
+    }
+    // Tokens drawn from the file's loads as `eplb run` draws them, then grouped into steps.
+    const emu::Workload w =
+        emu::workload_from_load(args.load_path, args.top_k, args.sample_tokens, args.seed);
+    Input in;
+    in.trace = stats::RoutingTrace{.layers = w.layers,
+                                   .tokens = w.tokens,
+                                   .top_k = w.top_k,
+                                   .experts = w.experts,
+                                   .layer_ids = {},
+                                   .routes = w.routes};
+    for (int64_t l = 0; l < w.layers; ++l) in.trace->layer_ids.push_back(l);
+    if (args.tokens_per_step > in.trace->tokens) {
+      fail("--tokens-per-step ", args.tokens_per_step, " exceeds the ", in.trace->tokens,
+           " tokens of --sample-tokens (not even one step)");
+    }
+    in.history = sim::history_from_trace(*in.trace, args.tokens_per_step, args.experts);
+    return in;
   }
   const bool trace = !args.trace_path.empty();
   const std::string& path = trace ? args.trace_path : args.load_path;
@@ -244,6 +292,7 @@ double moe_per_step(const SimulateArgs& args, const sim::StepScore& s) {
 
 nlohmann::json score_json(const SimulateArgs& args, const sim::StepScore& s) {
   return {{"balancedness", s.balancedness},
+          {"modeled_ms", s.modeled_ms >= 0 ? nlohmann::json(s.modeled_ms) : nlohmann::json(nullptr)},
           {"balancedness_step", s.balancedness_step},
           {"max_rank_load_per_step", s.max_rank_load_per_step},
           {"predicted_moe_ms_per_step",
@@ -300,14 +349,20 @@ void print_per_step(const SimulateArgs& args, const Input& in, const sim::PerSte
   fmt::print("\nper step at token level ({}), every step scored on its own:\n",
              in.trace ? fmt::format("{} tokens per step from the trace", args.tokens_per_step)
                       : std::string("the history's counts as tokens, spread over the ranks"));
-  for (const bool moe : {false, true}) {
-    std::string header = fmt::format("{:>9}", moe ? "MoE/step" : "policy");
+  const bool modeled = first.dispatches.empty() ? first.dispatch_bound.modeled_ms >= 0
+                                                : first.dispatches.front().modeled_ms >= 0;
+  for (const int table : {0, 1, 2}) {
+    if (table == 2 && !modeled) break;
+    const bool moe = table == 1;
+    std::string header =
+        fmt::format("{:>9}", table == 2 ? "model ms" : moe ? "MoE/step" : "policy");
     for (const sim::StepScore& d : first.dispatches) header += fmt::format("  {:>9}", d.name);
     if (bounds) header += fmt::format("  {:>14}  {:>15}", "dispatch bound", "placement bound");
     fmt::print("{}\n", header);
     for (const sim::PerStepPolicy& p : ps.policies) {
       std::string line = fmt::format("{:>9}", p.policy);
       auto cell = [&](const sim::StepScore& s, int width) {
+        if (table == 2) return fmt::format("  {:>{}.4f}", s.modeled_ms, width);
         return moe ? fmt::format("  {:>{}.{}f}", moe_per_step(args, s), width,
                                  args.token_us > 0 ? 3 : 0)
                    : fmt::format("  {:>{}.4f}", s.balancedness, width);
@@ -320,6 +375,12 @@ void print_per_step(const SimulateArgs& args, const Input& in, const sim::PerSte
   fmt::print(
       "dispatch bound: the best split of each step's counts over the placement in force; "
       "placement bound: a placement made for that step alone, with its best split\n");
+  if (modeled) {
+    fmt::print(
+        "model ms: the modeled MoE time per step under the cost model; its dispatch bound is a "
+        "lower bound on any split's, its placement bound a placement made for each step alone "
+        "with adaptive_cost\n");
+  }
   fmt::print(
       "per-step scoring: {:.3f} s of CPU, {:.3f}M layer-steps per CPU second ({:.1f}M "
       "token-experts per second)\n",
@@ -372,6 +433,17 @@ void run_simulate(const SimulateArgs& args) {
   check_options(args);
   sim::SimOptions options;
   options.policies = sim::parse_policies(args.policies);
+  std::optional<placement::CostModel> cost;
+  if (!args.cost.empty()) {
+    cost = read_cost(args.cost);
+    options.cost = cost;
+    // The cost-aware placement beside the others, unless asked for already (or impossible).
+    bool listed = false;
+    for (const sim::SimPolicy& p : options.policies) listed = listed || p.cost;
+    if (!listed && !args.hierarchical) {
+      options.policies.push_back(sim::parse_policies("balanced_cost").front());
+    }
+  }
   options.interval = args.interval;
   options.window = args.window;
   options.hierarchical = args.hierarchical;
@@ -390,7 +462,8 @@ void run_simulate(const SimulateArgs& args) {
   }
 
   // Step 2: the input, its layout, and the checks that need its shape.
-  const std::vector<routing::DispatchPolicy> dispatches = sim::parse_dispatches(args.dispatches);
+  const std::vector<routing::DispatchPolicy> dispatches =
+      sim::parse_dispatches(args.dispatches, cost.has_value());
   const Input input = read_input(args);
   const stats::LoadHistory& history = input.history;
   options.layout = make_layout(args, history.experts);
@@ -424,6 +497,7 @@ void run_simulate(const SimulateArgs& args) {
     po.bounds = true;
     po.trace = input.trace ? &*input.trace : nullptr;
     po.tokens_per_step = args.tokens_per_step;
+    po.cost = cost;
     const double step_start = thread_cpu_seconds();
     steps = sim::score_per_step(history, options, result, po);
     step_cpu_seconds = std::max(thread_cpu_seconds() - step_start, 1e-9);
@@ -470,17 +544,20 @@ void run_simulate(const SimulateArgs& args) {
     if (steps) {
       out["per_step"] = {
           {"tokens", input.trace ? "trace" : "counts"},
-          {"dispatches", sim::parse_dispatches(args.dispatches).size()},
+          {"dispatches", dispatches.size()},
           {"layer_steps", steps->layer_steps},
           {"token_experts", steps->tokens},
           {"cpu_s", step_cpu_seconds},
           {"layer_steps_per_s", static_cast<double>(steps->layer_steps) / step_cpu_seconds}};
     }
     if (!args.plot_path.empty()) out["plot"] = args.plot_path;
+    out["cost_model"] = cost ? nlohmann::json::parse(placement::cost_model_to_json(*cost))
+                             : nlohmann::json(nullptr);
     fmt::print("{}\n", out.dump());
   } else {
     print_table(args, history, options.layout, result, seconds, cpu_seconds);
     if (steps) print_per_step(args, input, *steps, step_cpu_seconds);
+    if (cost) fmt::print("cost model: {} ({})\n", cost->describe(), cost->source);
     if (!args.plot_path.empty()) fmt::print("wrote {}\n", args.plot_path);
   }
 }
@@ -549,6 +626,19 @@ void add_simulate(CLI::App& app) {
                   "(comma-separated: static, random, hash, weighted, split, adaptive), with the "
                   "dispatch and placement bounds; all, or none to skip")
       ->capture_default_str();
+  cmd->add_option("--cost", args->cost,
+                  "Score every step's modeled MoE time under a cost model: a preset "
+                  "(h100-v3-decode, h200-v3-decode, tokens) or a JSON file of its parameters "
+                  "(docs/dispatch.md); adds the adaptive_cost dispatch and the balanced_cost "
+                  "policy");
+  cmd->add_option("--sample-tokens", args->sample_tokens,
+                  "With --load-history: draw this many tokens from the file's loads (top-k "
+                  "experts each, as `eplb run` does) and group them into steps of "
+                  "--tokens-per-step (for load files without steps)")
+      ->capture_default_str();
+  cmd->add_option("--top-k", args->top_k, "Experts per token of --sample-tokens")
+      ->capture_default_str();
+  cmd->add_option("--seed", args->seed, "Seed of --sample-tokens")->capture_default_str();
   cmd->add_option("--plot", args->plot_path,
                   "Draw balancedness per step per policy (and per dispatch), rebalances marked, "
                   "to a PNG (gnuplot)");

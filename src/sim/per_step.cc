@@ -17,6 +17,7 @@
 #include "eplb/core/hash.h"
 #include "eplb/placement/policy.h"
 #include "eplb/routing/adaptive.h"
+#include "eplb/routing/adaptive_cost.h"
 #include "sim/names.h"
 
 namespace eplb::sim {
@@ -25,7 +26,7 @@ namespace {
 using routing::DispatchPolicy;
 
 constexpr std::string_view kDispatchChoices =
-    "static, random, hash, weighted, split, adaptive, all or none";
+    "static, random, hash, weighted, split, adaptive, adaptive_cost, all or none";
 
 // Running sums of one score.
 struct Sums {
@@ -35,6 +36,9 @@ struct Sums {
   int64_t scored = 0;
   double step_ratio = 0;  // this step's layers
   int64_t step_layers = 0;
+  double modeled_us = 0;  // sum over scored (step, layer) of the largest modeled rank time
+
+  void add_modeled(double us) { modeled_us += us; }
 
   void add(int64_t total, int64_t most, int64_t ranks) {
     if (total <= 0) return;  // no tokens at this layer: dense, left out
@@ -56,6 +60,9 @@ struct Sums {
     score.balancedness = scored > 0 ? ratio / static_cast<double>(scored) : 1.0;
     score.balancedness_step = max > 0 ? mean / max : 1.0;
     score.max_rank_load_per_step = steps > 0 ? max / static_cast<double>(steps) : 0.0;
+  }
+  void finish_modeled(StepScore& score, int64_t steps) const {
+    score.modeled_ms = steps > 0 ? modeled_us / 1e3 / static_cast<double>(steps) : 0.0;
   }
 };
 
@@ -161,17 +168,57 @@ struct PolicyRun {
   Sums dispatch_bound, placement_bound;
   std::vector<uint64_t> random_state;  // [ranks]
   routing::AdaptiveShares shares;
+  routing::AdaptiveShares cost_shares;  // adaptive_cost's, with a cost model
+  double cost_modeled_us = 0;           // this (step, layer)'s adaptive_cost modeled time
   PerStepPolicy out;
 };
 
+// A lower bound on the largest modeled rank time of any split of the step's counts over the
+// placement in force (`t`), in us: each expert costs at least its cheapest split over its
+// replicas (least_expert_time_us), so the ranks together pay at least the sum of those; an
+// expert whose replicas are all on one rank pays it there; and some rank takes at least 1/d of
+// an expert spread over d ranks. `forced` is scratch of one entry per rank.
+double split_bound_us(const routing::DispatchTables& t, const std::vector<int64_t>& global,
+                      const placement::CostModel& m, std::vector<double>& forced) {
+  std::fill(forced.begin(), forced.end(), 0.0);
+  double total = 0, single = 0;
+  for (int64_t e = 0; e < t.experts; ++e) {
+    const int32_t r = t.replica_count[e];
+    if (global[e] <= 0 || r == 0) continue;
+    const auto w = static_cast<double>(global[e]);
+    const double least = placement::least_expert_time_us(m, w, r);
+    total += least;
+    int64_t distinct = 0, first = -1;
+    bool one_rank = true;
+    for (int32_t i = 0; i < r; ++i) {
+      const int64_t g = t.log2phy[e * t.max_replicas + i] / t.slots_per_rank;
+      bool seen = false;
+      for (int32_t k = 0; k < i; ++k) {
+        seen = seen || t.log2phy[e * t.max_replicas + k] / t.slots_per_rank == g;
+      }
+      if (!seen) ++distinct;
+      if (first < 0) first = g;
+      one_rank = one_rank && g == first;
+    }
+    if (one_rank) forced[static_cast<size_t>(first)] += least;
+    single = std::max(single, placement::least_expert_time_us(m, w / static_cast<double>(distinct), r));
+  }
+  double most = std::max(total / static_cast<double>(t.ranks), single);
+  for (const double f : forced) most = std::max(most, f);
+  return m.rank_us + most;
+}
+
 }  // namespace
 
-std::vector<DispatchPolicy> parse_dispatches(std::string_view list) {
+std::vector<DispatchPolicy> parse_dispatches(std::string_view list, bool with_cost) {
   const std::string_view whole = detail::trim(list);
   if (whole == "none") return {};
   if (whole == "all") {
-    return {DispatchPolicy::kStatic,   DispatchPolicy::kRandom, DispatchPolicy::kHash,
-            DispatchPolicy::kWeighted, DispatchPolicy::kSplit,  DispatchPolicy::kAdaptive};
+    std::vector<DispatchPolicy> all = {DispatchPolicy::kStatic,   DispatchPolicy::kRandom,
+                                       DispatchPolicy::kHash,     DispatchPolicy::kWeighted,
+                                       DispatchPolicy::kSplit,    DispatchPolicy::kAdaptive};
+    if (with_cost) all.push_back(DispatchPolicy::kAdaptiveCost);
+    return all;
   }
   std::vector<DispatchPolicy> out;
   for (const std::string_view name : detail::split_names(list, "dispatch", kDispatchChoices)) {
@@ -179,6 +226,10 @@ std::vector<DispatchPolicy> parse_dispatches(std::string_view list) {
       fail("dispatch list '", list, "': '", name, "' stands alone, not in a list");
     }
     out.push_back(routing::parse_dispatch_policy(name));
+    if (out.back() == DispatchPolicy::kAdaptiveCost && !with_cost) {
+      fail("dispatch adaptive_cost needs a cost model (--cost MODEL: a preset such as "
+           "h100-v3-decode, or a JSON file of its parameters)");
+    }
   }
   return out;
 }
@@ -222,6 +273,11 @@ PerStepResult score_per_step(const stats::LoadHistory& history, const SimOptions
   const bool adaptive_needed =
       o.bounds || std::find(o.dispatches.begin(), o.dispatches.end(), DispatchPolicy::kAdaptive) !=
                       o.dispatches.end();
+  const bool with_cost = o.cost.has_value();
+  EPLB_CHECK(with_cost || std::find(o.dispatches.begin(), o.dispatches.end(),
+                                    DispatchPolicy::kAdaptiveCost) == o.dispatches.end(),
+             "dispatch adaptive_cost needs a cost model (PerStepOptions::cost)");
+  const routing::CostTicks ticks = with_cost ? routing::cost_ticks(*o.cost) : routing::CostTicks{};
 
   StepTokens tokens(history, o, G);
   std::vector<int64_t> slot_load(static_cast<size_t>(layout.physical));
@@ -236,6 +292,33 @@ PerStepResult score_per_step(const stats::LoadHistory& history, const SimOptions
       most = std::max(most, v);
     }
     return most;
+  };
+  std::vector<double> rank_time(static_cast<size_t>(G));
+  // The largest modeled rank time of the slot loads in slot_load, in us.
+  const auto modeled = [&] {
+    std::fill(rank_time.begin(), rank_time.end(), o.cost->rank_us);
+    for (int64_t p = 0; p < layout.physical; ++p) {
+      if (slot_load[p] > 0) {
+        rank_time[p / spr] += o.cost->slot_time_us(static_cast<double>(slot_load[p]));
+      }
+    }
+    return *std::max_element(rank_time.begin(), rank_time.end());
+  };
+  std::vector<int64_t> fresh_cost_share, fresh_cost_work;
+  // The largest modeled rank time of shares over a layer's replicas, in us, evaluated as
+  // `modeled` evaluates slot loads (the solver's ticks round the model's parameters).
+  const auto modeled_shares = [&](const routing::AdaptiveLayer& v, const int64_t* share) {
+    std::fill(rank_time.begin(), rank_time.end(), o.cost->rank_us);
+    for (int64_t e = 0; e < v.experts; ++e) {
+      for (int64_t i = 0; i < v.replica_count[e]; ++i) {
+        const int64_t n = share[e * v.max_replicas + i];
+        if (n > 0) {
+          rank_time[v.log2phy[e * v.max_replicas + i] / spr] +=
+              o.cost->slot_time_us(static_cast<double>(n));
+        }
+      }
+    }
+    return *std::max_element(rank_time.begin(), rank_time.end());
   };
   // The placement bound's fresh placement of one layer, with its own tables and shares.
   LoadMatrix one_layer(1, E);
@@ -268,6 +351,7 @@ PerStepResult score_per_step(const stats::LoadHistory& history, const SimOptions
         result.tokens += total;
         // A placement for this step alone, shared by every policy's placement bound.
         int64_t fresh_max = -1;
+        double fresh_cost_us = 0;
         if (o.bounds && total > 0) {
           for (int64_t e = 0; e < E; ++e) one_layer.values[e] = static_cast<double>(global[e]);
           const Placement fresh = placement::place(one_layer, layout, fresh_policy);
@@ -283,10 +367,23 @@ PerStepResult score_per_step(const stats::LoadHistory& history, const SimOptions
               static_cast<size_t>(routing::adaptive_workspace_words(E, G, layout.physical)));
           fresh_max =
               routing::adaptive_split(view, global.data(), fresh_share.data(), fresh_work.data());
+          if (with_cost) {
+            fresh_cost_share.resize(fresh_share.size());
+            fresh_cost_work.resize(static_cast<size_t>(routing::adaptive_cost_workspace_words(
+                E, fresh.max_replicas, G, layout.physical)));
+            routing::adaptive_cost_split(view, global.data(), ticks, fresh_cost_share.data(),
+                                         fresh_cost_work.data());
+            fresh_cost_us = modeled_shares(view, fresh_cost_share.data());
+          }
         }
         for (PolicyRun& run : runs) {
           const routing::DispatchTables& t = run.tables[l];
           if (adaptive_needed && total > 0) routing::adaptive_shares(t, global, run.shares);
+          if (with_cost && total > 0) {
+            routing::adaptive_cost_shares(t, global, ticks, run.cost_shares);
+            run.cost_modeled_us =
+                modeled_shares(routing::adaptive_layer(t), run.cost_shares.share.data());
+          }
           for (size_t d = 0; d < o.dispatches.size(); ++d) {
             std::fill(slot_load.begin(), slot_load.end(), 0);
             switch (o.dispatches[d]) {
@@ -332,6 +429,16 @@ PerStepResult score_per_step(const stats::LoadHistory& history, const SimOptions
                   }
                 }
                 break;
+              case DispatchPolicy::kAdaptiveCost:
+                if (total > 0) {
+                  for (int64_t e = 0; e < E; ++e) {
+                    for (int64_t i = 0; i < t.replica_count[e]; ++i) {
+                      slot_load[t.log2phy[e * t.max_replicas + i]] +=
+                          run.cost_shares.share[e * t.max_replicas + i];
+                    }
+                  }
+                }
+                break;
               default: {
                 // Per token, as the router chooses; an expert with one replica has no choice.
                 const DispatchPolicy policy = o.dispatches[d];
@@ -347,10 +454,15 @@ PerStepResult score_per_step(const stats::LoadHistory& history, const SimOptions
             int64_t sum = 0;
             const int64_t most = busiest(sum);
             run.dispatch_sums[d].add(sum, most, G);
+            if (with_cost && total > 0) run.dispatch_sums[d].add_modeled(modeled());
           }
           if (o.bounds) {
             run.dispatch_bound.add(total, run.shares.max_rank_load, G);
             run.placement_bound.add(total, std::min(run.shares.max_rank_load, fresh_max), G);
+            if (with_cost && total > 0) {
+              run.dispatch_bound.add_modeled(split_bound_us(t, global, *o.cost, rank_time));
+              run.placement_bound.add_modeled(std::min(fresh_cost_us, run.cost_modeled_us));
+            }
           }
         }
       }
@@ -368,10 +480,15 @@ PerStepResult score_per_step(const stats::LoadHistory& history, const SimOptions
   for (PolicyRun& run : runs) {
     for (size_t d = 0; d < o.dispatches.size(); ++d) {
       run.dispatch_sums[d].finish(run.out.dispatches[d], steps_scored);
+      if (with_cost) run.dispatch_sums[d].finish_modeled(run.out.dispatches[d], steps_scored);
     }
     if (o.bounds) {
       run.dispatch_bound.finish(run.out.dispatch_bound, steps_scored);
       run.placement_bound.finish(run.out.placement_bound, steps_scored);
+      if (with_cost) {
+        run.dispatch_bound.finish_modeled(run.out.dispatch_bound, steps_scored);
+        run.placement_bound.finish_modeled(run.out.placement_bound, steps_scored);
+      }
     }
     result.policies.push_back(std::move(run.out));
   }

@@ -24,7 +24,7 @@
 namespace eplb::sim {
 namespace {
 
-constexpr std::string_view kChoices = "deepseek, balanced, sticky or none";
+constexpr std::string_view kChoices = "deepseek, balanced, sticky, balanced_cost or none";
 
 double ratio_or_one(double num, double den) { return den > 0 ? num / den : 1.0; }
 
@@ -56,6 +56,16 @@ void check_options(const stats::LoadHistory& history, const SimOptions& options)
          history.steps, ")");
   }
   if (options.policies.empty()) fail("no policy to simulate (expected ", kChoices, ")");
+  for (const SimPolicy& p : options.policies) {
+    if (p.cost && !options.cost) {
+      fail("policy ", p.name, " needs a cost model (--cost MODEL: a preset such as "
+           "h100-v3-decode, or a JSON file of its parameters)");
+    }
+    if (p.cost && options.hierarchical) {
+      fail("policy ", p.name, " is not hierarchical (drop --hierarchical or the policy)");
+    }
+  }
+  if (options.cost) options.cost->validate();
   if (options.migration.expert_bytes < 1) {
     fail("expert bytes ", options.migration.expert_bytes,
          " must be at least 1 (the bytes of one expert's weights in one layer)");
@@ -309,6 +319,9 @@ std::vector<SimPolicy> parse_policies(std::string_view list) {
       p.rebalances = false;
     } else if (name == "deepseek" || name == "balanced" || name == "sticky") {
       p.policy = placement::parse_policy(name);
+    } else if (name == "balanced_cost") {
+      p.policy = placement::Policy::kBalanced;
+      p.cost = true;
     } else {
       fail("unknown policy '", name, "' (expected ", kChoices, ")");
     }
@@ -370,7 +383,12 @@ SimResult simulate(const stats::LoadHistory& history, const SimOptions& options)
       po.policy = run.policy->policy;
       po.hierarchical = options.hierarchical;
       po.tolerance = options.tolerance;
-      po.thorough = options.thorough;
+      po.thorough = options.thorough && !run.policy->cost;
+      if (run.policy->cost) {
+        po.hierarchical = false;
+        po.cost = options.cost;
+        po.cost_steps = options.window;
+      }
       // Only sticky reads the previous placement (place() checks whatever it is given).
       po.previous = po.policy == placement::Policy::kSticky ? &run.current : nullptr;
       Placement next = placement::place(window, layout, po);

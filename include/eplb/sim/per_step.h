@@ -22,18 +22,22 @@
 // Pure and deterministic, like simulate(): `random` draws from per-rank streams of a fixed seed.
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
+#include "eplb/placement/cost.h"
 #include "eplb/routing/dispatch.h"
 #include "eplb/sim/simulate.h"
 #include "eplb/stats/load_file.h"
 
 namespace eplb::sim {
 
-// "static,adaptive" -> dispatches in order; "all" -> every one; "none" -> none. Unknown names,
-// duplicates and empty names throw InvalidArgument naming them and the choices.
-std::vector<routing::DispatchPolicy> parse_dispatches(std::string_view list);
+// "static,adaptive" -> dispatches in order; "all" -> every one (adaptive_cost only when
+// `with_cost`: it needs a cost model); "none" -> none. Unknown names, duplicates and empty names
+// throw InvalidArgument naming them and the choices.
+std::vector<routing::DispatchPolicy> parse_dispatches(std::string_view list,
+                                                      bool with_cost = false);
 
 struct PerStepOptions {
   std::vector<routing::DispatchPolicy> dispatches;  // what to score; may be empty
@@ -43,6 +47,9 @@ struct PerStepOptions {
   const stats::RoutingTrace* trace = nullptr;
   int64_t tokens_per_step = 0;
   uint64_t seed = 1;  // of `random`
+  // With a cost model (placement/cost.h) every score also has its modeled time (StepScore::
+  // modeled_ms), `adaptive_cost` may be scored, and the bounds are time bounds too.
+  std::optional<placement::CostModel> cost;
 };
 
 // One score: a dispatch's, or a bound's.
@@ -54,6 +61,13 @@ struct StepScore {
   // time a step waits for, in token-expert passes.
   double max_rank_load_per_step = 0;
   std::vector<double> step_balancedness;  // [scored steps]: mean over the layers
+  // With a cost model: the modeled MoE time of a step, in ms: each layer's largest modeled rank
+  // time (rank_us + the slot times of its activated slots, at the slot loads this score's
+  // dispatch realizes) summed over the layers, mean over the scored steps. For dispatch_bound a
+  // lower bound on any split over the placement in force (adaptive_cost_bound); for
+  // placement_bound the modeled time of a placement made for each step alone with its
+  // adaptive_cost split, or the policy's adaptive_cost where that is lower. -1 without a model.
+  double modeled_ms = -1;
 };
 
 struct PerStepPolicy {

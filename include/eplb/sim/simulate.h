@@ -18,12 +18,14 @@
 // `sticky` takes the placement in force in its own run as its previous placement.
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
 
 #include "eplb/core/types.h"
 #include "eplb/migration/migration.h"
+#include "eplb/placement/cost.h"
 #include "eplb/placement/policy.h"
 #include "eplb/stats/load_file.h"
 
@@ -32,12 +34,15 @@ namespace eplb::sim {
 // A policy of the replay: one of placement's policies, or `none` (never rebalance: the trivial
 // placement throughout, the baseline the others are compared with).
 struct SimPolicy {
-  std::string name;  // "deepseek" | "balanced" | "sticky" | "none"
+  std::string name;  // "deepseek" | "balanced" | "sticky" | "none" | "balanced_cost"
   bool rebalances = true;
   placement::Policy policy = placement::Policy::kBalanced;  // when rebalances
+  // balanced_cost: balanced under SimOptions::cost (placement::balanced_cost), from the
+  // window's loads (its steps priced by the model).
+  bool cost = false;
 };
 
-// "deepseek,sticky" -> two policies, in order. Names are trimmed of spaces; an empty list, an
+// "deepseek,sticky" -> two policies, in order ("balanced_cost": see SimPolicy). Names are trimmed of spaces; an empty list, an
 // empty name, a duplicate or an unknown name throws InvalidArgument naming it and the choices.
 std::vector<SimPolicy> parse_policies(std::string_view list);
 
@@ -58,6 +63,9 @@ struct SimOptions {
   // Keep every placement each policy served with (PolicyResult::placements), for the per-step
   // scoring of sim/per_step.h.
   bool keep_placements = false;
+  // The cost model of balanced_cost (required by it; per-step scoring takes its own,
+  // PerStepOptions::cost).
+  std::optional<placement::CostModel> cost;
 };
 
 // One rebalance of one policy: the moves from the placement in force to the new one.

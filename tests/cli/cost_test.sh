@@ -1,0 +1,98 @@
+#!/usr/bin/env bash
+# End-to-end checks of the cost model (docs/dispatch.md, "What a step pays"): `eplb simulate
+# --cost` scores every dispatch in modeled time with adaptive_cost never above adaptive and
+# nothing below the bound, balanced_cost beside the other policies, models from presets and
+# JSON files; `eplb run` fits a model and predicts its MoE time, and serves adaptive_cost with 0
+# mismatches; bad models and options are refused naming the value (exit 2).
+# Usage: cost_test.sh <eplb binary> <source dir>
+set -u
+eplb=$1
+src=$2
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+failures=0
+fail() { echo "FAIL: $*"; failures=$((failures + 1)); }
+py=$(command -v python3 || true)
+trace=$src/data/flame-moe-290m/routing_top6.csv
+
+expect_error() {
+  local pattern=$1
+  shift
+  "$eplb" "$@" >"$tmp/out" 2>"$tmp/err"
+  local rc=$?
+  [ $rc -eq 2 ] || fail "$* exited $rc, expected 2 (stderr: $(cat "$tmp/err"))"
+  grep -q -- "$pattern" "$tmp/err" || fail "$*: no '$pattern' in: $(cat "$tmp/err")"
+}
+
+# 1. The simulator in modeled time, under a preset and under a JSON model.
+printf '{"slot_us": 40, "token_us": 2}' >"$tmp/linear.json"
+for model in h100-v3-decode "$tmp/linear.json"; do
+  "$eplb" simulate --trace "$trace" --ranks 8 --redundant 8 --interval 4 --window 4 \
+    --policy deepseek,balanced --cost "$model" --json >"$tmp/sim.json" 2>"$tmp/err" \
+    || fail "simulate --cost $model: $(cat "$tmp/err")"
+  [ -n "$py" ] || continue
+  "$py" - "$tmp/sim.json" <<'PY' || fail "simulate --cost $model JSON: $(head -c 400 "$tmp/sim.json")"
+import json, sys
+d = json.load(open(sys.argv[1]))
+assert set(d["results"]) == {"deepseek", "balanced", "balanced_cost"}, sorted(d["results"])
+assert d["cost_model"]["slot_us"] > 0
+for name, r in d["results"].items():
+    disp = r["dispatch"]
+    assert "adaptive_cost" in disp and len(disp) == 7, (name, sorted(disp))
+    bound = r["dispatch_bound_detail"]["modeled_ms"]
+    for k, v in disp.items():
+        assert v["modeled_ms"] >= bound - 1e-9, (name, k, v["modeled_ms"], bound)
+    assert disp["adaptive_cost"]["modeled_ms"] <= disp["adaptive"]["modeled_ms"] * (1 + 1e-9), name
+PY
+done
+"$eplb" simulate --trace "$trace" --ranks 8 --redundant 8 --interval 4 --window 4 \
+  --policy balanced --cost h100-v3-decode >"$tmp/table.txt" 2>&1 || fail "table: $(cat "$tmp/table.txt")"
+grep -q "model ms" "$tmp/table.txt" && grep -q "cost model: rank 0 us" "$tmp/table.txt" \
+  || fail "simulate --cost table: $(cat "$tmp/table.txt")"
+
+# 2. Bad models and options.
+t=(simulate --trace "$trace" --ranks 8 --redundant 8 --interval 4 --window 4)
+expect_error "neither a preset" "${t[@]}" --cost a100
+printf '{"slot_us": -3}' >"$tmp/neg.json"
+expect_error "slot_us is -3" "${t[@]}" --cost "$tmp/neg.json"
+printf '{"slot_us": 1, "tokens_us": 2}' >"$tmp/typo.json"
+expect_error 'unknown field "tokens_us"' "${t[@]}" --cost "$tmp/typo.json"
+printf '{"roofline": {"hbm_bytes_per_s": 3.35e12, "expert_bytes": 1e6, "flops_per_token": 2e6}}' \
+  >"$tmp/roof.json"
+expect_error "peak_flops is 0" "${t[@]}" --cost "$tmp/roof.json"
+expect_error "adaptive_cost needs a cost model" "${t[@]}" --dispatch adaptive_cost
+expect_error "balanced_cost needs a cost model" "${t[@]}" --policy balanced_cost
+
+# 3. eplb run: the fitted model and its prediction, and adaptive_cost served and verified.
+run=(run --ranks 2 --layers 2 --steps 24 --interval 8 --window 8 --tokens-per-rank 16 --json)
+"$eplb" "${run[@]}" >"$tmp/run.json" 2>"$tmp/err" || fail "run: $(cat "$tmp/err")"
+"$eplb" "${run[@]}" --dispatch adaptive_cost >"$tmp/run-cost.json" 2>"$tmp/err" \
+  || fail "run --dispatch adaptive_cost: $(cat "$tmp/err")"
+"$eplb" "${run[@]}" --dispatch adaptive_cost --cost h100-v3-decode >"$tmp/run-preset.json" \
+  2>"$tmp/err" || fail "run --cost h100-v3-decode: $(cat "$tmp/err")"
+if [ -n "$py" ]; then
+  for f in run run-cost run-preset; do
+    "$py" - "$tmp/$f.json" <<'PY' || fail "$f JSON: $(head -c 400 "$tmp/$f.json")"
+import json, sys
+d = json.load(open(sys.argv[1]))
+assert d["mismatches"] == 0 and d["verified"] > 0
+assert d["cost_samples"] > 0
+if d["cost_model"] is not None:
+    assert d["moe_ms_predicted_after"] is not None and d["moe_ms_predicted_after"] > 0
+    assert d["moe_ms_predicted_before"] > 0
+    assert len(d["per_step"]["moe_ms_predicted"]) == d["steps"]
+else:
+    assert d["cost_fit_error"], d
+PY
+  done
+fi
+expect_error "needs --dispatch adaptive_cost" run --ranks 2 --steps 4 --cost h100-v3-decode
+expect_error "neither a preset" run --ranks 2 --steps 4 --dispatch adaptive_cost \
+  --cost "$tmp/missing.json"
+expect_error "slot_us is -3" run --ranks 2 --steps 4 --dispatch adaptive_cost --cost "$tmp/neg.json"
+
+if [ $failures -ne 0 ]; then
+  echo "$failures failure(s)"
+  exit 1
+fi
+echo "cost: all checks passed"

@@ -1,0 +1,102 @@
+// Per-step scoring under a cost model: every dispatch's modeled time is at least the bound,
+// adaptive_cost is never above adaptive, the token model's modeled time is the token figure,
+// and balanced_cost is a policy of the replay that needs a model.
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "eplb/core/error.h"
+#include "eplb/sim/per_step.h"
+#include "eplb/sim/simulate.h"
+
+namespace eplb::sim {
+namespace {
+
+using routing::DispatchPolicy;
+
+stats::LoadHistory random_history(std::mt19937& rng, int64_t steps, int64_t layers,
+                                  int64_t experts) {
+  stats::LoadHistory h;
+  h.steps = steps;
+  h.layers = layers;
+  h.experts = experts;
+  std::lognormal_distribution<double> skew(0, 1);
+  std::vector<double> base(static_cast<size_t>(layers * experts));
+  for (double& b : base) b = skew(rng);
+  std::poisson_distribution<int> noise(3);
+  for (int64_t s = 0; s < steps; ++s) {
+    for (size_t i = 0; i < base.size(); ++i) h.values.push_back(std::floor(base[i] * noise(rng)));
+  }
+  return h;
+}
+
+SimOptions options_for(const Layout& layout, const std::string& policies,
+                       const placement::CostModel& cost) {
+  SimOptions o;
+  o.layout = layout;
+  o.interval = 4;
+  o.window = 4;
+  o.policies = parse_policies(policies);
+  o.migration.expert_bytes = 1000;
+  o.keep_placements = true;
+  o.cost = cost;
+  return o;
+}
+
+TEST(PerStepCost, AdaptiveCostNeverAboveAdaptiveAndNoneBelowTheBound) {
+  const uint64_t seed = 31;
+  std::mt19937 rng(seed);
+  const stats::LoadHistory h = random_history(rng, 20, 3, 16);
+  const Layout layout{.experts = 16, .physical = 24, .ranks = 8, .nodes = 1, .groups = 1};
+  for (const char* preset : {"h100-v3-decode", "tokens"}) {
+    const placement::CostModel cost = placement::cost_model_preset(preset);
+    const SimOptions o = options_for(layout, "none,deepseek,balanced,balanced_cost", cost);
+    const SimResult replay = simulate(h, o);
+    PerStepOptions po;
+    po.dispatches = parse_dispatches("all", true);
+    po.cost = cost;
+    const PerStepResult r = score_per_step(h, o, replay, po);
+    ASSERT_EQ(r.policies.size(), 4u);
+    for (const PerStepPolicy& p : r.policies) {
+      ASSERT_EQ(p.dispatches.size(), 7u);
+      double adaptive = -1, adaptive_cost = -1;
+      for (const StepScore& d : p.dispatches) {
+        ASSERT_GE(d.modeled_ms, 0) << d.name;
+        EXPECT_GE(d.modeled_ms, p.dispatch_bound.modeled_ms - 1e-9) << p.policy << " " << d.name;
+        if (d.name == "adaptive") adaptive = d.modeled_ms;
+        if (d.name == "adaptive_cost") adaptive_cost = d.modeled_ms;
+        if (std::string(preset) == "tokens") {
+          // 1 us per token: the modeled time is the busiest rank's tokens.
+          EXPECT_NEAR(d.modeled_ms * 1e3, d.max_rank_load_per_step, 1e-6) << d.name;
+        }
+      }
+      EXPECT_LE(adaptive_cost, adaptive * (1 + 1e-9)) << "seed " << seed << " " << p.policy;
+      EXPECT_LE(p.placement_bound.modeled_ms, adaptive_cost + 1e-9);
+    }
+  }
+}
+
+TEST(PerStepCost, NeedsAModel) {
+  EXPECT_THROW(parse_dispatches("adaptive_cost"), InvalidArgument);
+  EXPECT_EQ(parse_dispatches("all").size(), 6u);
+  EXPECT_EQ(parse_dispatches("all", true).size(), 7u);
+  std::mt19937 rng(3);
+  const stats::LoadHistory h = random_history(rng, 8, 1, 16);
+  const Layout layout{.experts = 16, .physical = 24, .ranks = 8, .nodes = 1, .groups = 1};
+  SimOptions o = options_for(layout, "balanced_cost", placement::cost_model_preset("tokens"));
+  o.cost.reset();
+  try {
+    simulate(h, o);
+    FAIL() << "balanced_cost ran without a model";
+  } catch (const InvalidArgument& e) {
+    EXPECT_THAT(e.what(), ::testing::HasSubstr("needs a cost model"));
+  }
+}
+
+}  // namespace
+}  // namespace eplb::sim

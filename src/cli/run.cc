@@ -39,6 +39,7 @@ struct RunArgs {
   std::string plot;
   std::string metrics;
   bool verbose = false;
+  std::string cost;  // --cost: adaptive_cost's model, a preset or a JSON file
 };
 
 // --metrics FILE: every rank's metrics (of every mode with --compare) as one exposition.
@@ -93,8 +94,9 @@ nlohmann::json to_json(const emu::RunOptions& o, const emu::RunResult& r) {
                           {"predicted_balancedness_before", f.predicted_before},
                           {"predicted_balancedness_after", f.predicted_after}});
   }
-  std::vector<double> balancedness, stall_ms, moe_ms, moe_wall_ms;
+  std::vector<double> balancedness, stall_ms, moe_ms, moe_wall_ms, moe_ms_predicted;
   for (const emu::StepFigures& f : r.per_step) {
+    moe_ms_predicted.push_back(f.moe_ms_predicted);
     balancedness.push_back(f.balancedness);
     stall_ms.push_back(f.stall_ms);
     moe_ms.push_back(f.moe_ms);
@@ -118,6 +120,16 @@ nlohmann::json to_json(const emu::RunOptions& o, const emu::RunResult& r) {
                                         : nlohmann::json(nullptr)},
           {"moe_ms_before", figure(r.has_before(), r.moe_ms_before)},
           {"moe_ms_after", figure(r.has_after(), r.moe_ms_after)},
+          {"moe_ms_predicted_before",
+           figure(r.has_before() && r.cost_model.has_value(), r.moe_ms_predicted_before)},
+          {"moe_ms_predicted_after",
+           figure(r.has_after() && r.cost_model.has_value(), r.moe_ms_predicted_after)},
+          {"cost_model", r.cost_model ? nlohmann::json::parse(
+                                            placement::cost_model_to_json(*r.cost_model))
+                                      : nlohmann::json(nullptr)},
+          {"cost_samples", r.cost_samples},
+          {"cost_fit_error", r.cost_fit_error.empty() ? nlohmann::json(nullptr)
+                                                      : nlohmann::json(r.cost_fit_error)},
           {"moe_wall_ms_before", figure(r.has_before(), r.moe_wall_ms_before)},
           {"moe_wall_ms_after", figure(r.has_after(), r.moe_wall_ms_after)},
           {"tokens_per_s_before", figure(r.has_before(), tokens_per_s(o, r.moe_ms_before))},
@@ -146,7 +158,8 @@ nlohmann::json to_json(const emu::RunOptions& o, const emu::RunResult& r) {
            {{"balancedness", balancedness},
             {"stall_ms", stall_ms},
             {"moe_ms", moe_ms},
-            {"moe_wall_ms", moe_wall_ms}}}};
+            {"moe_wall_ms", moe_wall_ms},
+            {"moe_ms_predicted", moe_ms_predicted}}}};
 }
 
 void print_header(const RunArgs& a, const emu::Workload& w) {
@@ -178,6 +191,23 @@ std::string no_after(const emu::RunOptions& o, const emu::RunResult& r) {
   return r.rebalances == 0
              ? std::string("no \"after\": no rebalance completed before the run ended")
              : std::string("no \"after\": the first rebalance ended with the run");
+}
+
+// The cost model fitted on the "before" steps, and its prediction beside the measured MoE time.
+void print_prediction(const emu::RunResult& r) {
+  if (!r.cost_model) {
+    if (!r.cost_fit_error.empty()) fmt::print("  {:<14}no model: {}\n", "cost model", r.cost_fit_error);
+    return;
+  }
+  fmt::print("  {:<14}{} ({})\n", "cost model", r.cost_model->describe(), r.cost_model->source);
+  const auto side = [](bool has, double predicted, double measured) {
+    return has ? fmt::format("{:.2f} ms (measured {:.2f}, {:+.1f}%)", predicted, measured,
+                             (predicted / measured - 1) * 100)
+               : std::string("none");
+  };
+  fmt::print("  {:<14}{}  ->  {}\n", "MoE predicted",
+             side(r.has_before(), r.moe_ms_predicted_before, r.moe_ms_before),
+             side(r.has_after(), r.moe_ms_predicted_after, r.moe_ms_after));
 }
 
 void print_result(const emu::RunOptions& o, const emu::RunResult& r) {
@@ -224,6 +254,7 @@ void print_result(const emu::RunOptions& o, const emu::RunResult& r) {
                side(r.has_after(),
                     fmt::format("{:.0f} tokens/s", tokens_per_s(o, r.moe_ms_after))));
   }
+  print_prediction(r);
   fmt::print("  {:<14}{} completed ({} triggered), {} moved, {} copied locally\n", "rebalances",
              r.rebalances, r.rebalances_triggered, human_bytes(static_cast<double>(r.bytes_moved)),
              human_bytes(static_cast<double>(r.bytes_local_copy)));
@@ -283,6 +314,9 @@ void print_compare(const emu::RunOptions& o, const std::vector<emu::RunResult>& 
       [&](const emu::RunResult& r) { return cell(r.has_before(), "{:.2f}", r.moe_ms_before); });
   row("MoE ms per step after",
       [&](const emu::RunResult& r) { return cell(r.has_after(), "{:.2f}", r.moe_ms_after); });
+  row("MoE ms predicted after", [&](const emu::RunResult& r) {
+    return cell(r.has_after() && r.cost_model.has_value(), "{:.2f}", r.moe_ms_predicted_after);
+  });
   row("tokens/s before", [&](const emu::RunResult& r) {
     return cell(r.has_before(), "{:.0f}", tokens_per_s(o, r.moe_ms_before));
   });
@@ -386,6 +420,24 @@ void run(RunArgs a) {
     }
   }
   if (!a.trace.empty() && !a.load.empty()) fail("--trace and --load exclude each other");
+  if (!a.cost.empty()) {
+    if (o.dispatch != "adaptive_cost") {
+      fail("--cost ", a.cost, " is adaptive_cost's model: it needs --dispatch adaptive_cost (not ",
+           o.dispatch, ")");
+    }
+    if (placement::is_cost_model_preset(a.cost)) {
+      o.cost = placement::cost_model_preset(a.cost);
+    } else {
+      std::string text;
+      try {
+        text = stats::read_file(a.cost);
+      } catch (const Error&) {
+        fail("--cost '", a.cost, "' is neither a preset (h100-v3-decode, h200-v3-decode, tokens) "
+             "nor a readable JSON file of cost model parameters");
+      }
+      o.cost = placement::cost_model_from_json(text, "--cost " + a.cost);
+    }
+  }
   // The default workload: tokens sampled from DeepSeek-V3's real, skewed expert loads, whose
   // imbalance rebalancing removes (docs/run.md).
   const bool bundled = a.trace.empty() && a.load.empty();
@@ -522,9 +574,13 @@ void add_run(CLI::App& app) {
   cmd->add_option("--policy", o.policy, "deepseek, balanced or sticky")->capture_default_str();
   cmd->add_option("--mode", o.mode, "async, sync or off (no rebalancing)")->capture_default_str();
   cmd->add_option("--dispatch", o.dispatch,
-                  "static, random, hash, weighted, split or adaptive (the step's best split from "
-                  "its global counts)")
+                  "static, random, hash, weighted, split, adaptive (the step's best split from "
+                  "its global counts) or adaptive_cost (the split of least modeled time)")
       ->capture_default_str();
+  cmd->add_option("--cost", a->cost,
+                  "adaptive_cost's cost model: a preset (h100-v3-decode, h200-v3-decode, tokens) "
+                  "or a JSON file of its parameters; default: fitted by the ranks at step "
+                  "--interval from the steps before it (docs/dispatch.md)");
   cmd->add_option("--lag", o.lag, "Steps between an agreement and its action")
       ->capture_default_str();
   cmd->add_option("--verify", a->verify, "all, sample, or N: check the outputs of 1 token in N")

@@ -34,6 +34,7 @@
 #include "eplb/core/hash.h"
 #include "eplb/core/memory.h"
 #include "eplb/core/types.h"
+#include "eplb/placement/cost.h"
 #include "eplb/placement/policy.h"
 #include "eplb/routing/dispatch.h"
 #include "eplb/runtime/metrics.h"
@@ -111,6 +112,34 @@ struct Pending {
   size_t output = 0;  // offset in the outputs buffer
 };
 
+// adaptive_cost's model when none is given: every rank's own (activated slots, tokens, CPU ns)
+// of every layer of the steps so far, gathered from all ranks, and fitted (placement/cost.h).
+// Every rank fits the same samples in the same order, so every rank has the same model and
+// computes the same shares. Samples that cannot be fitted leave the token model (adaptive's
+// split).
+routing::CostTicks fit_dispatch_cost(control::Communicator& lockstep,
+                                     const std::vector<int64_t>& own) {
+  const std::vector<control::Bytes> all = lockstep.all_gather(
+      {reinterpret_cast<const std::byte*>(own.data()), own.size() * sizeof(int64_t)});
+  std::vector<placement::CostSample> samples;
+  for (const control::Bytes& rank : all) {
+    std::vector<int64_t> v(rank.size() / sizeof(int64_t));
+    std::memcpy(v.data(), rank.data(), v.size() * sizeof(int64_t));
+    for (size_t i = 0; i + 3 <= v.size(); i += 3) {
+      if (v[i + 1] > 0) {
+        samples.push_back({.slots = static_cast<double>(v[i]),
+                           .tokens = static_cast<double>(v[i + 1]),
+                           .time_us = static_cast<double>(v[i + 2]) / 1e3});
+      }
+    }
+  }
+  try {
+    return routing::cost_ticks(placement::fit_cost_model(samples));
+  } catch (const InvalidArgument&) {
+    return routing::cost_ticks(placement::cost_model_preset("tokens"));
+  }
+}
+
 }  // namespace
 
 int64_t RunOptions::redundant_slots(int64_t experts) const {
@@ -155,7 +184,12 @@ void RunOptions::validate(const Workload& workload) const {
     fail("--mode '", mode, "' is not one of async, sync, off");
   }
   placement::parse_policy(policy);
-  routing::parse_dispatch_policy(dispatch);
+  if (routing::parse_dispatch_policy(dispatch) == routing::DispatchPolicy::kAdaptiveCost &&
+      elastic() && !cost) {
+    fail("--dispatch adaptive_cost with --kill-rank needs --cost MODEL: the model fitted at step "
+         "--interval is gathered from every rank, which a lost rank cannot give");
+  }
+  if (cost) cost->validate();
   const int64_t physical = workload.experts + redundant_slots(workload.experts);
   if (physical % ranks != 0) {
     fail("--redundant ", redundant_slots(workload.experts), " gives ", physical, " physical slots (",
@@ -323,7 +357,11 @@ std::string serve(const RunOptions& options, const Workload& workload, Group gro
   for (int64_t g = 0; g < G; ++g) random_state[g] = mix64(options.seed * 1000003 + g) | 1;
 
   std::vector<int32_t> experts(static_cast<size_t>(G * T * k));  // every sender's, this layer
-  const bool adaptive = dispatch == routing::DispatchPolicy::kAdaptive;
+  const bool adaptive = routing::routes_by_shares(dispatch);
+  // adaptive_cost's model in ticks: the given one, or fitted at step `interval` (fit_dispatch_cost).
+  const bool by_cost = dispatch == routing::DispatchPolicy::kAdaptiveCost;
+  std::optional<routing::CostTicks> ticks;
+  if (by_cost && options.cost) ticks = routing::cost_ticks(*options.cost);
   std::vector<int64_t> global_counts(static_cast<size_t>(workload.experts));
   std::vector<int64_t> prefix(static_cast<size_t>(workload.experts));
   routing::AdaptiveShares shares;
@@ -343,6 +381,11 @@ std::string serve(const RunOptions& options, const Workload& workload, Group gro
   };
   std::vector<Received> received;  // this layer's entries for this rank's slots
   std::vector<int64_t> step_max(static_cast<size_t>(1 + 2 * L));
+  // This rank's own figures of each layer of the step, before the lockstep collective maxes
+  // step_max: [l][0] activated slots, [l][1] tokens computed, [l][2] CPU ns. They are the
+  // samples the cost model is fitted from (merge_reports).
+  std::vector<int64_t> step_own(static_cast<size_t>(3 * L));
+  std::vector<int64_t> cost_samples;  // [steps][layers][3], the steps served
   std::vector<int64_t> own_counts(static_cast<size_t>(L * workload.experts));  // this step's
 
   std::vector<double> moe_ms, moe_wall_ms, stall_ms, balancedness;
@@ -452,6 +495,7 @@ std::string serve(const RunOptions& options, const Workload& workload, Group gro
                          {"first_mismatch", first_mismatch},
                          {"moe_ms", moe_ms},
                          {"moe_wall_ms", moe_wall_ms},
+                         {"cost_samples", cost_samples},
                          {"stall_ms", stall_ms},
                          {"balancedness", balancedness},
                          {"installs", installs},
@@ -507,6 +551,9 @@ std::string serve(const RunOptions& options, const Workload& workload, Group gro
         if (!regroup(view)) break;
       }
     }
+    if (by_cost && !ticks && step == options.interval) {
+      ticks = fit_dispatch_cost(*group.lockstep, cost_samples);
+    }
     const std::vector<int32_t>& seats = group.seats;  // the senders of this step
     const auto senders = static_cast<int64_t>(seats.size());
     const bool some_unavailable = rb.any_unavailable();
@@ -535,7 +582,11 @@ std::string serve(const RunOptions& options, const Workload& workload, Group gro
       if (adaptive) {
         std::fill(global_counts.begin(), global_counts.end(), 0);
         routing::count_experts(sent, workload.experts, global_counts);
-        routing::adaptive_shares(tables, global_counts, shares);
+        if (ticks) {
+          routing::adaptive_cost_shares(tables, global_counts, *ticks, shares);
+        } else {
+          routing::adaptive_shares(tables, global_counts, shares);
+        }
         std::fill(prefix.begin(), prefix.end(), 0);
       }
       for (int64_t i = 0; i < senders; ++i) {
@@ -603,6 +654,13 @@ std::string serve(const RunOptions& options, const Workload& workload, Group gro
         }
       }
       step_max[1 + l] = std::llround((thread_cpu_ms() - cpu_start) * 1e6);
+      int64_t activated = 0;
+      for (size_t i = 0; i < received.size(); ++i) {
+        activated += i == 0 || received[i].local != received[i - 1].local ? 1 : 0;
+      }
+      step_own[3 * l] = activated;
+      step_own[3 * l + 1] = static_cast<int64_t>(received.size());
+      step_own[3 * l + 2] = step_max[1 + l];
       step_max[1 + L + l] = std::llround(ms_since(start) * 1e6);
 
       // Step 3: check the sampled outputs against the logical expert the token chose, from
@@ -665,6 +723,7 @@ std::string serve(const RunOptions& options, const Workload& workload, Group gro
     }
     moe_ms.push_back(cpu_ns / 1e6);
     moe_wall_ms.push_back(wall_ns / 1e6);
+    cost_samples.insert(cost_samples.end(), step_own.begin(), step_own.end());
 
     const int64_t installed = rb.installed_layers();
     // The step's stall as the runtime counts it: step_end's time less its waits for a core.

@@ -57,6 +57,62 @@ double mean_of(const std::vector<StepFigures>& steps, int64_t first, int64_t las
   return sum / static_cast<double>(last - first);
 }
 
+// The cost model of the run: fitted on every rank's (activated slots, tokens, CPU time) of every
+// layer of the "before" steps, then each step's predicted MoE time, the sum over the layers of
+// the largest modeled rank time, and its means over both ranges. A range too short for a fit
+// leaves no model, and says why.
+void fit_and_predict(const std::vector<json>& reports, int64_t layers, RunResult& result) {
+  std::vector<placement::CostSample> samples;
+  for (int64_t s = result.before_first; s < result.before_last; ++s) {
+    for (const json& rank : reports) {
+      if (!rank.contains("cost_samples")) continue;
+      const int64_t i = s - rank.value("first_step", int64_t{0});
+      const json& all = rank["cost_samples"];
+      for (int64_t l = 0; l < layers; ++l) {
+        const int64_t at = (i * layers + l) * 3;
+        if (i < 0 || at + 3 > static_cast<int64_t>(all.size())) continue;
+        if (all[at + 1].get<int64_t>() == 0) continue;  // idle in that layer: nothing to fit
+        samples.push_back({.slots = static_cast<double>(all[at].get<int64_t>()),
+                           .tokens = static_cast<double>(all[at + 1].get<int64_t>()),
+                           .time_us = static_cast<double>(all[at + 2].get<int64_t>()) / 1e3});
+      }
+    }
+  }
+  result.cost_samples = static_cast<int64_t>(samples.size());
+  try {
+    result.cost_model = placement::fit_cost_model(samples);
+    result.cost_model->source = fmt::format("fit of {} (rank, layer) samples of steps {}-{}",
+                                            samples.size(), result.before_first,
+                                            result.before_last - 1);
+  } catch (const InvalidArgument& e) {
+    result.cost_fit_error = e.what();
+    return;
+  }
+  const placement::CostModel& m = *result.cost_model;
+  for (int64_t s = 0; s < static_cast<int64_t>(result.per_step.size()); ++s) {
+    double predicted = 0;
+    for (int64_t l = 0; l < layers; ++l) {
+      double most = 0;
+      for (const json& rank : reports) {
+        if (!rank.contains("cost_samples")) continue;
+        const int64_t i = s - rank.value("first_step", int64_t{0});
+        const json& all = rank["cost_samples"];
+        const int64_t at = (i * layers + l) * 3;
+        if (i < 0 || at + 3 > static_cast<int64_t>(all.size())) continue;
+        const auto slots = static_cast<double>(all[at].get<int64_t>());
+        const auto tokens = static_cast<double>(all[at + 1].get<int64_t>());
+        most = std::max(most, m.linear_rank_time_us(slots, tokens));
+      }
+      predicted += most;
+    }
+    result.per_step[s].moe_ms_predicted = predicted / 1e3;
+  }
+  result.moe_ms_predicted_before = mean_of(result.per_step, result.before_first,
+                                           result.before_last, &StepFigures::moe_ms_predicted);
+  result.moe_ms_predicted_after = mean_of(result.per_step, result.after_first, result.after_last,
+                                          &StepFigures::moe_ms_predicted);
+}
+
 }  // namespace
 
 RunResult merge_reports(const RunOptions& options, const Workload& workload,
@@ -212,6 +268,7 @@ RunResult merge_reports(const RunOptions& options, const Workload& workload,
       mean_of(result.per_step, result.before_first, result.before_last, &StepFigures::moe_wall_ms);
   result.moe_wall_ms_after =
       mean_of(result.per_step, result.after_first, result.after_last, &StepFigures::moe_wall_ms);
+  fit_and_predict(r, workload.layers, result);
   return result;
 }
 

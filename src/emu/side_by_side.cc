@@ -32,13 +32,14 @@ using nlohmann::json;
 
 json step_json(const StepFigures& s) {
   return {s.balancedness, s.moe_ms, s.moe_wall_ms, s.stall_ms, s.installs, s.unavailable,
-          s.dropped};
+          s.dropped, s.moe_ms_predicted};
 }
 
 StepFigures step_from(const json& j) {
   return {.balancedness = j.at(0).get<double>(),
           .moe_ms = j.at(1).get<double>(),
           .moe_wall_ms = j.at(2).get<double>(),
+          .moe_ms_predicted = j.at(7).get<double>(),
           .stall_ms = j.at(3).get<double>(),
           .installs = j.at(4).get<int64_t>(),
           .unavailable = j.at(5).get<bool>(),
@@ -123,6 +124,12 @@ std::string result_to_json(const RunResult& r) {
               {"balancedness", {r.balancedness_before, r.balancedness_after}},
               {"moe_ms", {r.moe_ms_before, r.moe_ms_after}},
               {"moe_wall_ms", {r.moe_wall_ms_before, r.moe_wall_ms_after}},
+              {"cost", {{"model", r.cost_model ? json::parse(placement::cost_model_to_json(
+                                                                *r.cost_model))
+                                               : json(nullptr)},
+                        {"error", r.cost_fit_error},
+                        {"samples", r.cost_samples},
+                        {"predicted", {r.moe_ms_predicted_before, r.moe_ms_predicted_after}}}},
               {"bytes", {r.bytes_moved, r.bytes_local_copy, r.bytes_installed}},
               {"stall", {r.stall_max_ms, r.stall_total_ms, r.stall_preempted_ms}},
               {"checks", {r.mismatches, r.verified, r.outputs}},
@@ -158,6 +165,14 @@ RunResult result_from_json(const std::string& text) {
     r.moe_ms_after = j.at("moe_ms").at(1).get<double>();
     r.moe_wall_ms_before = j.at("moe_wall_ms").at(0).get<double>();
     r.moe_wall_ms_after = j.at("moe_wall_ms").at(1).get<double>();
+    const json& cost = j.at("cost");
+    if (!cost.at("model").is_null()) {
+      r.cost_model = placement::cost_model_from_json(cost.at("model").dump(), "the run's model");
+    }
+    r.cost_fit_error = cost.at("error").get<std::string>();
+    r.cost_samples = cost.at("samples").get<int64_t>();
+    r.moe_ms_predicted_before = cost.at("predicted").at(0).get<double>();
+    r.moe_ms_predicted_after = cost.at("predicted").at(1).get<double>();
     r.bytes_moved = j.at("bytes").at(0).get<int64_t>();
     r.bytes_local_copy = j.at("bytes").at(1).get<int64_t>();
     r.bytes_installed = j.at("bytes").at(2).get<int64_t>();

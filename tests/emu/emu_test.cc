@@ -151,6 +151,35 @@ TEST(Workload, BundledDeepSeekLoadsAreFound) {
   EXPECT_EQ(w.experts, 256);
 }
 
+// The fitted cost model and its predictions travel with a result (eplb run --compare).
+TEST(Result, CostModelRoundTrips) {
+  RunResult r;
+  r.mode = "off";
+  placement::CostModel m;
+  m.slot_us = 48.5;
+  m.token_us = 14.25;
+  m.source = "fit of 768 samples";
+  r.cost_model = m;
+  r.cost_samples = 768;
+  r.moe_ms_predicted_before = 41.5;
+  r.moe_ms_predicted_after = 31.75;
+  r.per_step.push_back({});
+  r.per_step.back().moe_ms_predicted = 30.5;
+  const RunResult back = result_from_json(result_to_json(r));
+  ASSERT_TRUE(back.cost_model.has_value());
+  EXPECT_DOUBLE_EQ(back.cost_model->slot_us, 48.5);
+  EXPECT_EQ(back.cost_model->source, "fit of 768 samples");
+  EXPECT_EQ(back.cost_samples, 768);
+  EXPECT_DOUBLE_EQ(back.moe_ms_predicted_after, 31.75);
+  EXPECT_DOUBLE_EQ(back.per_step[0].moe_ms_predicted, 30.5);
+  RunResult none;
+  none.mode = "off";
+  none.cost_fit_error = "cost model fit: 3 samples";
+  const RunResult back_none = result_from_json(result_to_json(none));
+  EXPECT_FALSE(back_none.cost_model.has_value());
+  EXPECT_EQ(back_none.cost_fit_error, none.cost_fit_error);
+}
+
 TEST(Result, RoundTripsThroughJson) {
   RunResult r;
   r.mode = "async";

@@ -16,11 +16,13 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "eplb/emu/expert.h"
 #include "eplb/emu/workload.h"
+#include "eplb/placement/cost.h"
 
 namespace prometheus {
 class Registry;
@@ -49,6 +51,11 @@ struct RunOptions {
   // adaptive: every rank replays every sender's tokens, so each has the step's global counts
   // the best split needs (an engine gets them from its all-to-all's layout exchange).
   std::string dispatch = "adaptive";
+  // adaptive_cost's cost model (placement/cost.h). None: the ranks fit one at step `interval`
+  // (before the first rebalance can be installed) from every rank's (activated slots, tokens,
+  // CPU time) of every layer of the steps before it, gathered on the lockstep communicator, so
+  // that every rank fits the same model from the same samples; adaptive's shares until then.
+  std::optional<placement::CostModel> cost;
   // arena: the runtime allocates them (swap installs: no copy); engine: each rank allocates
   // its expert weights and registers them, as engines do (installs copy changed slots in).
   std::string weights = "arena";
@@ -106,6 +113,10 @@ struct StepFigures {
   // ranks than cores, mostly waiting).
   double moe_ms = 0;
   double moe_wall_ms = 0;
+  // What the cost model fitted on the "before" steps predicts for moe_ms: the sum over the
+  // layers of the largest modeled rank time (each rank's activated slots and tokens); 0 without
+  // a model.
+  double moe_ms_predicted = 0;
   double stall_ms = 0;   // max over ranks of the time in step_end
   int64_t installs = 0;  // layers installed at this step's step_end
   bool unavailable = false;  // some expert had no replica to serve it (elastic runs)
@@ -157,6 +168,15 @@ struct RunResult {
   double moe_ms_after = 0;
   double moe_wall_ms_before = 0;  // the same in wall time
   double moe_wall_ms_after = 0;
+  // The cost model (placement/cost.h) fitted by least squares on every rank's (activated slots,
+  // tokens, CPU time) of every layer of the "before" steps, and its prediction of moe_ms over
+  // each range (in sample before, out of sample after). No model (cost_fit_error says why) when
+  // the "before" range is too short or cannot tell slots from tokens.
+  std::optional<placement::CostModel> cost_model;
+  std::string cost_fit_error;
+  int64_t cost_samples = 0;
+  double moe_ms_predicted_before = 0;
+  double moe_ms_predicted_after = 0;
   int64_t bytes_moved = 0;
   int64_t bytes_local_copy = 0;
   int64_t bytes_installed = 0;  // written into live weights by installs, all ranks

@@ -18,9 +18,9 @@
 #include "cli/commands.h"
 #include "eplb/control/launch.h"
 #include "eplb/core/error.h"
-#include "eplb/emu/emulator.h"
-#include "eplb/emu/workload.h"
-#include "eplb/runtime/metrics.h"
+#include "emu/emulator.h"
+#include "emu/workload.h"
+#include "eplb/runtime/metric_families.h"
 #include "eplb/stats/load_file.h"
 
 namespace eplb::cli {

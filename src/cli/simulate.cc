@@ -22,7 +22,7 @@
 #include "cli/commands.h"
 #include "cli/layout_options.h"
 #include "eplb/core/error.h"
-#include "eplb/emu/workload.h"
+#include "emu/workload.h"
 #include "eplb/placement/cost.h"
 #include "eplb/sim/per_step.h"
 #include "eplb/stats/load_file.h"

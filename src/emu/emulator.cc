@@ -1,4 +1,4 @@
-#include "eplb/emu/emulator.h"
+#include "emu/emulator.h"
 
 #include <fmt/core.h>
 #include <prometheus/metric_family.h>
@@ -37,7 +37,7 @@
 #include "eplb/placement/cost.h"
 #include "eplb/placement/policy.h"
 #include "eplb/routing/dispatch.h"
-#include "eplb/runtime/metrics.h"
+#include "eplb/runtime/metric_families.h"
 #include "eplb/runtime/rebalancer.h"
 #include "eplb/stats/load_file.h"
 #include "eplb/stats/recorder.h"

@@ -1,4 +1,4 @@
-#include "eplb/emu/expert.h"
+#include "emu/expert.h"
 
 #include <cmath>
 #include <cstring>

@@ -17,7 +17,7 @@
 #include <prometheus/exposer.h>
 
 #include "eplb/core/error.h"
-#include "eplb/runtime/metrics.h"
+#include "eplb/runtime/metric_families.h"
 #include "eplb/runtime/rebalancer.h"
 #include "eplb/stats/load_file.h"
 

@@ -1,7 +1,7 @@
 // `eplb run`'s rank processes: forked on this machine (run_local), or one per process under a
 // launcher (run_from_env); Ctrl-C stops every rank at the same step.
 
-#include "eplb/emu/emulator.h"
+#include "emu/emulator.h"
 #include <fmt/core.h>
 #include <prometheus/metric_family.h>
 #include <prometheus/registry.h>
@@ -35,7 +35,7 @@
 #include "eplb/core/types.h"
 #include "eplb/placement/policy.h"
 #include "eplb/routing/dispatch.h"
-#include "eplb/runtime/metrics.h"
+#include "eplb/runtime/metric_families.h"
 #include "eplb/runtime/rebalancer.h"
 #include "eplb/stats/load_file.h"
 #include "eplb/stats/recorder.h"

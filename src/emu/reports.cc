@@ -1,6 +1,6 @@
 // The ranks' reports of `eplb run` merged into one result.
 
-#include "eplb/emu/emulator.h"
+#include "emu/emulator.h"
 #include <fmt/core.h>
 #include <prometheus/metric_family.h>
 #include <prometheus/registry.h>
@@ -33,7 +33,7 @@
 #include "eplb/core/types.h"
 #include "eplb/placement/policy.h"
 #include "eplb/routing/dispatch.h"
-#include "eplb/runtime/metrics.h"
+#include "eplb/runtime/metric_families.h"
 #include "eplb/runtime/rebalancer.h"
 #include "eplb/stats/load_file.h"
 #include "eplb/stats/recorder.h"

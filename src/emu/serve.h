@@ -11,7 +11,7 @@
 
 #include "eplb/control/communicator.h"
 #include "eplb/control/elastic.h"
-#include "eplb/emu/emulator.h"
+#include "emu/emulator.h"
 #include "eplb/transport/transport.h"
 
 namespace eplb::emu {

@@ -23,7 +23,7 @@
 
 #include "eplb/control/launch.h"
 #include "eplb/core/error.h"
-#include "eplb/emu/emulator.h"
+#include "emu/emulator.h"
 
 namespace eplb::emu {
 namespace {

@@ -1,4 +1,4 @@
-#include "eplb/emu/workload.h"
+#include "emu/workload.h"
 
 #include <cstdlib>
 #include <filesystem>

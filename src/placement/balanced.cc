@@ -14,7 +14,7 @@
 // Every rank is full after Step 3, so a "move" of a replica off the most loaded rank is always a
 // swap with a lighter replica of another rank; the swap search covers both.
 
-#include "eplb/placement/balanced.h"
+#include "placement/balanced.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -24,7 +24,7 @@
 #include <vector>
 
 #include "eplb/core/error.h"
-#include "eplb/placement/deepseek.h"
+#include "placement/deepseek.h"
 #include "eplb/placement/metrics.h"
 #include "placement/replicas.h"
 #include "placement/sort_keys.h"

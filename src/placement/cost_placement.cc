@@ -19,7 +19,7 @@
 #include <vector>
 
 #include "eplb/core/error.h"
-#include "eplb/placement/balanced.h"
+#include "placement/balanced.h"
 #include "eplb/placement/cost.h"
 #include "eplb/placement/policy.h"
 #include "placement/packing.h"

@@ -22,7 +22,7 @@
 // the per-layer loops. Loads are compared as integer keys (float bits and index), the lightest
 // pack and the heaviest expert are found by branch-free scans.
 
-#include "eplb/placement/deepseek.h"
+#include "placement/deepseek.h"
 
 #include <algorithm>
 #include <bit>

@@ -6,9 +6,9 @@
 #include <vector>
 
 #include "eplb/core/error.h"
-#include "eplb/placement/balanced.h"
-#include "eplb/placement/deepseek.h"
-#include "eplb/placement/sticky.h"
+#include "placement/balanced.h"
+#include "placement/deepseek.h"
+#include "placement/sticky.h"
 
 namespace eplb::placement {
 

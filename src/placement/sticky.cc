@@ -36,7 +36,7 @@
 // The tolerance is per layer: every layer's balancedness is at least balanced's minus it, so
 // the mean over layers and the step-weighted figure are too.
 
-#include "eplb/placement/sticky.h"
+#include "placement/sticky.h"
 
 #include <algorithm>
 #include <cmath>
@@ -49,7 +49,7 @@
 #include <vector>
 
 #include "eplb/core/error.h"
-#include "eplb/placement/balanced.h"
+#include "placement/balanced.h"
 #include "eplb/placement/metrics.h"
 #include "placement/relabel.h"
 #include "placement/sticky_search.h"

@@ -19,7 +19,7 @@
 #include "eplb/control/communicator.h"
 #include "eplb/core/error.h"
 #include "eplb/core/memory.h"
-#include "eplb/runtime/metrics.h"
+#include "eplb/runtime/metric_families.h"
 #include "eplb/stats/recorder.h"
 #include "eplb/transport/transport.h"
 #include "runtime/arena.h"

@@ -9,7 +9,7 @@
 #include <prometheus/text_serializer.h>
 
 #include "eplb/core/error.h"
-#include "eplb/runtime/metrics.h"
+#include "eplb/runtime/metric_families.h"
 
 namespace eplb::runtime {
 namespace {

@@ -8,9 +8,9 @@
 #include <vector>
 
 #include "eplb/core/error.h"
-#include "eplb/emu/expert.h"
-#include "eplb/emu/emulator.h"
-#include "eplb/emu/workload.h"
+#include "emu/expert.h"
+#include "emu/emulator.h"
+#include "emu/workload.h"
 
 namespace eplb::emu {
 namespace {

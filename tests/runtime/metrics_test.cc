@@ -24,7 +24,7 @@
 
 #include "eplb/control/communicator.h"
 #include "eplb/core/error.h"
-#include "eplb/runtime/metrics.h"
+#include "eplb/runtime/metric_families.h"
 #include "eplb/transport/registry.h"
 #include "eplb/transport/transport.h"
 #include "runtime/harness.h"

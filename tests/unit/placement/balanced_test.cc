@@ -1,7 +1,7 @@
 // Tests of the balanced policy: a case worked out by hand, and properties on random lognormal
 // loads with fixed seeds (printed on failure through SCOPED_TRACE).
 
-#include "eplb/placement/balanced.h"
+#include "placement/balanced.h"
 
 #include <gtest/gtest.h>
 
@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "eplb/core/error.h"
-#include "eplb/placement/deepseek.h"
+#include "placement/deepseek.h"
 #include "eplb/placement/metrics.h"
 #include "eplb/placement/policy.h"
 #include "unit/placement/greedy_reference.h"

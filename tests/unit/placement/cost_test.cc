@@ -10,7 +10,7 @@
 #include <random>
 
 #include "eplb/core/error.h"
-#include "eplb/placement/balanced.h"
+#include "placement/balanced.h"
 #include "eplb/placement/policy.h"
 
 namespace eplb::placement {

@@ -1,7 +1,7 @@
 // Tests of the deepseek policy: golden cases from the public reference (deepseek-ai/EPLB
 // `rebalance_experts`, outputs recorded from it) and properties on random inputs.
 
-#include "eplb/placement/deepseek.h"
+#include "placement/deepseek.h"
 
 #include <gtest/gtest.h>
 

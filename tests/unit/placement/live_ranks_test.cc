@@ -15,10 +15,10 @@
 #include <vector>
 
 #include "eplb/core/error.h"
-#include "eplb/placement/balanced.h"
+#include "placement/balanced.h"
 #include "eplb/placement/metrics.h"
 #include "eplb/placement/policy.h"
-#include "eplb/placement/sticky.h"
+#include "placement/sticky.h"
 
 namespace eplb::placement {
 namespace {

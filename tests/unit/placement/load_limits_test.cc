@@ -10,7 +10,7 @@
 
 #include "eplb/core/error.h"
 #include "eplb/core/types.h"
-#include "eplb/placement/deepseek.h"
+#include "placement/deepseek.h"
 #include "eplb/placement/metrics.h"
 #include "eplb/placement/policy.h"
 

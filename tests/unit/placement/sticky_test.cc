@@ -2,7 +2,7 @@
 // goal of the policy (few moved slots, balance within the tolerance), tolerance 0, repairs of
 // previous placements that break the rules, and bad inputs. Fixed seeds, printed on failure.
 
-#include "eplb/placement/sticky.h"
+#include "placement/sticky.h"
 
 #include <gtest/gtest.h>
 
@@ -16,8 +16,8 @@
 #include <vector>
 
 #include "eplb/core/error.h"
-#include "eplb/placement/balanced.h"
-#include "eplb/placement/deepseek.h"
+#include "placement/balanced.h"
+#include "placement/deepseek.h"
 #include "eplb/placement/metrics.h"
 #include "eplb/placement/policy.h"
 

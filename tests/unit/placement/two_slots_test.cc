@@ -16,8 +16,8 @@
 #include <utility>
 #include <vector>
 
-#include "eplb/placement/balanced.h"
-#include "eplb/placement/deepseek.h"
+#include "placement/balanced.h"
+#include "placement/deepseek.h"
 #include "eplb/placement/metrics.h"
 
 namespace eplb::placement {

@@ -20,8 +20,8 @@
 #include <string>
 #include <vector>
 
-#include "eplb/emu/expert.h"
-#include "eplb/emu/workload.h"
+#include "emu/expert.h"
+#include "emu/workload.h"
 #include "eplb/placement/cost.h"
 
 namespace prometheus {

@@ -46,6 +46,7 @@
 
 #include "cli/bench_runtime.h"
 #include "eplb/control/communicator.h"
+#include "eplb/core/clock.h"
 #include "eplb/core/error.h"
 #include "eplb/core/hash.h"
 #include "eplb/core/types.h"
@@ -68,10 +69,6 @@ double cpu_seconds() {
     return static_cast<double>(t.tv_sec) + static_cast<double>(t.tv_usec) / 1e6;
   };
   return seconds(usage.ru_utime) + seconds(usage.ru_stime);
-}
-
-double ms_since(Clock::time_point start) {
-  return std::chrono::duration<double, std::milli>(Clock::now() - start).count();
 }
 
 // The control plane the Rebalancer is given: the inproc communicator, with the time of every

@@ -18,6 +18,7 @@
 #include "cli/commands.h"
 #include "eplb/control/launch.h"
 #include "eplb/core/error.h"
+#include "eplb/core/memory.h"
 #include "emu/emulator.h"
 #include "emu/workload.h"
 #include "eplb/runtime/metric_families.h"
@@ -47,16 +48,6 @@ void write_metrics(const std::string& path, const std::vector<emu::RunResult>& r
   std::vector<std::vector<prometheus::MetricFamily>> sets;
   for (const emu::RunResult& r : results) sets.push_back(runtime::families_from_json(r.metrics));
   stats::write_file(path, runtime::metrics_text(runtime::merge_families(sets)));
-}
-
-std::string human_bytes(double bytes) {
-  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-  int u = 0;
-  while (bytes >= 1024 && u < 4) {
-    bytes /= 1024;
-    ++u;
-  }
-  return u == 0 ? fmt::format("{:.0f} B", bytes) : fmt::format("{:.1f} {}", bytes, units[u]);
 }
 
 // Tokens per second the slowest rank allows: a step's tokens over its MoE time (CPU time of
@@ -175,7 +166,7 @@ void print_header(const RunArgs& a, const emu::Workload& w) {
       w.experts + redundant, redundant, o.tokens_per_rank);
   fmt::print("  experts: fp32 FFN hidden {} x intermediate {} ({} each, {}); tokens from {}\n",
              o.shape.hidden, o.shape.intermediate,
-             human_bytes(static_cast<double>(o.shape.expert_bytes())),
+             human_bytes(o.shape.expert_bytes()),
              o.weights == "engine" ? "each rank's own tensors, registered" : "in eplb's arena",
              w.source);
   fmt::print("  {} steps, rebalance every {} steps from the last {} ({} policy, {} dispatch)\n\n",
@@ -256,8 +247,8 @@ void print_result(const emu::RunOptions& o, const emu::RunResult& r) {
   }
   print_prediction(r);
   fmt::print("  {:<14}{} completed ({} triggered), {} moved, {} copied locally\n", "rebalances",
-             r.rebalances, r.rebalances_triggered, human_bytes(static_cast<double>(r.bytes_moved)),
-             human_bytes(static_cast<double>(r.bytes_local_copy)));
+             r.rebalances, r.rebalances_triggered, human_bytes(r.bytes_moved),
+             human_bytes(r.bytes_local_copy));
   fmt::print("  {:<14}max step {:.3f} ms, total {:.3f} ms (forward thread, in step_end; {:.3f} "
              "ms more waiting for a core)\n", "stall", r.stall_max_ms, r.stall_total_ms,
              r.stall_preempted_ms);
@@ -283,7 +274,7 @@ void print_result(const emu::RunOptions& o, const emu::RunResult& r) {
                o.rejoin_at_step >= 0 && r.rejoins > 0
                    ? fmt::format(" at step {}", o.rejoin_at_step) : "",
                r.unavailable_steps, r.no_service_steps, r.tokens_dropped,
-               human_bytes(static_cast<double>(r.restored_bytes)));
+               human_bytes(r.restored_bytes));
   }
   if (!r.stopped.empty()) fmt::print("  {:<14}{}\n", "stopped", r.stopped);
   fmt::print("  {:<14}{} of {} expert outputs checked bit for bit, {} mismatches\n", "verified",
@@ -325,7 +316,7 @@ void print_compare(const emu::RunOptions& o, const std::vector<emu::RunResult>& 
   });
   row("rebalances", [](const emu::RunResult& r) { return fmt::format("{}", r.rebalances); });
   row("bytes moved",
-      [](const emu::RunResult& r) { return human_bytes(static_cast<double>(r.bytes_moved)); });
+      [](const emu::RunResult& r) { return human_bytes(r.bytes_moved); });
   row("stall max step (ms)",
       [](const emu::RunResult& r) { return fmt::format("{:.3f}", r.stall_max_ms); });
   row("stall total (ms)",

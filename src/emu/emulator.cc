@@ -30,6 +30,7 @@
 #include "runtime/cpu_wait.h"
 #include "eplb/control/communicator.h"
 #include "eplb/control/launch.h"
+#include "eplb/core/clock.h"
 #include "eplb/core/error.h"
 #include "eplb/core/hash.h"
 #include "eplb/core/memory.h"
@@ -49,10 +50,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 using nlohmann::json;
-
-double ms_since(Clock::time_point start) {
-  return std::chrono::duration<double, std::milli>(Clock::now() - start).count();
-}
 
 // This thread's CPU time in ms: what the expert compute costs, whatever the scheduler does with
 // more rank processes than cores (wall time then mostly measures the waiting).

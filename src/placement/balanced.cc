@@ -405,8 +405,8 @@ bool place_experts(std::span<const double> w, std::span<const int32_t> experts, 
   }
   // Where a pair traded a replica: any packing of these counts has a rank at least their sorted
   // pairing's largest pair, so where the pairs are not above that the packing below cannot win
-  // (at 256 ranks it never did, and it was a sixth of balanced's time there). two_slots::place
-  // has that pairing already (taking it again was 4% of balanced's time at 256 ranks).
+  // (and it is a large share of balanced's time at many ranks). two_slots::place has that
+  // pairing already.
   if (!paired.empty() && paired_top <= greedy_top) {
     write_pairs(paired, experts, first_slot, phy2log);
     return false;

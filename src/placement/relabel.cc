@@ -63,8 +63,8 @@ std::vector<int64_t> min_cost_matching(std::span<const int64_t> cost, int64_t n)
 }
 
 // Up to this many ranks a relabelling is matched exactly (Hungarian, O(n^3)); past it, greedily
-// (below): at 256 ranks the exact matching took 80% of the policy's time, at 64 a quarter, and
-// on the bench's loads at 64 ranks the greedy matching kept as many slots.
+// (below): the exact matching's cubic time comes to dominate the policy, and the greedy
+// matching keeps as many slots on the bench's loads (docs/placement.md).
 constexpr int64_t kExactMatching = 32;
 
 // A maximum-overlap matching for n > kExactMatching: the pairs with the largest overlap first

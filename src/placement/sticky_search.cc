@@ -26,10 +26,9 @@ constexpr int64_t kMaxListed = 16;
 // escape() tries at most this many replicates.
 constexpr size_t kEscapeTries = 16;
 // ...and is used once per search, and only while the top rank is within 2% of the cap: at 144
-// ranks (288 slots for 256 experts) the search gets stuck every few rounds further out, and
-// escaping there did not reach the cap any more often while doubling the policy's time; a
-// second escape per search moved more slots there (1094 -> 1096 on the preset, seed 4) for 7%
-// more time.
+// ranks (288 slots for 256 experts) the search gets stuck every few rounds further out, where
+// escaping does not reach the cap any more often and costs much of the policy's time; a
+// second escape per search moves more slots for more time.
 constexpr int64_t kMaxEscapes = 1;
 constexpr double kEscapeReach = 0.02;
 
@@ -37,8 +36,7 @@ constexpr double kEscapeReach = 0.02;
 
 // Every member but the constructor, run() and apply_swap() (which settle(), in
 // sticky_settle.cc, calls too) is marked inline: only this file calls them, and without the
-// hint the compiler kept the per-candidate checks out of line (11% more instructions at 448
-// slots).
+// hint the compiler keeps the per-candidate checks out of line.
 
 Incremental::Incremental(std::span<const double> w, std::span<const int32_t> prev,
                          const Layout& layout, std::span<const int32_t> node_of_expert)
@@ -130,8 +128,8 @@ inline void Incremental::update_shares(int32_t e) {
   share_up_[e] = w_[e] / (c + 1);
   share_down_[e] = c >= 2 ? w_[e] / (c - 1) : kInf;
   // The lightest additions stay as they are unless e was among them or now joins them: they
-  // were scanned again from every expert after each change. With each expert's give-up peaks
-  // listed once (mark_peaks_dirty), 9% fewer instructions in the search at 256 ranks.
+  // were scanned again from every expert after each change; each expert's give-up peaks are
+  // listed once instead (mark_peaks_dirty).
   if (!lightest_stale_ &&
       (lighter_addition(e, lightest_.back()) ||
        std::find(lightest_.begin(), lightest_.end(), e) != lightest_.end())) {
@@ -141,8 +139,8 @@ inline void Incremental::update_shares(int32_t e) {
 
 inline void Incremental::clear_and_fill() {
   const int64_t slots = static_cast<int64_t>(cur_.size());
-  // What set() does into empty slots, with the redundant experts listed once at the end: kept
-  // sorted slot by slot, they were a third of this function's instructions at 512 slots.
+  // What set() does into empty slots, with the redundant experts listed once at the end (kept
+  // sorted slot by slot, they would cost more than the rest of this function).
   for (int64_t p = 0; p < slots; ++p) {
     const int32_t e = prev_[p];
     const int64_t r = rank_of(p);

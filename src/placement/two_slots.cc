@@ -166,9 +166,8 @@ size_t lower_bound_of(size_t n, const At& at, const Before& before) {
 
 // `order` with experts a (at position a_at) and b (at b_at) moved to their places under the
 // shares w / r of the current counts (the rest still sorted); returns their new positions. The
-// shares are divided once per change of a count: the comparisons divided for every look, a
-// third of the count search's time. The positions come from the caller (a scan for them was
-// most of this function's instructions).
+// shares are divided once per change of a count, not at every comparison; the positions come
+// from the caller, who has them, instead of a scan.
 std::pair<size_t, size_t> reorder(std::span<const double> share, std::vector<int32_t>& order,
                                   int32_t a, size_t a_at, int32_t b, size_t b_at) {
   // Both leave before either comes back: the rest must be sorted for the binary search.
@@ -216,8 +215,7 @@ void search_counts(std::span<const double> w, int64_t ranks, std::vector<int32_t
   std::vector<int32_t> donors;
   std::vector<double> share(w.size());  // w / r, kept current with r
   // w / (r - 1), a donor's share after giving a replica up (r >= 2), kept current too: the
-  // donors' selection compares it, and dividing in every comparison cost about 3% of
-  // balanced's time at 256 ranks.
+  // donors' selection compares it, and is not to divide in every comparison.
   std::vector<double> after_giving(w.size());
   auto update = [&](int32_t e) {
     share[e] = w[e] / r[e];
@@ -236,7 +234,7 @@ void search_counts(std::span<const double> w, int64_t ranks, std::vector<int32_t
       before[i + 1] = before[i] + r[p.order[i]];
       std::fill_n(round_replicas.begin() + before[i], r[p.order[i]], share[p.order[i]]);
     }
-    // The first round's is the caller's (taking it again was 0.6% of balanced at 256 ranks).
+    // The first round's is the caller's.
     if (round > 0) largest_pair(round_replicas, std::span(before).first(n + 1), ranks, p);
     double best = p.top - kMinGain * p.top;
     int32_t best_to = -1, best_from = -1;

@@ -544,7 +544,9 @@ void add_run(CLI::App& app) {
   auto a = std::make_shared<RunArgs>();
   emu::RunOptions& o = a->options;
   CLI::App* cmd = app.add_subcommand(
-      "run", "Serve a routing trace on G emulated expert-parallel ranks, rebalancing live");
+      "run",
+      "Serve MoE tokens (sampled from a load file, or a routing trace) on G emulated "
+      "expert-parallel ranks, rebalancing live");
   cmd->add_option("--ranks", o.ranks, "Rank processes")->capture_default_str();
   cmd->add_option("--nodes", o.nodes, "Emulated nodes (cross-node reads: UCX over TCP)")
       ->capture_default_str();

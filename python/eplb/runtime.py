@@ -502,7 +502,8 @@ class Rebalancer:
                     for k, v in tables.items()}
         return tables
 
-    def route(self, layer, topk_ids, first_token=0, *, global_counts=None, prefix=None):
+    def route(self, layer, topk_ids, first_token=0, *, global_counts=None, prefix=None,
+              cost=None):
         """The physical slot of every (token, k) of `topk_ids` [tokens, top_k] under the
         config's dispatch policy; row t is the token with index first_token + t (hash and
         weighted dispatch hash it; split counts each expert's tokens from the first row).
@@ -513,13 +514,15 @@ class Rebalancer:
         logical expert summed over all ranks) and `prefix` (each expert's tokens on the ranks
         below this one), int arrays of [experts]: from the all-to-all's layout exchange, or an
         all-reduce and an exclusive scan of this rank's counts. Every rank computes the same
-        shares from them."""
+        shares from them. Dispatch "adaptive_cost" takes the same two and `cost`, an
+        ``eplb.cost.CostModel`` (the same on every rank): its shares minimise the busiest
+        rank's modeled time instead of its tokens."""
         torch_in = _is_torch_tensor(topk_ids)
         counts = None if global_counts is None else _ids(global_counts, "global_counts")
         before = None if prefix is None else _ids(prefix, "prefix")
         slots = self._rt.route(layer, _ids(topk_ids, "topk_ids"),
                                _as_int(first_token, "first_token"), global_counts=counts,
-                               prefix=before)
+                               prefix=before, cost=cost)
         if torch_in:
             return _torch().from_numpy(slots.astype(np.int64))
         return slots

@@ -376,7 +376,8 @@ py::dict dispatch_dict(Runtime& r, int64_t layer) {
 // experts [tokens][top_k] (int32) -> slots of the same shape, with the config's dispatch policy.
 py::array_t<int32_t> route(Runtime& r, int64_t layer, const IdArray& experts, uint64_t first_token,
                            const std::optional<CountArray>& global_counts,
-                           const std::optional<CountArray>& prefix) {
+                           const std::optional<CountArray>& prefix,
+                           const std::optional<placement::CostModel>& cost) {
   if (experts.ndim() != 2) {
     fail("route: topk_ids must be a 2-D [tokens, top_k] array, got ", experts.ndim(),
          " dimensions");
@@ -391,15 +392,24 @@ py::array_t<int32_t> route(Runtime& r, int64_t layer, const IdArray& experts, ui
     }
   }
   py::array_t<int32_t> slots(std::vector<py::ssize_t>{experts.shape(0), experts.shape(1)});
-  if (r.dispatch_policy() == routing::DispatchPolicy::kAdaptive) {
+  const routing::DispatchPolicy policy = r.dispatch_policy();
+  if (cost && policy != routing::DispatchPolicy::kAdaptiveCost) {
+    fail("route: cost= is for dispatch \"adaptive_cost\"; this runtime's dispatch is \"",
+         routing::dispatch_policy_name(policy), "\"");
+  }
+  if (routing::routes_by_shares(policy)) {
     // The step's best split needs the step's global count of every expert and the tokens of
     // each expert on the lower ranks: an engine has both after its all-to-all layout exchange.
     if (!global_counts || !prefix) {
-      fail(
-          "route: adaptive dispatch needs global_counts= (this layer's count of every expert "
-          "this step, summed over all ranks) and prefix= (each expert's tokens on the ranks "
-          "below this one), both int64 arrays of ",
-          tables.experts, " entries");
+      fail("route: ", routing::dispatch_policy_name(policy),
+           " dispatch needs global_counts= (this layer's count of every expert "
+           "this step, summed over all ranks) and prefix= (each expert's tokens on the ranks "
+           "below this one), both int64 arrays of ",
+           tables.experts, " entries");
+    }
+    if (policy == routing::DispatchPolicy::kAdaptiveCost && !cost) {
+      fail("route: adaptive_cost dispatch needs cost= (an eplb.cost.CostModel: a preset, "
+           "fitted, or from a roofline), the same on every rank");
     }
     auto span_of = [&](const CountArray& a, const char* what) {
       if (a.ndim() != 1 || a.size() != tables.experts) {
@@ -409,13 +419,19 @@ py::array_t<int32_t> route(Runtime& r, int64_t layer, const IdArray& experts, ui
       }
       return std::span<const int64_t>(a.data(), static_cast<size_t>(a.size()));
     };
-    routing::adaptive_shares(tables, span_of(*global_counts, "global_counts"), r.shares());
+    if (cost) {
+      cost->validate();
+      routing::adaptive_cost_shares(tables, span_of(*global_counts, "global_counts"),
+                                    routing::cost_ticks(*cost), r.shares());
+    } else {
+      routing::adaptive_shares(tables, span_of(*global_counts, "global_counts"), r.shares());
+    }
     routing::route_adaptive(tables, r.shares(), span_of(*prefix, "prefix"),
                             {ids, static_cast<size_t>(n)}, experts.shape(1),
                             {slots.mutable_data(), static_cast<size_t>(n)});
     return slots;
   }
-  routing::route(tables, r.dispatch_policy(), {ids, static_cast<size_t>(n)}, experts.shape(1),
+  routing::route(tables, policy, {ids, static_cast<size_t>(n)}, experts.shape(1),
                  {slots.mutable_data(), static_cast<size_t>(n)}, first_token, r.rb().rank(),
                  r.random_state());
   return slots;
@@ -478,8 +494,10 @@ void bind_runtime(py::module_& m) {
       .def("dispatch", &dispatch_dict)
       .def("route", &route, py::arg("layer"), py::arg("topk_ids"), py::arg("first_token") = 0,
            py::kw_only(), py::arg("global_counts") = std::nullopt, py::arg("prefix") = std::nullopt,
-           "Slots for topk_ids [tokens, top_k] under the config's dispatch; adaptive also takes "
-           "the step's global_counts and this rank's prefix (int64 [experts] each)")
+           py::arg("cost") = std::nullopt,
+           "Slots for topk_ids [tokens, top_k] under the config's dispatch; adaptive and "
+           "adaptive_cost also take the step's global_counts and this rank's prefix (int64 "
+           "[experts] each), adaptive_cost also the cost model")
       .def("weights", &weights_view)
       .def("phy2log",
            [](Runtime& r, int64_t layer) {

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 import eplb
+import eplb.cost
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -342,6 +343,27 @@ def test_split_and_adaptive_dispatch():
             rb.route(0, ids)
         with pytest.raises(eplb.InvalidArgument, match="1-D array of 8 entries"):
             rb.route(0, ids, global_counts=counts[:3], prefix=np.zeros(EXPERTS, np.int64))
+        with pytest.raises(eplb.InvalidArgument, match="cost= is for dispatch"):
+            rb.route(0, ids, global_counts=counts, prefix=np.zeros(EXPERTS, np.int64),
+                     cost=eplb.cost.cost_model_preset("h100-v3-decode"))
+
+
+def test_adaptive_cost_dispatch():
+    from eplb import cost
+    ids = np.array([[0, 5], [3, 7], [0, 0], [0, 1]], dtype=np.int32)
+    counts = np.bincount(ids.ravel(), minlength=EXPERTS)
+    with eplb.Rebalancer(one_config(dispatch="adaptive_cost"), 0, 1, control="inproc",
+                         transport="inproc", weights=WEIGHTS, layers=LAYERS) as rb:
+        rb.connect()
+        assert rb.config["dispatch"] == "adaptive_cost"
+        model = cost.cost_model_preset("h100-v3-decode")
+        slots = rb.route(0, ids, global_counts=counts, prefix=np.zeros(EXPERTS, np.int64),
+                         cost=model)
+        np.testing.assert_array_equal(rb.phy2log(0)[slots], ids)
+        with pytest.raises(eplb.InvalidArgument, match="needs cost="):
+            rb.route(0, ids, global_counts=counts, prefix=np.zeros(EXPERTS, np.int64))
+        with pytest.raises(eplb.InvalidArgument, match="global_counts"):
+            rb.route(0, ids, cost=model)
 
 
 # --------------------------------------------------------------- several ranks: threads

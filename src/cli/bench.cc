@@ -324,7 +324,7 @@ void add_bench_placement(CLI::App& bench) {
   cmd->add_option("--tolerance", args->tolerance,
                   "sticky: balancedness it may give up against balanced (fewer moved slots)")
       ->capture_default_str();
-  cmd->add_option("--seed", args->seed)->capture_default_str();
+  add_seed_option(cmd, args->seed, "Seed of the synthetic loads");
   cmd->add_option("--load", args->load_path,
                   "Place these loads (any `eplb plan --load` format; sets layers and experts) "
                   "instead of lognormal(0, 1) ones; with --shape all, on every shape of their "

@@ -412,8 +412,7 @@ void add_bench_runtime(CLI::App& bench) {
   cmd->add_flag("--threads", args->threads,
                 "Ranks are threads of this process (inproc control and transport): every "
                 "invariant checked at every step, random delays");
-  cmd->add_option("--seed", args->seed, "--threads: seed of the random delays")
-      ->capture_default_str();
+  add_seed_option(cmd, args->seed, "--threads: seed of the random delays");
   cmd->add_option("--max-delay-us", args->max_delay_us,
                   "--threads: longest random delay (fake forward, before step_end, runtime "
                   "threads); 0: none")

@@ -5,7 +5,31 @@
 
 #include <CLI/CLI.hpp>
 
+#include <cstdint>
+#include <string>
+
 namespace eplb::cli {
+
+// --seed of every verb: the digits of an unsigned 64-bit integer. Without the check CLI11 reads
+// "-1" as 2^64 - 1 and "010" as 8, and the run goes on with a seed the user never chose.
+inline CLI::Option* add_seed_option(CLI::App* cmd, uint64_t& seed, const std::string& help) {
+  return cmd->add_option("--seed", seed, help)
+      ->check(CLI::Validator(
+          [](const std::string& text) -> std::string {
+            const std::string most = "18446744073709551615";
+            // Digits only, no leading zero (CLI11 would read "010" as octal 8).
+            const bool digits = !text.empty() &&
+                                text.find_first_not_of("0123456789") == std::string::npos &&
+                                (text == "0" || text[0] != '0');
+            if (!digits || text.size() > most.size() ||
+                (text.size() == most.size() && text > most)) {
+              return text + " is not a seed (expected an integer from 0 to 18446744073709551615)";
+            }
+            return {};
+          },
+          "SEED"))
+      ->capture_default_str();
+}
 
 void add_plan(CLI::App& app);          // plan.cc
 void add_migrate_plan(CLI::App& app);  // migrate_plan.cc

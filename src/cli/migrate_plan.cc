@@ -438,7 +438,7 @@ void add_bench_migration(CLI::App& bench) {
   cmd->add_option("--changed", args->changed,
                   "Slot swaps per layer, as a fraction of the slots (1: a full reshuffle)")
       ->capture_default_str();
-  cmd->add_option("--seed", args->seed, "Random seed")->capture_default_str();
+  add_seed_option(cmd, args->seed, "Random seed");
   cmd->add_option("--repeat", args->repeat, "Runs to time")->capture_default_str();
   cmd->add_flag("--json", args->json, "Print one JSON object");
   cmd->callback([args] { run_bench_migration(*args); });

@@ -590,7 +590,7 @@ void add_run(CLI::App& app) {
                   "DeepSeek-V3 loads, every layer of a --trace or --load; 0: all)");
   cmd->add_option("--sample-tokens", a->sample_tokens, "With --load: tokens in one pass")
       ->capture_default_str();
-  cmd->add_option("--seed", o.seed, "Sampler and random dispatch seed")->capture_default_str();
+  add_seed_option(cmd, o.seed, "Sampler and random dispatch seed");
   cmd->add_option("--transport", o.transport, "auto, shm, ucx or hybrid")->capture_default_str();
   cmd->add_option("--weights", o.weights,
                   "engine (each rank allocates its experts, eplb registers them) or arena (eplb "

@@ -638,7 +638,7 @@ void add_simulate(CLI::App& app) {
       ->capture_default_str();
   cmd->add_option("--top-k", args->top_k, "Experts per token of --sample-tokens")
       ->capture_default_str();
-  cmd->add_option("--seed", args->seed, "Seed of --sample-tokens")->capture_default_str();
+  add_seed_option(cmd, args->seed, "Seed of --sample-tokens");
   cmd->add_option("--plot", args->plot_path,
                   "Draw balancedness per step per policy (and per dispatch), rebalances marked, "
                   "to a PNG (gnuplot)");

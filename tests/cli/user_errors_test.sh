@@ -41,6 +41,16 @@ expect_error convert-no-input "input is required; see 'eplb convert --help'" "$e
 expect_error spread-no-value "--spread needs a value \(a number\)" "$eplb" simulate --spread
 expect_error unknown-command "unknown command 'nope' \(expected plan, " "$eplb" nope
 expect_error no-command "'eplb' needs a command" "$eplb"
+# --seed of every verb: a negative, octal-looking or too large seed is refused, not wrapped.
+expect_error seed-negative "--seed: -1 is not a seed \(expected an integer from 0 to 18446744073709551615\)" \
+  "$eplb" run --seed -1
+expect_error seed-octal "--seed: 010 is not a seed" "$eplb" simulate --seed 010
+expect_error seed-too-large "--seed: 18446744073709551616 is not a seed" \
+  "$eplb" bench placement --seed 18446744073709551616
+expect_error seed-migration "--seed: 1.5 is not a seed" "$eplb" bench migration --seed 1.5
+expect_error seed-runtime "--seed: x is not a seed" "$eplb" bench runtime --seed x
+"$eplb" bench placement --layers 2 --experts 16 --physical 20 --ranks 4 --repeat 1 \
+  --seed 18446744073709551615 >"$tmp/out" 2>&1 || fail "seed 2^64 - 1 refused: $(cat "$tmp/out")"
 "$eplb" --help >"$tmp/out" 2>"$tmp/err" && grep -q "Usage:" "$tmp/out" \
   || fail "--help: exit $?: $(head -c 200 "$tmp/err")"
 "$eplb" run --help >"$tmp/out" 2>"$tmp/err" && grep -q -- "--steps" "$tmp/out" \

@@ -234,6 +234,44 @@ std::vector<DispatchPolicy> parse_dispatches(std::string_view list, bool with_co
   return out;
 }
 
+// Scoring a load history at token level reads each count as that many tokens: counts past
+// kMostCount would overflow the sums (and past 2^63 the rounding), and the per-token dispatches
+// (random, hash, weighted) visit every token-expert pair, so a history of huge counts would run
+// for hours. Both are refused up front, naming the count and what would do instead.
+namespace {
+
+constexpr double kMostCount = 281474976710656.0;  // 2^48
+constexpr double kMostVisits = 1e10;                // token-expert pairs over the whole run
+
+void check_token_counts(const stats::LoadHistory& history,
+                        const std::vector<DispatchPolicy>& dispatches) {
+  const bool per_token =
+      std::any_of(dispatches.begin(), dispatches.end(), [](DispatchPolicy d) {
+        return d == DispatchPolicy::kRandom || d == DispatchPolicy::kHash ||
+               d == DispatchPolicy::kWeighted;
+      });
+  double visits = 0;
+  for (int64_t s = 0; s < history.steps; ++s) {
+    const double* w = history.step(s);
+    for (int64_t i = 0; i < history.layers * history.experts; ++i) {
+      if (w[i] > kMostCount) {
+        fail("per-step scoring reads each count as tokens, and step ", s, " layer ",
+             i / history.experts, " expert ", i % history.experts, " has ", w[i],
+             " (at most 2^48 = ", kMostCount, "); scale the history down, or score sampled "
+             "tokens with --sample-tokens N");
+      }
+      visits += w[i];
+    }
+  }
+  if (per_token && visits > kMostVisits) {
+    fail("per-step scoring would visit ", visits, " token-expert pairs one by one (dispatches "
+         "random, hash, weighted; at most ", kMostVisits, "): choose --dispatch "
+         "static,split,adaptive, or score sampled tokens with --sample-tokens N");
+  }
+}
+
+}  // namespace
+
 PerStepResult score_per_step(const stats::LoadHistory& history, const SimOptions& options,
                              const SimResult& replay, const PerStepOptions& o) {
   const Layout& layout = options.layout;
@@ -248,6 +286,7 @@ PerStepResult score_per_step(const stats::LoadHistory& history, const SimOptions
                " tokens) does not match the history it was grouped into (", L, " layers, ",
                history.steps, " steps of ", o.tokens_per_step, " tokens)");
   }
+  if (o.trace == nullptr) check_token_counts(history, o.dispatches);
   PerStepResult result;
   std::vector<PolicyRun> runs(replay.policies.size());
   for (size_t i = 0; i < runs.size(); ++i) {

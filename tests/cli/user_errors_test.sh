@@ -41,6 +41,17 @@ expect_error convert-no-input "input is required; see 'eplb convert --help'" "$e
 expect_error spread-no-value "--spread needs a value \(a number\)" "$eplb" simulate --spread
 expect_error unknown-command "unknown command 'nope' \(expected plan, " "$eplb" nope
 expect_error no-command "'eplb' needs a command" "$eplb"
+# Per-step scoring of a history of huge counts: refused up front, not hours of token visits or
+# a count rounded past int64.
+printf '{"load": [[[1e12, 2e12, 3e11, 4e12], [1, 2, 3, 4]], [[1e12, 2e12, 3e11, 4e12], [1, 2, 3, 4]]]}' \
+  >"$tmp/huge.json"
+printf '{"load": [[[1e19, 2, 3, 4]], [[1, 2, 3, 4]]]}' >"$tmp/huger.json"
+expect_error simulate-visits "would visit 1.4.*e\+13 token-expert pairs one by one .*--dispatch static,split,adaptive" \
+  "$eplb" simulate --load-history "$tmp/huge.json" --ranks 2 --redundant 2 --interval 1 --window 1
+expect_error simulate-count "step 0 layer 0 expert 0 has 1e\+19 \(at most 2\^48" \
+  "$eplb" simulate --load-history "$tmp/huger.json" --ranks 2 --redundant 2 --interval 1 --window 1
+"$eplb" simulate --load-history "$tmp/huge.json" --ranks 2 --redundant 2 --interval 1 --window 1 \
+  --dispatch static,split,adaptive >"$tmp/out" 2>&1 || fail "huge counts without per-token dispatches: $(tail -n 2 "$tmp/out")"
 # --seed of every verb: a negative, octal-looking or too large seed is refused, not wrapped.
 expect_error seed-negative "--seed: -1 is not a seed \(expected an integer from 0 to 18446744073709551615\)" \
   "$eplb" run --seed -1

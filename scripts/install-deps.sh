@@ -21,6 +21,8 @@ packages=(
   python3-pip python3-setuptools python3-wheel python3-venv
   # metrics: prometheus-cpp (core + pull) and the Python client the tests parse with
   prometheus-cpp-dev python3-prometheus-client
+  # scripts/two-slots-exact.py (an integer program through scipy's HiGHS) and its test
+  python3-scipy
 )
 
 missing=()

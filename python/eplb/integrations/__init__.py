@@ -101,3 +101,26 @@ def _logical_maps(phy2log, experts, width=None):
     log2phy = np.full((layers * experts, width), -1, dtype=np.int64)
     log2phy[key, rank] = slot
     return log2phy.reshape(layers, experts, width), count.astype(np.int64)
+
+
+def _policy_env(environ, policy_var, tolerance_var, choices, keeps_own):
+    """(policy, tolerance) an engine's environment asks for, or None when ``policy_var`` is
+    unset, empty or "off" (the engine keeps ``keeps_own``). ``policy`` is lower-cased and one
+    of ``choices``; ``tolerance_var`` is sticky's tolerance in [0, 1) (default 0.01). Raises
+    eplb.InvalidArgument naming the variable and its value otherwise."""
+    value = environ.get(policy_var, "").strip().lower()
+    if value in ("", "off", "0", "none"):
+        return None
+    if value not in choices:
+        raise eplb.InvalidArgument(f"{policy_var}={environ[policy_var]!r} is not one of "
+                                   f"{', '.join(choices)} (or off / unset: {keeps_own})")
+    raw = environ.get(tolerance_var, "").strip()
+    try:
+        tolerance = float(raw) if raw else 0.01
+    except ValueError:
+        raise eplb.InvalidArgument(f"{tolerance_var}={raw!r} is not a number (sticky's "
+                                   f"tolerance, in [0, 1))") from None
+    if not 0 <= tolerance < 1:
+        raise eplb.InvalidArgument(f"{tolerance_var}={raw} must be in [0, 1) (the balancedness "
+                                   f"sticky may give up)")
+    return value, tolerance

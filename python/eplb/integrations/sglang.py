@@ -35,7 +35,8 @@ import threading
 import numpy as np
 
 import eplb
-from eplb.integrations import _integers, _is_torch, _like, _loads, _logical_maps, _numpy
+from eplb.integrations import (_integers, _is_torch, _like, _loads, _logical_maps, _numpy,
+                               _policy_env)
 
 __all__ = [
     "ALGORITHMS", "rebalance_experts", "rebalance_experts_elasticity_aware", "Algorithm",
@@ -442,21 +443,11 @@ def policy_from_env(environ=None):
     ``EPLB_SGLANG_TOLERANCE`` sets sticky's tolerance (default 0.01). Raises
     eplb.InvalidArgument naming the variable for any other value."""
     environ = os.environ if environ is None else environ
-    value = environ.get(ENV_POLICY, "").strip().lower()
-    if value in ("", "off", "0", "none"):
+    asked = _policy_env(environ, ENV_POLICY, ENV_TOLERANCE, ["sticky", "balanced", "deepseek"],
+                        "SGLang keeps its own")
+    if asked is None:
         return None
-    if value not in ("sticky", "balanced", "deepseek"):
-        raise eplb.InvalidArgument(f"{ENV_POLICY}={environ[ENV_POLICY]!r} is not one of sticky, "
-                                   f"balanced, deepseek (or off / unset: SGLang keeps its own)")
-    raw = environ.get(ENV_TOLERANCE, "").strip()
-    try:
-        tolerance = float(raw) if raw else 0.01
-    except ValueError:
-        raise eplb.InvalidArgument(f"{ENV_TOLERANCE}={raw!r} is not a number (sticky's "
-                                   f"tolerance, in [0, 1))") from None
-    if not 0 <= tolerance < 1:
-        raise eplb.InvalidArgument(f"{ENV_TOLERANCE}={raw} must be in [0, 1) (the balancedness "
-                                   f"sticky may give up)")
+    value, tolerance = asked
     return {"policy": value, "tolerance": tolerance}
 
 

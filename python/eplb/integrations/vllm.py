@@ -33,7 +33,8 @@ import os
 import numpy as np
 
 import eplb
-from eplb.integrations import _integers, _is_torch, _like, _loads, _logical_maps, _numpy
+from eplb.integrations import (_integers, _is_torch, _like, _loads, _logical_maps, _numpy,
+                               _policy_env)
 
 __all__ = [
     "EplbPolicy", "PolicyError", "make_policy", "register", "plugin", "policy_from_env",
@@ -282,22 +283,11 @@ def policy_from_env(environ=None):
     ``EPLB_VLLM_TOLERANCE`` sets sticky's tolerance (default 0.01). Raises eplb.InvalidArgument
     naming the variable for any other value."""
     environ = os.environ if environ is None else environ
-    value = environ.get(ENV_POLICY, "").strip().lower()
-    if value in ("", "off", "0", "none"):
+    asked = _policy_env(environ, ENV_POLICY, ENV_TOLERANCE, list(_ENV_POLICIES),
+                        "vLLM keeps its own policy")
+    if asked is None:
         return None
-    if value not in _ENV_POLICIES:
-        raise eplb.InvalidArgument(
-            f"{ENV_POLICY}={environ[ENV_POLICY]!r} is not one of {', '.join(_ENV_POLICIES)} "
-            f"(or off / unset: vLLM keeps its own policy)")
-    raw = environ.get(ENV_TOLERANCE, "").strip()
-    try:
-        tolerance = float(raw) if raw else 0.01
-    except ValueError:
-        raise eplb.InvalidArgument(f"{ENV_TOLERANCE}={raw!r} is not a number (sticky's "
-                                   f"tolerance, in [0, 1))") from None
-    if not 0 <= tolerance < 1:
-        raise eplb.InvalidArgument(f"{ENV_TOLERANCE}={raw} must be in [0, 1) (the balancedness "
-                                   f"sticky may give up)")
+    value, tolerance = asked
     return make_policy(policy=_ENV_POLICIES[value], tolerance=tolerance,
                        name="EplbPolicy" + value.capitalize())
 

@@ -13,27 +13,12 @@
 #include "eplb/core/error.h"
 #include "eplb/sim/per_step.h"
 #include "eplb/sim/simulate.h"
+#include "unit/sim/random_history.h"
 
 namespace eplb::sim {
 namespace {
 
 using routing::DispatchPolicy;
-
-stats::LoadHistory random_history(std::mt19937& rng, int64_t steps, int64_t layers,
-                                  int64_t experts) {
-  stats::LoadHistory h;
-  h.steps = steps;
-  h.layers = layers;
-  h.experts = experts;
-  std::lognormal_distribution<double> skew(0, 1);
-  std::vector<double> base(static_cast<size_t>(layers * experts));
-  for (double& b : base) b = skew(rng);
-  std::poisson_distribution<int> noise(3);
-  for (int64_t s = 0; s < steps; ++s) {
-    for (size_t i = 0; i < base.size(); ++i) h.values.push_back(std::floor(base[i] * noise(rng)));
-  }
-  return h;
-}
 
 SimOptions options_for(const Layout& layout, const std::string& policies,
                        const placement::CostModel& cost) {
@@ -51,7 +36,7 @@ SimOptions options_for(const Layout& layout, const std::string& policies,
 TEST(PerStepCost, AdaptiveCostNeverAboveAdaptiveAndNoneBelowTheBound) {
   const uint64_t seed = 31;
   std::mt19937 rng(seed);
-  const stats::LoadHistory h = random_history(rng, 20, 3, 16);
+  const stats::LoadHistory h = random_history(rng, 20, 3, 16, 3);
   const Layout layout{.experts = 16, .physical = 24, .ranks = 8, .nodes = 1, .groups = 1};
   for (const char* preset : {"h100-v3-decode", "tokens"}) {
     const placement::CostModel cost = placement::cost_model_preset(preset);
@@ -86,7 +71,7 @@ TEST(PerStepCost, NeedsAModel) {
   EXPECT_EQ(parse_dispatches("all").size(), 6u);
   EXPECT_EQ(parse_dispatches("all", true).size(), 7u);
   std::mt19937 rng(3);
-  const stats::LoadHistory h = random_history(rng, 8, 1, 16);
+  const stats::LoadHistory h = random_history(rng, 8, 1, 16, 3);
   const Layout layout{.experts = 16, .physical = 24, .ranks = 8, .nodes = 1, .groups = 1};
   SimOptions o = options_for(layout, "balanced_cost", placement::cost_model_preset("tokens"));
   o.cost.reset();

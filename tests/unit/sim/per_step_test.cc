@@ -12,6 +12,7 @@
 
 #include "eplb/core/error.h"
 #include "eplb/stats/load_file.h"
+#include "unit/sim/random_history.h"
 
 namespace eplb::sim {
 namespace {
@@ -37,25 +38,9 @@ const StepScore& dispatch_of(const PerStepPolicy& p, const std::string& name) {
   throw std::runtime_error("no dispatch " + name);
 }
 
-stats::LoadHistory random_history(std::mt19937& rng, int64_t steps, int64_t layers,
-                                  int64_t experts) {
-  stats::LoadHistory h;
-  h.steps = steps;
-  h.layers = layers;
-  h.experts = experts;
-  std::lognormal_distribution<double> skew(0, 1);
-  std::vector<double> base(static_cast<size_t>(layers * experts));
-  for (double& b : base) b = skew(rng);
-  std::poisson_distribution<int> noise(4);
-  for (int64_t s = 0; s < steps; ++s) {
-    for (size_t i = 0; i < base.size(); ++i) h.values.push_back(std::floor(base[i] * noise(rng)));
-  }
-  return h;
-}
-
 TEST(PerStep, NoDispatchBeatsTheBoundAdaptiveReachesItPlacementBoundIsAbove) {
   std::mt19937 rng(21);
-  const stats::LoadHistory h = random_history(rng, 24, 3, 16);
+  const stats::LoadHistory h = random_history(rng, 24, 3, 16, 4);
   const Layout layout{.experts = 16, .physical = 24, .ranks = 4, .nodes = 2, .groups = 1};
   const SimOptions o = options_for(layout, 4, 4, "none,deepseek,balanced,sticky");
   const SimResult replay = simulate(h, o);
@@ -153,7 +138,7 @@ TEST(PerStep, SpreadWeighsVolatileExperts) {
 
 TEST(PerStep, RejectsBadInput) {
   std::mt19937 rng(2);
-  const stats::LoadHistory h = random_history(rng, 8, 1, 4);
+  const stats::LoadHistory h = random_history(rng, 8, 1, 4, 4);
   const Layout layout{.experts = 4, .physical = 4, .ranks = 2, .nodes = 1, .groups = 1};
   SimOptions o = options_for(layout, 2, 2, "balanced");
   o.keep_placements = false;

@@ -61,13 +61,14 @@ bool solve_subset(const std::array<std::array<double, 3>, 3>& ata, const std::ar
   return true;
 }
 
-const nlohmann::json& number_field(const nlohmann::json& j, const char* key,
-                                   std::string_view where) {
+// `out` = j[key] where j has it (a number, else an error naming it); left as is where not.
+void read_number(const nlohmann::json& j, const char* key, std::string_view where, double& out) {
+  if (!j.contains(key)) return;
   const nlohmann::json& v = j.at(key);
   if (!v.is_number()) {
     fail(where, ": \"", key, "\" is ", v.dump(), " (expected a number)");
   }
-  return v;
+  out = v.get<double>();
 }
 
 void check_fields(const nlohmann::json& j, std::initializer_list<const char*> allowed,
@@ -328,15 +329,12 @@ CostModel cost_model_from_json(std::string_view text, std::string_view where) {
                   "launch_us", "rank_us"},
                  where, "\"roofline\"");
     Roofline f;
-    const auto get = [&](const char* key, double& out) {
-      if (r.contains(key)) out = number_field(r, key, where).get<double>();
-    };
-    get("hbm_bytes_per_s", f.hbm_bytes_per_s);
-    get("peak_flops", f.peak_flops);
-    get("expert_bytes", f.expert_bytes);
-    get("flops_per_token", f.flops_per_token);
-    get("launch_us", f.launch_us);
-    get("rank_us", f.rank_us);
+    read_number(r, "hbm_bytes_per_s", where, f.hbm_bytes_per_s);
+    read_number(r, "peak_flops", where, f.peak_flops);
+    read_number(r, "expert_bytes", where, f.expert_bytes);
+    read_number(r, "flops_per_token", where, f.flops_per_token);
+    read_number(r, "launch_us", where, f.launch_us);
+    read_number(r, "rank_us", where, f.rank_us);
     CostModel m = roofline_cost_model(f);
     m.source = std::string(where) + " (roofline)";
     return m;
@@ -344,14 +342,11 @@ CostModel cost_model_from_json(std::string_view text, std::string_view where) {
   check_fields(j, {"rank_us", "slot_us", "token_us", "knee_tokens", "token_us_above", "source"},
                where, "the model");
   CostModel m;
-  const auto get = [&](const char* key, double& out) {
-    if (j.contains(key)) out = number_field(j, key, where).get<double>();
-  };
-  get("rank_us", m.rank_us);
-  get("slot_us", m.slot_us);
-  get("token_us", m.token_us);
-  get("knee_tokens", m.knee_tokens);
-  get("token_us_above", m.token_us_above);
+  read_number(j, "rank_us", where, m.rank_us);
+  read_number(j, "slot_us", where, m.slot_us);
+  read_number(j, "token_us", where, m.token_us);
+  read_number(j, "knee_tokens", where, m.knee_tokens);
+  read_number(j, "token_us_above", where, m.token_us_above);
   m.source = j.contains("source") && j["source"].is_string() ? j["source"].get<std::string>()
                                                              : std::string(where);
   m.validate();

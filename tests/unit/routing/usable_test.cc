@@ -11,6 +11,7 @@
 #include "eplb/core/error.h"
 #include "eplb/routing/adaptive.h"
 #include "eplb/routing/dispatch.h"
+#include "unit/routing/random_placement.h"
 
 namespace eplb::routing {
 namespace {
@@ -39,23 +40,13 @@ std::vector<uint8_t> without_rank(const Layout& layout, int64_t rank) {
   return usable;
 }
 
-// A random placement of at most `experts` experts (every expert once, the rest random
-// replicas, shuffled).
-Placement random_placement(std::mt19937& rng, int64_t experts, int64_t ranks, int64_t per_rank,
+// A random placement of at most `experts` experts (random_placement.h), on two nodes where the
+// ranks split evenly.
+Placement usable_placement(std::mt19937& rng, int64_t experts, int64_t ranks, int64_t per_rank,
                            Layout& layout) {
-  const int64_t physical = ranks * per_rank;
-  experts = std::min(experts, physical);
-  layout =
-      Layout{.experts = experts, .physical = physical, .ranks = ranks, .nodes = 1, .groups = 1};
+  Placement p = random_placement(rng, std::min(experts, ranks * per_rank), ranks, per_rank,
+                                 layout);
   if (ranks % 2 == 0) layout.nodes = 2;
-  Placement p(1, experts, physical);
-  std::vector<int32_t> ids(static_cast<size_t>(physical));
-  for (int64_t i = 0; i < physical; ++i) {
-    ids[i] = static_cast<int32_t>(i < experts ? i : rng() % experts);
-  }
-  std::shuffle(ids.begin(), ids.end(), rng);
-  std::copy(ids.begin(), ids.end(), p.phy2log.begin());
-  p.derive_from_phy2log();
   return p;
 }
 
@@ -75,7 +66,7 @@ TEST(Usable, EverySlotUsableGivesTheSameTablesBitForBit) {
     SCOPED_TRACE(testing::Message() << "seed " << seed);
     std::mt19937 rng(seed);
     Layout layout;
-    const Placement p = random_placement(rng, 6 + seed % 5, 2 + seed % 4, 3, layout);
+    const Placement p = usable_placement(rng, 6 + seed % 5, 2 + seed % 4, 3, layout);
     std::vector<double> share(static_cast<size_t>(layout.physical));
     for (double& s : share) s = static_cast<double>(rng() % 100) / 10.0;
     const std::vector<uint8_t> all(static_cast<size_t>(layout.physical), 1);
@@ -207,7 +198,7 @@ TEST(Usable, RandomMasksNeverRouteToUnusableSlots) {
     SCOPED_TRACE(testing::Message() << "seed " << seed);
     std::mt19937 rng(seed);
     Layout layout;
-    const Placement p = random_placement(rng, 5 + seed % 7, 2 + seed % 5, 2 + seed % 3, layout);
+    const Placement p = usable_placement(rng, 5 + seed % 7, 2 + seed % 5, 2 + seed % 3, layout);
     std::vector<uint8_t> usable(static_cast<size_t>(layout.physical));
     for (auto& u : usable) u = rng() % 3 != 0;
     std::vector<int32_t> experts(40 * 2);
@@ -274,7 +265,7 @@ TEST(Usable, AdaptiveIsOptimalOverTheUsableReplicas) {
     SCOPED_TRACE(testing::Message() << "seed " << seed);
     std::mt19937 rng(seed);
     Layout layout;
-    const Placement p = random_placement(rng, 4, 3, 2, layout);
+    const Placement p = usable_placement(rng, 4, 3, 2, layout);
     std::vector<uint8_t> usable(static_cast<size_t>(layout.physical));
     for (auto& u : usable) u = rng() % 3 != 0;
     const DispatchTables t = build_dispatch_tables(p, 0, layout, {}, usable);

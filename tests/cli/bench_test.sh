@@ -5,10 +5,7 @@
 set -u
 eplb=$1
 src=$2
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
-failures=0
-fail() { echo "FAIL: $*"; failures=$((failures + 1)); }
+. "$(dirname "$0")/lib.sh"
 
 check() {  # name, fields..., -- eplb args...
   local name=$1

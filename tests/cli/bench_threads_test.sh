@@ -7,10 +7,7 @@
 # EPLB_BENCH_THREADS_RANKS: the rank counts to run (default "32 128"; 32 alone under TSan).
 set -u
 eplb=$1
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
-failures=0
-fail() { echo "FAIL: $*"; failures=$((failures + 1)); }
+. "$(dirname "$0")/lib.sh"
 
 run() {  # name, eplb bench runtime args...
   local name=$1

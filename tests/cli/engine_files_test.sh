@@ -7,10 +7,7 @@ set -u
 eplb=$1
 src=$2
 py=/usr/bin/python3
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
-failures=0
-fail() { echo "FAIL: $*"; failures=$((failures + 1)); }
+. "$(dirname "$0")/lib.sh"
 stats="$src/data/deepseek-v3-sglang/prefill_in1024.json"
 
 # DeepSeek's prefill layout on the real loads. The 3 dense layers are placed trivially and left

@@ -5,10 +5,7 @@
 # Usage: hardening_test.sh <eplb binary> <source dir>
 set -u
 eplb=$1
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
-failures=0
-fail() { echo "FAIL: $*"; failures=$((failures + 1)); }
+. "$(dirname "$0")/lib.sh"
 
 # expect_error NAME PATTERN COMMAND...: a clear error whose message matches PATTERN (grep -E).
 expect_error() {

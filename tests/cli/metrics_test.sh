@@ -10,10 +10,8 @@ src=$2
 # metrics, and must stay quick under the sanitizers.
 small=(--trace "$src/data/flame-moe-290m/routing_top6.csv")
 py=/usr/bin/python3
-tmp=$(mktemp -d)
+. "$(dirname "$0")/lib.sh"
 trap 'kill $(jobs -p) 2>/dev/null; rm -rf "$tmp"' EXIT
-failures=0
-fail() { echo "FAIL: $*"; failures=$((failures + 1)); }
 if ! $py -c "import prometheus_client" 2>/dev/null; then
   echo "python3-prometheus-client is not installed (scripts/install-deps.sh installs it)"
   exit 1

@@ -4,10 +4,7 @@
 # Usage: migrate_plan_test.sh <eplb binary> <source dir>
 set -u
 eplb=$1
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
-failures=0
-fail() { echo "FAIL: $*"; failures=$((failures + 1)); }
+. "$(dirname "$0")/lib.sh"
 
 # expect_json FILE FIELD VALUE: the compact JSON in FILE has "FIELD":VALUE.
 expect_json() {

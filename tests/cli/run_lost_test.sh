@@ -10,10 +10,7 @@
 # Usage: run_lost_test.sh <eplb binary> <source dir>
 set -u
 eplb=$1
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
-failures=0
-fail() { echo "FAIL: $*"; failures=$((failures + 1)); }
+. "$(dirname "$0")/lib.sh"
 py=/usr/bin/python3
 [ -x "$py" ] || py=$(command -v python3)
 

@@ -7,10 +7,7 @@
 set -u
 eplb=$1
 src=$2
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
-failures=0
-fail() { echo "FAIL: $*"; failures=$((failures + 1)); }
+. "$(dirname "$0")/lib.sh"
 py=$(command -v python3 || true)
 
 # Small sizes: 64 tokens per rank, 4 ranks -> the 2048-token trace repeats every 8 steps.

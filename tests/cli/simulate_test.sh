@@ -6,10 +6,7 @@
 set -u
 eplb=$1
 src=$2
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
-failures=0
-fail() { echo "FAIL: $*"; failures=$((failures + 1)); }
+. "$(dirname "$0")/lib.sh"
 py=$(command -v python3 || true)
 
 # Checks one --json output: the fields of every policy and their ranges.

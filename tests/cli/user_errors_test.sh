@@ -6,10 +6,7 @@
 # Usage: user_errors_test.sh <eplb binary> <source dir>
 set -u
 eplb=$1
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
-failures=0
-fail() { echo "FAIL: $*"; failures=$((failures + 1)); }
+. "$(dirname "$0")/lib.sh"
 
 # expect_error NAME PATTERN COMMAND...: exit 2, one "eplb: error:" message matching PATTERN
 # (grep -E), no internal check text, no NaN on either stream.

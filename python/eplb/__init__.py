@@ -95,16 +95,43 @@ def _to_numpy(x):
     return x
 
 
+# Loads are doubles: an integer count above 2^53 would be rounded, so it is refused, as the load
+# files refuse it (stats/load_file.h).
+_MAX_EXACT_LOAD = 2**53
+
+
+def _check_exact(a, name):
+    """Raises InvalidArgument where the integer array `a` holds a count a double would round."""
+    if a.dtype.kind not in "iu" or a.size == 0:
+        return
+    big = a > _MAX_EXACT_LOAD
+    if a.dtype.kind == "i":
+        big |= a < -_MAX_EXACT_LOAD
+    if big.any():
+        at = tuple(int(i) for i in np.argwhere(big)[0])
+        raise InvalidArgument(f"{name}{list(at)} is {int(a[at])}, above 2^53 = {_MAX_EXACT_LOAD}, "
+                              f"the largest integer a double holds exactly (eplb holds loads as "
+                              f"doubles and would round it)")
+
+
+def _torch_load_numpy(weight, name):
+    """A float64 numpy copy of the torch tensor of loads `weight` (any device and real dtype);
+    integer counts a double would round are refused."""
+    import torch
+    if weight.is_complex() or weight.dtype == torch.bool:
+        raise InvalidArgument(f"{name} must hold real-valued loads, got dtype {weight.dtype}")
+    w = weight.detach().to(device="cpu")
+    if not w.is_floating_point():
+        _check_exact(w.to(dtype=torch.int64).numpy(), name)
+    # float64 holds every float32/float16/bfloat16 load exactly, and integers up to 2^53; the
+    # C++ side rounds to float32 where the reference does.
+    return w.to(dtype=torch.float64).contiguous().numpy()
+
+
 def _as_load(weight, name="weight"):
     """A C-contiguous float64 [layers, experts] copy or view of `weight`."""
     if _is_torch(weight):
-        import torch
-        if weight.is_complex():
-            raise InvalidArgument(f"{name} must be a numeric [layers, experts] array of real "
-                                  f"numbers, got dtype {weight.dtype}")
-        # float64 holds every float32/float16/bfloat16/integer load exactly; the C++ side rounds
-        # to float32 where the reference does.
-        w = weight.detach().to(device="cpu", dtype=torch.float64).contiguous().numpy()
+        w = _torch_load_numpy(weight, name)
     else:
         try:
             a = np.asarray(weight)
@@ -115,6 +142,7 @@ def _as_load(weight, name="weight"):
         if a.dtype.kind not in "biuf" and not (a.dtype.kind == "O" and a.size == 0):
             raise InvalidArgument(f"{name} must be a numeric [layers, experts] array of real "
                                   f"numbers (integers or floats), got dtype {a.dtype}")
+        _check_exact(a, name)
         w = np.ascontiguousarray(a, dtype=np.float64)
     if w.ndim != 2:
         raise InvalidArgument(

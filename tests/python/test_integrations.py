@@ -638,6 +638,17 @@ def test_sglang_errors(kwargs, message):
         sglang.rebalance_experts(np.ones(64), 80, 10, 8, 2)
 
 
+def test_adapters_refuse_counts_a_double_would_round():
+    torch = torch_or_skip()
+    counts = torch.ones((1, 2, 64), dtype=torch.int64)
+    counts[0, 1, 5] = 2**53 + 1
+    with pytest.raises(eplb.InvalidArgument,
+                       match=r"tokens_per_expert\[0, 1, 5\] is 9007199254740993, above 2\^53"):
+        sglang.rebalance_experts(counts, 80, 10, 8, 2)
+    with pytest.raises(eplb.InvalidArgument, match=r"weight\[1, 5\] is 9007199254740993"):
+        vllm.EplbPolicy.rebalance_experts(counts[0], 80, 8, 2, 8)
+
+
 def metadata_by_hand(phy2log, experts):
     """SGLang's _compute_logical_to_all_physical_map, then padded to P as its _init_raw does."""
     layers, physical = len(phy2log), len(phy2log[0])

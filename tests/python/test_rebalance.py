@@ -176,6 +176,29 @@ def test_bad_weight_raises_value_error(weight, match):
         eplb.rebalance_experts(weight, 16, 4, 2, 8)
 
 
+def test_integer_loads_a_double_would_round_are_refused():
+    # Loads are doubles: counts above 2^53 are refused (as load files refuse them), not rounded;
+    # 2^53 itself is exact and accepted.
+    w = np.ones((2, 12), dtype=np.int64)
+    w[1, 3] = 2**53
+    assert eplb.rebalance_experts(w, 16, 4, 2, 8)[0].shape == (2, 16)
+    w[1, 3] = 2**53 + 1
+    message = r"weight\[1, 3\] is 9007199254740993, above 2\^53"
+    with pytest.raises(eplb.InvalidArgument, match=message):
+        eplb.rebalance_experts(w, 16, 4, 2, 8)
+    w[1, 3] = -(2**60)
+    with pytest.raises(eplb.InvalidArgument, match="above 2\\^53"):
+        eplb.rebalance_experts(w, 16, 4, 2, 8)
+    u = np.ones((2, 12), dtype=np.uint64)
+    u[0, 0] = 2**63 + 5
+    with pytest.raises(eplb.InvalidArgument, match=r"weight\[0, 0\] is 9223372036854775813"):
+        eplb.rebalance_experts(u, 16, 4, 2, 8)
+    torch = pytest.importorskip("torch")
+    w[1, 3] = 2**53 + 1
+    with pytest.raises(eplb.InvalidArgument, match=message):
+        eplb.rebalance_experts(torch.from_numpy(w), 16, 4, 2, 8)
+
+
 @pytest.mark.parametrize("args, match", [
     ((15, 4, 2, 8), "physical 15 is not a multiple of ranks 8"),
     ((18, 4, 4, 6), "ranks 6 is not a multiple of nodes 4"),

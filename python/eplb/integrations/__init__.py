@@ -50,10 +50,7 @@ def _integers(x, name):
 def _loads(x, name):
     """A float64 numpy copy of the loads `x` (torch of any real dtype and device, numpy, lists)."""
     if _is_torch(x):
-        import torch
-        if x.is_complex() or x.dtype == torch.bool:
-            raise eplb.InvalidArgument(f"{name} must hold real-valued loads, got dtype {x.dtype}")
-        return x.detach().to(device="cpu", dtype=torch.float64).numpy()
+        return eplb._torch_load_numpy(x, name)
     try:
         a = np.asarray(x)
     except (TypeError, ValueError) as e:
@@ -61,6 +58,7 @@ def _loads(x, name):
     if a.dtype.kind not in "iuf":
         raise eplb.InvalidArgument(f"{name} must hold real-valued loads (integers or floats), "
                                    f"got dtype {a.dtype}")
+    eplb._check_exact(a, name)
     return a.astype(np.float64)
 
 

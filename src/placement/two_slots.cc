@@ -1,6 +1,5 @@
-// Two slots per rank: the placement (replica counts searched with their sorted pairing) and
-// the lower bound (bisection on the pairing condition, one level at a time). two_slots.h says
-// why; the steps:
+// Two slots per rank: the placement (replica counts searched with their sorted pairing; the
+// lower bound is two_slots_bound.cc's). two_slots.h says why; the steps:
 //   place: 1. counts minimising the largest replica (each extra replica to the largest w/r);
 //          2. the sorted pairing of the replicas, and its largest pair;
 //          3. move one replica from a donor (an expert with 2+) to one of the two experts of
@@ -9,10 +8,6 @@
 //             the largest pair, step 3 from there, and the better of that and step 3 alone;
 //          4. ranks are the pairs; a pair holding one expert twice trades its light replica
 //             with another pair.
-//   bound: bisection on T between the old bound and the greedy counts' pairing; T is out of
-//          reach when, at some level y (the heights of the heaviest replicas), even the
-//          cheapest choice of counts in the Lagrangian of "replicas y above T/2 <= replicas y
-//          below it" needs more than 2 * ranks slots.
 
 #include "placement/two_slots.h"
 
@@ -38,12 +33,8 @@ namespace {
 constexpr double kMinGain = 1e-12;
 // Donors tried per receiver: those whose replicas stay lightest after giving one up.
 constexpr size_t kDonors = 8;
-// Levels the bound tests per T (the heights of the heaviest replicas: where pairing binds).
-constexpr size_t kLevels = 12;
-constexpr int kBisections = 30;
 // The bisection stops when the range is this narrow (relative).
 constexpr double kPrecision = 1e-5;
-constexpr int kLambdaSteps = 24;
 // Pairs top_of_replicas visits from one end before it turns to the other.
 constexpr int64_t kPairRun = 16;
 // Step 3b: its first T lies this far (relative) below the greedy counts' top; at most this many
@@ -375,94 +366,6 @@ double largest_rank(std::span<const double> w, std::span<const int32_t> r,
   return most;
 }
 
-// The bound's test of one T: true when no counts can reach it. It holds for any placement,
-// two replicas of an expert on one rank included (deepseek's may), so no count is capped.
-bool out_of_reach(std::span<const double> w, int64_t ranks, double T) {
-  const int64_t slots = 2 * ranks;
-  const double half = T / 2;
-  std::vector<double> least(w.size());  // fewest replicas with none above T, as doubles
-  double needed = 0;
-  std::vector<double> heights;
-  for (size_t e = 0; e < w.size(); ++e) {
-    least[e] = std::max(1.0, std::ceil(w[e] / T));
-    needed += least[e];
-    const double h = w[e] / least[e] - half;
-    if (h > 0) heights.push_back(h);
-  }
-  if (needed > static_cast<double>(slots)) return true;
-  std::sort(heights.begin(), heights.end(), std::greater<>());
-  heights.erase(std::unique(heights.begin(), heights.end()), heights.end());
-  if (heights.size() > kLevels) heights.resize(kLevels);
-  // At level y every expert takes one of: the fewest replicas, heavy by y or more (m, counted
-  // against the level); the fewest that are not (r_mid, neutral); the fewest at least y below
-  // T/2 (r_l, counted for it). Relaxed with lambda in [0, 1]: min(m (1 + l), r_mid, r_l (1 - l)),
-  // summed over experts: concave in lambda, maximised by ternary search.
-  std::vector<double> m(w.size()), mid(w.size()), low(w.size());
-  for (const double y : heights) {
-    for (size_t e = 0; e < w.size(); ++e) {
-      const double above = w[e] / (half + y);  // heavy by y or more iff r <= above
-      m[e] = least[e] <= above ? least[e] : -1;
-      const double r_mid = std::max(least[e], std::floor(above) + 1);
-      mid[e] = w[e] / r_mid > half - y ? r_mid : -1;
-      low[e] = half - y > 0 ? std::max(least[e], std::ceil(w[e] / (half - y))) : -1;
-      // An expert with no load is as light as can be with one replica.
-      if (w[e] == 0) low[e] = 1;
-    }
-    auto dual = [&](double l) {
-      double total = 0;
-      for (size_t e = 0; e < w.size(); ++e) {
-        double c = std::numeric_limits<double>::infinity();
-        if (m[e] > 0) c = m[e] * (1 + l);
-        if (mid[e] > 0) c = std::min(c, mid[e]);
-        if (low[e] > 0) c = std::min(c, low[e] * (1 - l));
-        total += c;
-      }
-      return total;
-    };
-    // The dual is concave, so it lies under its tangents at 0 and 1: when even where those
-    // meet it stays within the slots, this level shows nothing and the search is skipped.
-    double f0 = 0, s0 = 0, f1 = 0, s1 = 0;
-    for (size_t e = 0; e < w.size(); ++e) {
-      // (value, slope) of each piece at 0 and at 1; the right slope at 0 is the least among the
-      // lowest pieces, the left slope at 1 the largest.
-      std::pair<double, double> at0{std::numeric_limits<double>::infinity(), 0};
-      std::pair<double, double> at1{std::numeric_limits<double>::infinity(), 0};
-      auto piece = [&](double value0, double slope) {
-        const double value1 = value0 + slope;
-        if (value0 < at0.first || (value0 == at0.first && slope < at0.second)) at0 = {value0, slope};
-        if (value1 < at1.first || (value1 == at1.first && slope > at1.second)) at1 = {value1, slope};
-      };
-      if (m[e] > 0) piece(m[e], m[e]);
-      if (mid[e] > 0) piece(mid[e], 0);
-      if (low[e] > 0) piece(low[e], -low[e]);
-      f0 += at0.first;
-      s0 += at0.second;
-      f1 += at1.first;
-      s1 += at1.second;
-    }
-    double ceiling = std::max(f0, f1);
-    if (s0 > 0 && s1 < 0) {
-      const double l = (f1 - s1 - f0) / (s0 - s1);
-      ceiling = f0 + s0 * std::clamp(l, 0.0, 1.0);
-    }
-    if (ceiling <= static_cast<double>(slots) * (1 + 1e-9)) continue;
-    double a = 0, b = 1, best = std::max(f0, f1);
-    for (int step = 0; step < kLambdaSteps && best <= static_cast<double>(slots); ++step) {
-      const double l1 = a + (b - a) / 3, l2 = b - (b - a) / 3;
-      const double d1 = dual(l1), d2 = dual(l2);
-      best = std::max({best, d1, d2});
-      if (d1 < d2) {
-        a = l1;
-      } else {
-        b = l2;
-      }
-    }
-    // A margin against rounding: the bound claims only what holds with it.
-    if (best > static_cast<double>(slots) * (1 + 1e-9)) return true;
-  }
-  return false;
-}
-
 // Step 3b: below the largest pair `p.top` of counts r, bisection on T (down to the mean rank
 // load) for counts the level sweep (level_sweep.h) builds; r and p become the best found, and
 // true says some were. Tried first just under the top: where even that fails, nothing more is
@@ -535,31 +438,6 @@ double pairing_top(std::span<const double> w, std::span<const int32_t> counts, i
              "two_slots::pairing_top: ", w.size(), " experts, ", counts.size(), " counts, ",
              ranks, " ranks");
   return sorted_pairing(w, counts, ranks).top;
-}
-
-double bound(std::span<const double> w, int64_t ranks) {
-  const int64_t experts = static_cast<int64_t>(w.size());
-  if (experts < 1 || experts > 2 * ranks) return 0;
-  std::vector<int32_t> r = greedy_replica_counts(w, 2 * ranks, 2 * ranks);
-  double total = 0, largest = 0;
-  for (int64_t e = 0; e < experts; ++e) {
-    total += w[e];
-    largest = std::max(largest, w[e] / r[e]);
-  }
-  double lo = std::max(total / static_cast<double>(ranks), largest);
-  if (experts < 2) return lo;
-  Pairing p = sorted_pairing(w, r, ranks);
-  double hi = p.top;  // reachable
-  // lo stays out of reach (or the old bound); the bound is the last T shown out of reach.
-  for (int i = 0; i < kBisections && hi > lo * (1 + kPrecision); ++i) {
-    const double mid = 0.5 * (lo + hi);
-    if (out_of_reach(w, ranks, mid)) {
-      lo = mid;
-    } else {
-      hi = mid;
-    }
-  }
-  return lo;
 }
 
 bool repair(std::span<const double> w, std::span<const int32_t> prev,

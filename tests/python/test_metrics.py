@@ -53,13 +53,18 @@ def test_all_zero_layer_is_balanced():
 
 
 def test_lower_bound_by_hand():
-    # Four extra slots all go to the hot expert (100 / 5 = 20 per replica), below the mean
-    # rank load 118 / 4: the mean is the bound, and perfect balance is not ruled out.
+    # Two slots per rank, mean rank load 118 / 4 = 29.5, but every replica needs a partner:
+    # the hot expert's four replicas of 25 (three are too heavy, five leave it partnering
+    # itself) need four partners of at most 4.5, and the other three experts have four slots
+    # for that: 10 cannot go below 4.5 in them. So 29.5 is out of reach; the best is 30 (25 + 5
+    # three times, 25 + 3, with 10 as two replicas of 5), and the bound finds it (bisection,
+    # 1e-5).
     weight = [[100.0, 10.0, 5.0, 3.0], [1.0, 1.0, 1.0, 1.0]]
     got = eplb.lower_bound(weight, 8, 4)
     assert isinstance(got, eplb.LowerBound)
-    np.testing.assert_allclose(got.per_layer, [118 / 4, 1.0])
-    np.testing.assert_allclose(got.balancedness, [1.0, 1.0])
+    assert 29.5 < got.per_layer[0] <= 30.0
+    np.testing.assert_allclose(got.per_layer, [30.0, 1.0], rtol=1e-4)
+    np.testing.assert_allclose(got.balancedness, [29.5 / got.per_layer[0], 1.0])
     # One extra slot: the hot expert keeps 100 / 2 = 50 per replica, above the mean 118 / 5;
     # in layer 1 a single expert (1.0) stays above the mean 4 / 5.
     got = eplb.lower_bound(weight, 5, 5)

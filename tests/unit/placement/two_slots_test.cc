@@ -18,6 +18,7 @@
 
 #include "placement/balanced.h"
 #include "placement/deepseek.h"
+#include "placement/two_slots.h"
 #include "eplb/placement/metrics.h"
 
 namespace eplb::placement {
@@ -134,6 +135,49 @@ TEST(TwoSlots, AgainstExhaustiveSearch) {
   // worst up to 1.7x the optimum. At production sizes the rule almost never binds (next test).
   EXPECT_GE(optimal, cases * 8 / 10) << optimal << " of " << cases << " layers optimal, worst "
                                      << worst << "x";
+}
+
+// The least largest pair over every count vector (r_e >= 1, sum 2 ranks, two replicas of an
+// expert on one rank allowed): the sorted pairing of each.
+double relaxed_optimum(const std::vector<double>& w, int64_t ranks) {
+  std::vector<int32_t> count(w.size(), 1);
+  double best = std::numeric_limits<double>::infinity();
+  std::function<void(size_t, int64_t)> walk = [&](size_t e, int64_t extra) {
+    if (e == w.size() - 1) {
+      count[e] = static_cast<int32_t>(1 + extra);
+      best = std::min(best, two_slots::pairing_top(w, count, ranks));
+      return;
+    }
+    for (int64_t x = 0; x <= extra; ++x) {
+      count[e] = static_cast<int32_t>(1 + x);
+      walk(e + 1, extra - x);
+    }
+  };
+  walk(0, 2 * ranks - static_cast<int64_t>(w.size()));
+  return best;
+}
+
+TEST(TwoSlots, BoundAgainstEveryCountVector) {
+  // Layers large enough that the pairing binds at several levels at once (the bound's second
+  // stage): the bound never exceeds the least largest pair of any count vector, and on most
+  // layers it comes within 2% of it.
+  std::mt19937_64 rng(29);
+  std::lognormal_distribution<double> dist(0.0, 1.0);
+  int cases = 0, close = 0;
+  for (int trial = 0; trial < 60; ++trial) {
+    const int64_t ranks = 8 + static_cast<int64_t>(rng() % 5);
+    const int64_t experts = 2 * ranks - 1 - static_cast<int64_t>(rng() % 4);
+    std::vector<double> w(static_cast<size_t>(experts));
+    for (double& v : w) v = std::round(dist(rng) * 100.0 * (trial % 3 == 0 ? 1 + dist(rng) : 1));
+    SCOPED_TRACE("trial " + std::to_string(trial) + ": " + std::to_string(experts) +
+                 " experts on " + std::to_string(ranks) + " ranks");
+    const double best = relaxed_optimum(w, ranks);
+    const double bound = two_slots::bound(w, ranks);
+    EXPECT_LE(bound, best * (1 + 1e-9));
+    ++cases;
+    close += bound >= best * 0.98;
+  }
+  EXPECT_GE(close, cases * 8 / 10) << close << " of " << cases << " within 2%";
 }
 
 TEST(TwoSlots, LognormalAt144RanksIsCloseToTheBound) {

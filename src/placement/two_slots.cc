@@ -4,6 +4,8 @@
 //          2. the sorted pairing of the replicas, and its largest pair;
 //          3. move one replica from a donor (an expert with 2+) to one of the two experts of
 //             the largest pair, the move that lowers the largest pair most, while one does;
+//          3c. where replicas are scarce, two such moves in a row where no single one helps
+//             (the second from the largest pair the first leaves), then step 3 again;
 //          3b. thorough only: counts built level by level (level_sweep.h) for a bisection on
 //             the largest pair, step 3 from there, and the better of that and step 3 alone;
 //          4. ranks are the pairs; a pair holding one expert twice trades its light replica
@@ -33,6 +35,16 @@ namespace {
 constexpr double kMinGain = 1e-12;
 // Donors tried per receiver: those whose replicas stay lightest after giving one up.
 constexpr size_t kDonors = 8;
+// Step 3c: two moves at a time, at most this many times per layer, from the first moves whose
+// own largest pair is lowest (at most this many of step 3's).
+constexpr int kLeaps = 16;
+constexpr size_t kLeapFirsts = 8;
+// ... and at most this much (relative) above the largest pair before them: a first move that
+// raises it more is not brought back by one more (on the real loads, 2% loses nothing).
+constexpr double kLeapRise = 0.02;
+// ... only where the extra replicas (2 * ranks - experts) are at most the experts over this.
+constexpr int64_t kLeapsUpTo = 2;
+constexpr double kInf = std::numeric_limits<double>::infinity();
 // The bisection stops when the range is this narrow (relative).
 constexpr double kPrecision = 1e-5;
 // Pairs top_of_replicas visits from one end before it turns to the other.
@@ -193,48 +205,147 @@ Pairing sorted_pairing(std::span<const double> w, std::span<const int32_t> r, in
   return p;
 }
 
-// Step 3. A trial moves one replica from a donor to one of the two experts of the largest pair;
-// its pairing is read off the round's replicas in order: the two experts leave their places
-// and come back at the places reorder() would give them (found by the same binary searches,
-// on the round's order read around the two), and the runs between are copied as they are.
-// Copying the order and moving the two in it was a third of the count search's time at 256
+// Steps 3 and 3c. A trial moves one replica from a donor to one of the two experts of the
+// largest pair; its pairing is read off the round's replicas in order: the two experts leave
+// their places and come back at the places reorder() would give them (found by the same binary
+// searches, on the round's order read around the two), and the runs between are copied as they
+// are. Copying the order and moving the two in it was a third of the count search's time at 256
 // ranks, and walking the pairs through the order a third more.
-void search_counts(std::span<const double> w, int64_t ranks, std::vector<int32_t>& r,
-                   Pairing& p) {
-  const int64_t experts = static_cast<int64_t>(w.size());
-  const size_t n = p.order.size();
-  std::vector<int32_t> donors;
-  std::vector<double> share(w.size());  // w / r, kept current with r
-  // w / (r - 1), a donor's share after giving a replica up (r >= 2), kept current too: the
-  // donors' selection compares it, and is not to divide in every comparison.
-  std::vector<double> after_giving(w.size());
-  auto update = [&](int32_t e) {
-    share[e] = w[e] / r[e];
-    if (r[e] >= 2) after_giving[e] = w[e] / (r[e] - 1);
-  };
-  for (int32_t e = 0; e < experts; ++e) update(e);
-  // Per round, of p.order under the round's counts: each expert's position, the replicas
-  // before each position, and the replicas' shares in order; per trial, its replicas' shares.
-  std::vector<size_t> at(w.size());
-  std::vector<int64_t> before(w.size() + 1);
-  std::vector<double> round_replicas(static_cast<size_t>(2 * ranks));
-  std::vector<double> trial_replicas(static_cast<size_t>(2 * ranks));
-  for (int64_t round = 0; round < 4 * experts; ++round) {
+//
+// Owns nothing: r and p are the caller's, kept current move by move.
+class CountSearch {
+ public:
+  CountSearch(std::span<const double> w, int64_t ranks, std::vector<int32_t>& r, Pairing& p)
+      : w_(w), ranks_(ranks), r_(r), p_(p), share_(w.size()), after_giving_(w.size()),
+        at_(w.size()), before_(w.size() + 1), round_replicas_(static_cast<size_t>(2 * ranks)),
+        trial_replicas_(static_cast<size_t>(2 * ranks)) {
+    for (int32_t e = 0; e < static_cast<int32_t>(w.size()); ++e) update(e);
+  }
+
+  // Step 3: the best single move while one lowers the largest pair (p's largest pair is
+  // current when called).
+  void descend() {
+    const int64_t experts = static_cast<int64_t>(w_.size());
+    for (int64_t round = 0; round < 4 * experts; ++round) {
+      // The first round's largest pair is the caller's.
+      begin_round(round > 0);
+      double best = p_.top - kMinGain * p_.top;
+      int32_t best_to = -1, best_from = -1;
+      select_donors(donors_);
+      for (const int32_t to : {p_.top_heavy, p_.top_light}) {
+        if (r_[to] >= ranks_) continue;
+        for (const int32_t from : donors_) {
+          if (from == to) continue;
+          const double top = trial(to, from, best);
+          if (top < best) {
+            best = top;
+            best_to = to;
+            best_from = from;
+          }
+        }
+        if (p_.top_light == p_.top_heavy) break;
+      }
+      if (best_to < 0) return;
+      apply(best_to, best_from);
+    }
+    pair_up(share_, r_, ranks_, p_);  // the round limit was reached: the last move's pairing
+  }
+
+  // Step 3c: where no single move lowers the largest pair, the best two moves in a row (the
+  // second from the largest pair the first leaves), each as step 3 would try it; applied when
+  // they lower it, and true then: a replica taken from one heavy expert and given to another,
+  // say, then the pair that leaves settled.
+  bool leap() {
+    begin_round(true);
+    const double start = p_.top;
+    double best = start - kMinGain * start;
+    int32_t to1 = -1, from1 = -1, to2 = -1, from2 = -1;
+    // The first moves, those whose own largest pair is lowest first (ties: as step 3 orders).
+    std::vector<int32_t> first_donors;
+    select_donors(first_donors);
+    firsts_.clear();
+    for (const int32_t to : {p_.top_heavy, p_.top_light}) {
+      if (r_[to] >= ranks_) continue;
+      for (const int32_t from : first_donors) {
+        if (from != to) firsts_.push_back({trial(to, from, kInf), to, from});
+      }
+      if (p_.top_light == p_.top_heavy) break;
+    }
+    std::stable_sort(firsts_.begin(), firsts_.end(),
+                     [](const First& a, const First& b) { return a.top < b.top; });
+    if (firsts_.size() > kLeapFirsts) firsts_.resize(kLeapFirsts);
+    while (!firsts_.empty() && firsts_.back().top > start * (1 + kLeapRise)) firsts_.pop_back();
+    // The round's state (p with its order, and begin_round's), restored after each first move
+    // instead of rebuilt.
+    saved_at_ = at_;
+    saved_before_ = before_;
+    saved_replicas_ = round_replicas_;
+    const Pairing saved_pair = p_;
+    for (const First& f : firsts_) {
+      apply(f.to, f.from);
+      begin_round(true);
+      if (p_.top < best) {  // not at step 3's end, but cheap to take
+        best = p_.top;
+        to1 = f.to, from1 = f.from, to2 = -1, from2 = -1;
+      }
+      select_donors(donors_);
+      for (const int32_t to_next : {p_.top_heavy, p_.top_light}) {
+        if (r_[to_next] >= ranks_) continue;
+        for (const int32_t from_next : donors_) {
+          if (from_next == to_next) continue;
+          const double top = trial(to_next, from_next, best);
+          if (top < best) {
+            best = top;
+            to1 = f.to, from1 = f.from, to2 = to_next, from2 = from_next;
+          }
+        }
+        if (p_.top_light == p_.top_heavy) break;
+      }
+      // Back to the round's state.
+      --r_[f.to];
+      ++r_[f.from];
+      update(f.to);
+      update(f.from);
+      p_ = saved_pair;
+      at_ = saved_at_;
+      before_ = saved_before_;
+      round_replicas_ = saved_replicas_;
+    }
+    if (to1 < 0) return false;
+    apply(to1, from1);
+    begin_round(true);
+    if (to2 >= 0) {
+      apply(to2, from2);
+      begin_round(true);
+    }
+    return true;
+  }
+
+ private:
+  void update(int32_t e) {
+    share_[e] = w_[e] / r_[e];
+    if (r_[e] >= 2) after_giving_[e] = w_[e] / (r_[e] - 1);
+  }
+
+  // Of p.order under the current counts: each expert's position, the replicas before each
+  // position, the replicas' shares in order; with `pair`, p's largest pair from them.
+  void begin_round(bool pair) {
+    const size_t n = p_.order.size();
     for (size_t i = 0; i < n; ++i) {
-      at[p.order[i]] = i;
-      before[i + 1] = before[i] + r[p.order[i]];
-      std::fill_n(round_replicas.begin() + before[i], r[p.order[i]], share[p.order[i]]);
+      at_[p_.order[i]] = i;
+      before_[i + 1] = before_[i] + r_[p_.order[i]];
+      std::fill_n(round_replicas_.begin() + before_[i], r_[p_.order[i]], share_[p_.order[i]]);
     }
-    // The first round's is the caller's.
-    if (round > 0) largest_pair(round_replicas, std::span(before).first(n + 1), ranks, p);
-    double best = p.top - kMinGain * p.top;
-    int32_t best_to = -1, best_from = -1;
+    if (pair) largest_pair(round_replicas_, std::span(before_).first(n + 1), ranks_, p_);
+  }
+
+  // The donors whose replicas stay lightest after giving one up (at most kDonors, ascending).
+  void select_donors(std::vector<int32_t>& donors) const {
     donors.clear();
-    for (int32_t d = 0; d < experts; ++d) {
-      if (r[d] >= 2) donors.push_back(d);
+    for (int32_t d = 0; d < static_cast<int32_t>(w_.size()); ++d) {
+      if (r_[d] >= 2) donors.push_back(d);
     }
-    // The donors whose replicas stay lightest after giving one up.
-    auto after = [&](int32_t d) { return after_giving[d]; };
+    auto after = [&](int32_t d) { return after_giving_[d]; };
     if (donors.size() > kDonors) {
       std::nth_element(donors.begin(), donors.begin() + kDonors, donors.end(),
                        [&](int32_t a, int32_t b) {
@@ -243,77 +354,106 @@ void search_counts(std::span<const double> w, int64_t ranks, std::vector<int32_t
       donors.resize(kDonors);
       std::sort(donors.begin(), donors.end());
     }
-    for (const int32_t to : {p.top_heavy, p.top_light}) {
-      if (r[to] >= ranks) continue;
-      for (const int32_t from : donors) {
-        if (from == to) continue;
-        ++r[to];
-        --r[from];
-        update(to);
-        update(from);
-        // The round's order without the two (their old places low < high)...
-        const size_t low = std::min(at[to], at[from]), high = std::max(at[to], at[from]);
-        auto rest = [&](size_t i) {
-          size_t j = i;
-          if (j >= low) ++j;
-          if (j >= high) ++j;
-          return p.order[j];
-        };
-        // ...with `to` back at to_rest, then `from` at from_at (reorder's steps).
-        const size_t to_rest = lower_bound_of(n - 2, rest, [&](int32_t u) {
-          return heavier(share, u, to);
-        });
-        const size_t from_at = lower_bound_of(
-            n - 1,
-            [&](size_t i) { return i == to_rest ? to : rest(i - (i > to_rest ? 1 : 0)); },
-            [&](int32_t u) { return heavier(share, u, from); });
-        const size_t to_at = to_rest + (from_at <= to_rest ? 1 : 0);
-        // The trial's replicas: the runs of the round's between the two places, copied.
-        double* out = trial_replicas.data();
-        size_t next = 0;  // the round's position the next run starts at
-        auto copy_rest = [&](size_t count) {
-          while (count > 0) {
-            if (next == low || next == high) {
-              ++next;
-              continue;
-            }
-            const size_t stop = next < low ? low : next < high ? high : n;
-            const size_t m = std::min(count, stop - next);
-            out = std::copy(round_replicas.begin() + before[next],
-                            round_replicas.begin() + before[next + m], out);
-            next += m;
-            count -= m;
-          }
-        };
-        const bool to_first = to_at < from_at;
-        const size_t first_at = to_first ? to_at : from_at, second_at = to_first ? from_at : to_at;
-        const int32_t first = to_first ? to : from, second = to_first ? from : to;
-        copy_rest(first_at);
-        out = std::fill_n(out, r[first], share[first]);
-        copy_rest(second_at - first_at - 1);
-        out = std::fill_n(out, r[second], share[second]);
-        copy_rest(n - second_at - 1);
-        const double top = top_of_replicas(trial_replicas, ranks, best);
-        if (top < best) {
-          best = top;
-          best_to = to;
-          best_from = from;
-        }
-        --r[to];
-        ++r[from];
-        update(to);
-        update(from);
-      }
-      if (p.top_light == p.top_heavy) break;
-    }
-    if (best_to < 0) return;
-    ++r[best_to];
-    --r[best_from];
-    update(best_to);
-    update(best_from);
-    reorder(share, p.order, best_to, at[best_to], best_from, at[best_from]);
   }
-  pair_up(share, r, ranks, p);  // the round limit was reached: the last move's pairing
+
+  // The largest pair after one replica moves from `from` to `to`, or a pair at least `limit`;
+  // the counts are as before on return.
+  double trial(int32_t to, int32_t from, double limit) {
+    const size_t n = p_.order.size();
+    ++r_[to];
+    --r_[from];
+    update(to);
+    update(from);
+    // The round's order without the two (their old places low < high)...
+    const size_t low = std::min(at_[to], at_[from]), high = std::max(at_[to], at_[from]);
+    auto rest = [&](size_t i) {
+      size_t j = i;
+      if (j >= low) ++j;
+      if (j >= high) ++j;
+      return p_.order[j];
+    };
+    // ...with `to` back at to_rest, then `from` at from_at (reorder's steps).
+    const size_t to_rest =
+        lower_bound_of(n - 2, rest, [&](int32_t u) { return heavier(share_, u, to); });
+    const size_t from_at = lower_bound_of(
+        n - 1, [&](size_t i) { return i == to_rest ? to : rest(i - (i > to_rest ? 1 : 0)); },
+        [&](int32_t u) { return heavier(share_, u, from); });
+    const size_t to_at = to_rest + (from_at <= to_rest ? 1 : 0);
+    // The trial's replicas: the runs of the round's between the two places, copied.
+    double* out = trial_replicas_.data();
+    size_t next = 0;  // the round's position the next run starts at
+    auto copy_rest = [&](size_t count) {
+      while (count > 0) {
+        if (next == low || next == high) {
+          ++next;
+          continue;
+        }
+        const size_t stop = next < low ? low : next < high ? high : n;
+        const size_t m = std::min(count, stop - next);
+        out = std::copy(round_replicas_.begin() + before_[next],
+                        round_replicas_.begin() + before_[next + m], out);
+        next += m;
+        count -= m;
+      }
+    };
+    const bool to_first = to_at < from_at;
+    const size_t first_at = to_first ? to_at : from_at, second_at = to_first ? from_at : to_at;
+    const int32_t first = to_first ? to : from, second = to_first ? from : to;
+    copy_rest(first_at);
+    out = std::fill_n(out, r_[first], share_[first]);
+    copy_rest(second_at - first_at - 1);
+    out = std::fill_n(out, r_[second], share_[second]);
+    copy_rest(n - second_at - 1);
+    const double top = top_of_replicas(trial_replicas_, ranks_, limit);
+    --r_[to];
+    ++r_[from];
+    update(to);
+    update(from);
+    return top;
+  }
+
+  // Commits a move: the counts, the shares and p.order (at_ must be the round's).
+  void apply(int32_t to, int32_t from) {
+    ++r_[to];
+    --r_[from];
+    update(to);
+    update(from);
+    reorder(share_, p_.order, to, at_[to], from, at_[from]);
+  }
+
+  std::span<const double> w_;
+  int64_t ranks_;
+  std::vector<int32_t>& r_;
+  Pairing& p_;
+  std::vector<double> share_;  // w / r, kept current with r
+  // w / (r - 1), a donor's share after giving a replica up (r >= 2), kept current too: the
+  // donors' selection compares it, and is not to divide in every comparison.
+  std::vector<double> after_giving_;
+  // Per round, of p.order under the round's counts: each expert's position, the replicas
+  // before each position, and the replicas' shares in order; per trial, its replicas' shares.
+  std::vector<size_t> at_;
+  std::vector<int64_t> before_;
+  std::vector<double> round_replicas_, trial_replicas_;
+  std::vector<int32_t> donors_;
+  // Step 3c: the first moves, and the round's state it restores after each.
+  struct First {
+    double top;
+    int32_t to, from;
+  };
+  std::vector<First> firsts_;
+  std::vector<size_t> saved_at_;
+  std::vector<int64_t> saved_before_;
+  std::vector<double> saved_replicas_;
+};
+
+// Steps 3 and 3c from counts r and their pairing p: single moves to a local optimum, then, with
+// `leaps`, two at a time (at most kLeaps times), single moves again after each.
+void search_counts(std::span<const double> w, int64_t ranks, std::vector<int32_t>& r,
+                   Pairing& p, bool leaps) {
+  CountSearch search(w, ranks, r, p);
+  search.descend();
+  if (!leaps) return;
+  for (int i = 0; i < kLeaps && search.leap(); ++i) search.descend();
 }
 
 // Step 4: the pairs, [ranks][2]; a pair of one expert twice trades its light replica with the
@@ -405,6 +545,8 @@ double place(std::span<const double> w, int64_t ranks, std::span<int32_t> phy2lo
   EPLB_CHECK(experts >= 2 && experts <= 2 * ranks && phy2log.size() == static_cast<size_t>(2 * ranks),
              "two slots per rank: ", experts, " experts, ", ranks, " ranks, ", phy2log.size(),
              " slots");
+  // Step 3c where replicas are scarce (two_slots.h).
+  const bool leaps = 2 * ranks - experts <= experts / kLeapsUpTo;
   greedy = greedy_replica_counts(w, 2 * ranks, ranks);
   std::vector<int32_t> r = greedy;
   Pairing p = sorted_pairing(w, r, ranks);
@@ -415,17 +557,17 @@ double place(std::span<const double> w, int64_t ranks, std::span<int32_t> phy2lo
     std::vector<int32_t> swept = r;
     Pairing q = p;
     if (sweep_counts(w, ranks, swept, q)) {
-      search_counts(w, ranks, swept, q);
+      search_counts(w, ranks, swept, q, leaps);
     } else {
       swept.clear();
     }
-    search_counts(w, ranks, r, p);
+    search_counts(w, ranks, r, p, leaps);
     if (!swept.empty() && q.top < p.top) {
       r = std::move(swept);
       p = std::move(q);
     }
   } else {
-    search_counts(w, ranks, r, p);
+    search_counts(w, ranks, r, p, leaps);
   }
   const std::vector<int32_t> slots = make_pairs(w, r, ranks, p, traded);
   std::copy(slots.begin(), slots.end(), phy2log.begin());

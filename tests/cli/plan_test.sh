@@ -57,6 +57,20 @@ awk -v d="$(field balancedness "$tmp/default.out")" -v t="$(field balancedness "
 grep -q '"moved_slots":0' "$tmp/sticky-thorough.out" \
   || fail "sticky --thorough moved slots from balanced --thorough's placement: $(cat "$tmp/sticky-thorough.out")"
 
+# Two slots per rank at 144 ranks on real loads: balanced is never above the bound, never below
+# deepseek, and within 0.005 of the bound (its two stages and the count search's two-move step:
+# docs/placement.md, "Two slots per rank at 144 ranks").
+real="$src/data/deepseek-v3-sglang/prefill_in1024.json"
+for p in balanced deepseek; do
+  "$eplb" plan --load "$real" --ranks 144 --physical 288 --nodes 18 --groups 8 --policy $p --json \
+    >"$tmp/two-$p.out" || fail "plan --policy $p at 144 ranks x 2 failed"
+done
+awk -v b="$(field balancedness "$tmp/two-balanced.out")" \
+    -v d="$(field balancedness "$tmp/two-deepseek.out")" \
+    -v lb="$(field lower_bound_balancedness "$tmp/two-balanced.out")" \
+    'BEGIN { exit !(b >= d && b <= lb + 1e-9 && lb - b <= 0.005) }' \
+  || fail "two slots at 144 ranks: balanced, deepseek, bound out of order or gap > 0.005: $(cat "$tmp/two-balanced.out" "$tmp/two-deepseek.out" | head -c 600)"
+
 # Every load format gives the same placement for the same loads.
 printf '{"load": [[5,1,1,1],[1,1,1,9]]}' >"$tmp/a.json"
 printf '{"load": [[[2,1,0,1],[1,0,1,4]],[[3,0,1,0],[0,1,0,5]]]}' >"$tmp/steps.json"

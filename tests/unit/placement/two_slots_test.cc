@@ -182,7 +182,8 @@ TEST(TwoSlots, BoundAgainstEveryCountVector) {
 
 TEST(TwoSlots, LognormalAt144RanksIsCloseToTheBound) {
   // DeepSeek-V3 decode's shape: 256 experts on 144 ranks of two slots. The old bound sat 0.013
-  // above balanced; the pairing bound is within 0.005 of it, and balanced is at least deepseek.
+  // above balanced; the pairing bound (both stages) is within 0.001 of it, and balanced is at
+  // least deepseek.
   std::mt19937_64 rng(4);
   std::lognormal_distribution<double> dist(0.0, 1.0);
   LoadMatrix load(12, 256);
@@ -192,7 +193,7 @@ TEST(TwoSlots, LognormalAt144RanksIsCloseToTheBound) {
   layout.groups = 8;
   const PlacementMetrics ours = evaluate(load, balanced(load, layout, false), layout);
   const PlacementMetrics theirs = evaluate(load, deepseek(load, layout), layout);
-  EXPECT_LE(ours.lower_bound_mean - ours.balancedness_mean, 0.005);
+  EXPECT_LE(ours.lower_bound_mean - ours.balancedness_mean, 0.001);
   EXPECT_GE(ours.balancedness_mean, theirs.balancedness_mean);
   for (int64_t l = 0; l < load.layers; ++l) {
     EXPECT_LE(ours.balancedness[l], ours.lower_bound_balancedness[l] + 1e-12) << "layer " << l;

@@ -1,5 +1,6 @@
 // Two slots per rank (DeepSeek-V3's decode shapes): balanced's counts and pairing, and the
-// bound, against exhaustive search on small layers and on lognormal loads at 144 ranks; and
+// bound, against exhaustive search on small layers, against every count vector on layers of
+// 8-12 ranks, and on lognormal loads at 144 ranks; and
 // what balanced's Step 4 relies on to skip deepseek: deepseek's own counts, and that its layer
 // is never below their sorted pairing.
 

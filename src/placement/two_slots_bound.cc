@@ -134,23 +134,6 @@ bool out_of_reach(std::span<const double> w, int64_t ranks, double T) {
   return false;
 }
 
-// Stage 2's test of one T, every level at once. The relaxation: every expert e takes a count
-// r >= least_e = max(1, ceil(w_e / T)); its replicas weigh v = w_e / r; for every level t above
-// T/2 the replicas of at least t may not outnumber those of at most T - t (each needs its own
-// partner that light: Hall, for these nested sets also enough), and the counts sum to at most
-// 2 * ranks (more replicas of the lightest only add partners). Replicas lighter than
-// spare = T - (the heaviest replica any count allows) count as light at every level, so counts
-// past the first with w_e / r <= spare are one shared pool of spare replicas: the candidates
-// stay few and the relaxation is unchanged. The levels that matter are the heavy candidates'
-// weights (between two, the constraint at the upper is the tighter).
-//
-// With a multiplier mu_t >= 0 per level and M(u) the sum of those at levels <= u, a count costs
-// r (1 + M(v)) when v > T/2 and r (1 - M(T - v)) otherwise, a spare 1 - M(all): each expert's
-// cheapest count summed is a lower bound on the slots of any choice that meets every level.
-// The multipliers move along the levels' violations (a subgradient) with Polyak's step.
-// `mu` and `mu_at` (the levels it was for) carry the multipliers from one T to the next: the
-// levels are replica weights, which do not depend on T, so M carries over as a function of the
-// weight.
 // `p` made nondecreasing and >= 0 at the least squared change (pool adjacent violators).
 void monotone(std::span<double> p) {
   std::vector<std::pair<double, int64_t>> pools;  // (mean, size)
@@ -172,6 +155,23 @@ void monotone(std::span<double> p) {
   }
 }
 
+// Stage 2's test of one T, every level at once. The relaxation: every expert e takes a count
+// r >= least_e = max(1, ceil(w_e / T)); its replicas weigh v = w_e / r; for every level t above
+// T/2 the replicas of at least t may not outnumber those of at most T - t (each needs its own
+// partner that light: Hall, for these nested sets also enough), and the counts sum to at most
+// 2 * ranks (more replicas of the lightest only add partners). Replicas lighter than
+// spare = T - (the heaviest replica any count allows) count as light at every level, so counts
+// past the first with w_e / r <= spare are one shared pool of spare replicas: the candidates
+// stay few and the relaxation is unchanged. The levels that matter are the heavy candidates'
+// weights (between two, the constraint at the upper is the tighter).
+//
+// With a multiplier mu_t >= 0 per level and M(u) the sum of those at levels <= u, a count costs
+// r (1 + M(v)) when v > T/2 and r (1 - M(T - v)) otherwise, a spare 1 - M(all): each expert's
+// cheapest count summed is a lower bound on the slots of any choice that meets every level.
+// The multipliers move along the levels' violations (a subgradient) with Polyak's step.
+// `mu_prefix_` (M) and `mu_at_` (the levels it was for) carry them from one T to the next: the
+// levels are replica weights, which do not depend on T, so M carries over as a function of the
+// weight.
 class AllLevels {
  public:
   AllLevels(std::span<const double> w, int64_t ranks) : w_(w), slots_(2 * ranks) {}
@@ -202,8 +202,8 @@ class AllLevels {
       first_[e] = static_cast<int64_t>(cand_.size());
       int64_t top = least_[e];
       if (w_[e] > 0) {
-        top = std::min<int64_t>(most, std::max<int64_t>(least_[e], static_cast<int64_t>(
-                                                                        std::ceil(w_[e] / spare))));
+        const double light = std::min(static_cast<double>(most), std::ceil(w_[e] / spare));
+        top = std::min<int64_t>(most, std::max<int64_t>(least_[e], static_cast<int64_t>(light)));
       }
       for (int64_t r = least_[e]; r <= top; ++r) {
         cand_.push_back({static_cast<double>(r), 0, 0});
@@ -250,9 +250,9 @@ class AllLevels {
         double best = std::numeric_limits<double>::infinity();
         const Candidate* pick = &cand_[first_[e]];
         for (const Candidate* c = pick; c != cand_.data() + first_[e + 1]; ++c) {
-          // Any count costs at least r (1 - M(all)), which grows with r: past the cheapest so
-          // far, the rest cost more.
-          if (c->count * (1 - all) >= best) break;
+          // Any count costs at least r (1 - M(all)), which grows with r while M(all) <= 1:
+          // past the cheapest so far, the rest cost more.
+          if (all <= 1 && c->count * (1 - all) >= best) break;
           const double cost = c->count + c->signed_count * M[c->level];
           if (cost < best) {
             best = cost;

@@ -232,19 +232,14 @@ class CountSearch {
       double best = p_.top - kMinGain * p_.top;
       int32_t best_to = -1, best_from = -1;
       select_donors(donors_);
-      for (const int32_t to : {p_.top_heavy, p_.top_light}) {
-        if (r_[to] >= ranks_) continue;
-        for (const int32_t from : donors_) {
-          if (from == to) continue;
-          const double top = trial(to, from, best);
-          if (top < best) {
-            best = top;
-            best_to = to;
-            best_from = from;
-          }
+      each_move(donors_, [&](int32_t to, int32_t from) {
+        const double top = trial(to, from, best);
+        if (top < best) {
+          best = top;
+          best_to = to;
+          best_from = from;
         }
-        if (p_.top_light == p_.top_heavy) break;
-      }
+      });
       if (best_to < 0) return;
       apply(best_to, best_from);
     }
@@ -264,13 +259,9 @@ class CountSearch {
     std::vector<int32_t> first_donors;
     select_donors(first_donors);
     firsts_.clear();
-    for (const int32_t to : {p_.top_heavy, p_.top_light}) {
-      if (r_[to] >= ranks_) continue;
-      for (const int32_t from : first_donors) {
-        if (from != to) firsts_.push_back({trial(to, from, kInf), to, from});
-      }
-      if (p_.top_light == p_.top_heavy) break;
-    }
+    each_move(first_donors, [&](int32_t to, int32_t from) {
+      firsts_.push_back({trial(to, from, kInf), to, from});
+    });
     std::stable_sort(firsts_.begin(), firsts_.end(),
                      [](const First& a, const First& b) { return a.top < b.top; });
     if (firsts_.size() > kLeapFirsts) firsts_.resize(kLeapFirsts);
@@ -289,18 +280,13 @@ class CountSearch {
         to1 = f.to, from1 = f.from, to2 = -1, from2 = -1;
       }
       select_donors(donors_);
-      for (const int32_t to_next : {p_.top_heavy, p_.top_light}) {
-        if (r_[to_next] >= ranks_) continue;
-        for (const int32_t from_next : donors_) {
-          if (from_next == to_next) continue;
-          const double top = trial(to_next, from_next, best);
-          if (top < best) {
-            best = top;
-            to1 = f.to, from1 = f.from, to2 = to_next, from2 = from_next;
-          }
+      each_move(donors_, [&](int32_t to_next, int32_t from_next) {
+        const double top = trial(to_next, from_next, best);
+        if (top < best) {
+          best = top;
+          to1 = f.to, from1 = f.from, to2 = to_next, from2 = from_next;
         }
-        if (p_.top_light == p_.top_heavy) break;
-      }
+      });
       // Back to the round's state.
       --r_[f.to];
       ++r_[f.from];
@@ -322,6 +308,19 @@ class CountSearch {
   }
 
  private:
+  // Calls f(to, from) for every move step 3 tries from p's largest pair: a replica to one of
+  // its two experts (below one per rank) from each of `donors` but that expert.
+  template <class F>
+  void each_move(std::span<const int32_t> donors, const F& f) {
+    for (const int32_t to : {p_.top_heavy, p_.top_light}) {
+      if (r_[to] >= ranks_) continue;
+      for (const int32_t from : donors) {
+        if (from != to) f(to, from);
+      }
+      if (p_.top_light == p_.top_heavy) break;
+    }
+  }
+
   void update(int32_t e) {
     share_[e] = w_[e] / r_[e];
     if (r_[e] >= 2) after_giving_[e] = w_[e] / (r_[e] - 1);

@@ -28,6 +28,18 @@ check placement-shape shape policy ms_min balancedness gap_to_bound identical_re
   --shape v3-ep144 --policy sticky --repeat 2
 check placement-all shapes v4-ep32 k2-ep64 v3-ep320 moved_fraction ms_min_vs_deepseek -- placement \
   --shape all --repeat 1
+# --shape all computes each shape's bound once, for its first policy, and gives it to the others:
+# sticky's row must carry the bound sticky alone reports (to rounding of the mean rank load).
+"$eplb" bench placement --shape all --repeat 1 --json >"$tmp/all.json" 2>"$tmp/err" \
+  || fail "placement --shape all: $(cat "$tmp/err")"
+"$eplb" bench placement --shape v3-ep144 --policy sticky --repeat 1 --json >"$tmp/one.json" \
+  2>"$tmp/err" || fail "placement --shape v3-ep144 --policy sticky: $(cat "$tmp/err")"
+/usr/bin/python3 - "$tmp/all.json" "$tmp/one.json" <<'PY' || fail "placement --shape all: sticky's bound differs from its own"
+import json, sys
+rows = [r for r in json.load(open(sys.argv[1]))["shapes"] if r["shape"] == "v3-ep144"]
+one = json.load(open(sys.argv[2]))["lower_bound_balancedness"]
+assert len(rows) == 3 and all(abs(r["lower_bound_balancedness"] - one) < 1e-12 for r in rows), (rows, one)
+PY
 check placement-thorough thorough balancedness -- placement --shape v3-ep144 --policy balanced \
   --thorough --repeat 1
 grep -q '"thorough":true' "$tmp/out" || fail "placement --thorough: $(cat "$tmp/out")"

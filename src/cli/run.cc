@@ -85,9 +85,12 @@ nlohmann::json to_json(const emu::RunOptions& o, const emu::RunResult& r) {
                           {"predicted_balancedness_before", f.predicted_before},
                           {"predicted_balancedness_after", f.predicted_after}});
   }
-  std::vector<double> balancedness, stall_ms, moe_ms, moe_wall_ms, moe_ms_predicted;
+  std::vector<double> balancedness, stall_ms, moe_ms, moe_wall_ms, moe_ms_predicted, moe_ms_floor,
+      time_balancedness;
   for (const emu::StepFigures& f : r.per_step) {
     moe_ms_predicted.push_back(f.moe_ms_predicted);
+    moe_ms_floor.push_back(f.moe_ms_floor);
+    time_balancedness.push_back(f.time_balancedness);
     balancedness.push_back(f.balancedness);
     stall_ms.push_back(f.stall_ms);
     moe_ms.push_back(f.moe_ms);
@@ -115,6 +118,12 @@ nlohmann::json to_json(const emu::RunOptions& o, const emu::RunResult& r) {
            figure(r.has_before() && r.cost_model.has_value(), r.moe_ms_predicted_before)},
           {"moe_ms_predicted_after",
            figure(r.has_after() && r.cost_model.has_value(), r.moe_ms_predicted_after)},
+          {"moe_ms_floor_before",
+           figure(r.has_before() && r.cost_model.has_value(), r.moe_ms_floor_before)},
+          {"moe_ms_floor_after",
+           figure(r.has_after() && r.cost_model.has_value(), r.moe_ms_floor_after)},
+          {"time_balancedness_before", figure(r.has_before(), r.time_balancedness_before)},
+          {"time_balancedness_after", figure(r.has_after(), r.time_balancedness_after)},
           {"cost_model", r.cost_model ? nlohmann::json::parse(
                                             placement::cost_model_to_json(*r.cost_model))
                                       : nlohmann::json(nullptr)},
@@ -150,7 +159,9 @@ nlohmann::json to_json(const emu::RunOptions& o, const emu::RunResult& r) {
             {"stall_ms", stall_ms},
             {"moe_ms", moe_ms},
             {"moe_wall_ms", moe_wall_ms},
-            {"moe_ms_predicted", moe_ms_predicted}}}};
+            {"moe_ms_predicted", moe_ms_predicted},
+            {"moe_ms_floor", moe_ms_floor},
+            {"time_balancedness", time_balancedness}}}};
 }
 
 void print_header(const RunArgs& a, const emu::Workload& w) {
@@ -199,6 +210,15 @@ void print_prediction(const emu::RunResult& r) {
   fmt::print("  {:<14}{}  ->  {}\n", "MoE predicted",
              side(r.has_before(), r.moe_ms_predicted_before, r.moe_ms_before),
              side(r.has_after(), r.moe_ms_predicted_after, r.moe_ms_after));
+  // The floor: what no placement or dispatch of the same tokens beats under the model.
+  const auto floor = [](bool has, double value, double measured) {
+    return has ? fmt::format("{:.2f} ms ({:.3f} of the measured)", value, value / measured)
+               : std::string("none");
+  };
+  fmt::print("  {:<14}{}  ->  {}  (the model, every layer's tokens and experts with a token "
+             "spread evenly over the ranks)\n", "MoE floor",
+             floor(r.has_before(), r.moe_ms_floor_before, r.moe_ms_before),
+             floor(r.has_after(), r.moe_ms_floor_after, r.moe_ms_after));
 }
 
 void print_result(const emu::RunOptions& o, const emu::RunResult& r) {
@@ -223,6 +243,10 @@ void print_result(const emu::RunOptions& o, const emu::RunResult& r) {
                                                 r.before_first, r.before_last - 1)),
                no_after(o, r));
   }
+  fmt::print("  {:<14}{}  ->  {}  (mean rank CPU time / the busiest's, per layer)\n",
+             "time balance",
+             side(r.has_before(), fmt::format("{:.3f}", r.time_balancedness_before)),
+             side(r.has_after(), fmt::format("{:.3f}", r.time_balancedness_after)));
   if (r.has_before() && r.has_after()) {
     fmt::print(
         "  {:<14}{:.2f} ms  ->  {:.2f} ms  (max over ranks of expert compute, CPU time, "
@@ -307,6 +331,12 @@ void print_compare(const emu::RunOptions& o, const std::vector<emu::RunResult>& 
       [&](const emu::RunResult& r) { return cell(r.has_after(), "{:.2f}", r.moe_ms_after); });
   row("MoE ms predicted after", [&](const emu::RunResult& r) {
     return cell(r.has_after() && r.cost_model.has_value(), "{:.2f}", r.moe_ms_predicted_after);
+  });
+  row("MoE ms floor after", [&](const emu::RunResult& r) {
+    return cell(r.has_after() && r.cost_model.has_value(), "{:.2f}", r.moe_ms_floor_after);
+  });
+  row("time balance after", [&](const emu::RunResult& r) {
+    return cell(r.has_after(), "{:.3f}", r.time_balancedness_after);
   });
   row("tokens/s before", [&](const emu::RunResult& r) {
     return cell(r.has_before(), "{:.0f}", tokens_per_s(o, r.moe_ms_before));

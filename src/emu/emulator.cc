@@ -383,6 +383,13 @@ std::string serve(const RunOptions& options, const Workload& workload, Group gro
   // samples the cost model is fitted from (merge_reports).
   std::vector<int64_t> step_own(static_cast<size_t>(3 * L));
   std::vector<int64_t> cost_samples;  // [steps][layers][3], the steps served
+  // The experts that had a token served in each layer of the step, all ranks' tokens (the same
+  // on every rank): no placement activates fewer slots, so with the tokens they bound the step's
+  // time from below (merge_reports' floor). served_mark[e] == mark: expert e counted already.
+  std::vector<int64_t> step_active(static_cast<size_t>(L));
+  std::vector<int64_t> active_experts;  // [steps][layers], the steps served
+  std::vector<int64_t> served_mark(static_cast<size_t>(workload.experts), -1);
+  int64_t mark = 0;
   std::vector<int64_t> own_counts(static_cast<size_t>(L * workload.experts));  // this step's
 
   std::vector<double> moe_ms, moe_wall_ms, stall_ms, balancedness;
@@ -493,6 +500,7 @@ std::string serve(const RunOptions& options, const Workload& workload, Group gro
                          {"moe_ms", moe_ms},
                          {"moe_wall_ms", moe_wall_ms},
                          {"cost_samples", cost_samples},
+                         {"active_experts", active_experts},
                          {"stall_ms", stall_ms},
                          {"balancedness", balancedness},
                          {"installs", installs},
@@ -558,6 +566,7 @@ std::string serve(const RunOptions& options, const Workload& workload, Group gro
     // [0] the stop flag, then [1 + l] CPU and [1 + L + l] wall, maxed over the ranks below.
     std::fill(step_max.begin(), step_max.end(), 0);
     std::fill(own_counts.begin(), own_counts.end(), 0);
+    std::fill(step_active.begin(), step_active.end(), 0);
     double sum_mean = 0, sum_max = 0;
     int64_t step_dropped = 0;
     for (int64_t l = 0; l < L; ++l) {
@@ -606,14 +615,19 @@ std::string serve(const RunOptions& options, const Workload& workload, Group gro
           routing::count_experts(in, workload.experts, counts);
         }
         // -1: every replica of the expert is lost; the token goes without it.
-        for (const int32_t slot : out) {
-          if (slot >= 0) {
-            ++rank_load[slot / spr];
+        for (size_t c = 0; c < out.size(); ++c) {
+          if (out[c] >= 0) {
+            ++rank_load[out[c] / spr];
+            if (served_mark[in[c]] != mark) {
+              served_mark[in[c]] = mark;
+              ++step_active[l];
+            }
           } else {
             ++layer_dropped;
           }
         }
       }
+      ++mark;
       // The mean is over the members (a lost seat holds no slot that serves) and counts what
       // reached a rank: a choice dropped for want of a replica loads no rank, and counted in the
       // mean it would lift the balancedness above 1. The dropped ones are reported apart.
@@ -721,6 +735,7 @@ std::string serve(const RunOptions& options, const Workload& workload, Group gro
     moe_ms.push_back(cpu_ns / 1e6);
     moe_wall_ms.push_back(wall_ns / 1e6);
     cost_samples.insert(cost_samples.end(), step_own.begin(), step_own.end());
+    active_experts.insert(active_experts.end(), step_active.begin(), step_active.end());
 
     const int64_t installed = rb.installed_layers();
     // The step's stall as the runtime counts it: step_end's time less its waits for a core.

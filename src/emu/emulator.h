@@ -117,6 +117,13 @@ struct StepFigures {
   // layers of the largest modeled rank time (each rank's activated slots and tokens); 0 without
   // a model.
   double moe_ms_predicted = 0;
+  // What no placement or dispatch of the step's tokens beats under that model: per layer, every
+  // rank at the mean tokens and at the fewest activated slots (one per expert with a token)
+  // spread evenly; 0 without a model.
+  double moe_ms_floor = 0;
+  // The sum over the layers of the mean rank CPU time over the sum of the largest: how much of
+  // the step's MoE time is waiting for the busiest rank (1: none).
+  double time_balancedness = 0;
   double stall_ms = 0;   // max over ranks of the time in step_end
   int64_t installs = 0;  // layers installed at this step's step_end
   bool unavailable = false;  // some expert had no replica to serve it (elastic runs)
@@ -177,6 +184,10 @@ struct RunResult {
   int64_t cost_samples = 0;
   double moe_ms_predicted_before = 0;
   double moe_ms_predicted_after = 0;
+  double moe_ms_floor_before = 0;  // StepFigures::moe_ms_floor over each range (with a model)
+  double moe_ms_floor_after = 0;
+  double time_balancedness_before = 0;  // StepFigures::time_balancedness over each range
+  double time_balancedness_after = 0;
   int64_t bytes_moved = 0;
   int64_t bytes_local_copy = 0;
   int64_t bytes_installed = 0;  // written into live weights by installs, all ranks

@@ -57,24 +57,69 @@ double mean_of(const std::vector<StepFigures>& steps, int64_t first, int64_t las
   return sum / static_cast<double>(last - first);
 }
 
+// Rank `rank`'s (activated slots, tokens, CPU ns) of layer `l` of step `s`; null when it did
+// not serve that step.
+const int64_t* sample_of(const json& rank, std::vector<int64_t>& scratch, int64_t s, int64_t l,
+                         int64_t layers) {
+  if (!rank.contains("cost_samples")) return nullptr;
+  const int64_t i = s - rank.value("first_step", int64_t{0});
+  const json& all = rank["cost_samples"];
+  const int64_t at = (i * layers + l) * 3;
+  if (i < 0 || at + 3 > static_cast<int64_t>(all.size())) return nullptr;
+  scratch.resize(3);
+  for (int64_t x = 0; x < 3; ++x) scratch[x] = all[at + x].get<int64_t>();
+  return scratch.data();
+}
+
+// Each step's time balancedness: the sum over the layers of the mean rank CPU time over the sum
+// of the largest, every rank that served the step counted (an idle one at its own time), and its
+// means over both ranges.
+void time_balancedness(const std::vector<json>& reports, int64_t layers, RunResult& result) {
+  std::vector<int64_t> sample;
+  for (int64_t s = 0; s < static_cast<int64_t>(result.per_step.size()); ++s) {
+    double sum_mean = 0, sum_max = 0;
+    for (int64_t l = 0; l < layers; ++l) {
+      double total = 0, most = 0;
+      int64_t ranks = 0;
+      for (const json& rank : reports) {
+        const int64_t* x = sample_of(rank, sample, s, l, layers);
+        if (x == nullptr) continue;
+        total += static_cast<double>(x[2]);
+        most = std::max(most, static_cast<double>(x[2]));
+        ++ranks;
+      }
+      if (ranks == 0) continue;
+      sum_mean += total / static_cast<double>(ranks);
+      sum_max += most;
+    }
+    result.per_step[s].time_balancedness = sum_max > 0 ? sum_mean / sum_max : 1.0;
+  }
+  result.time_balancedness_before = mean_of(result.per_step, result.before_first,
+                                            result.before_last, &StepFigures::time_balancedness);
+  result.time_balancedness_after = mean_of(result.per_step, result.after_first, result.after_last,
+                                           &StepFigures::time_balancedness);
+}
+
 // The cost model of the run: fitted on every rank's (activated slots, tokens, CPU time) of every
 // layer of the "before" steps, then each step's predicted MoE time, the sum over the layers of
 // the largest modeled rank time, and its means over both ranges. A range too short for a fit
 // leaves no model, and says why.
+//
+// Then each step's floor under the model: the largest rank time of a layer is at least the mean,
+// and the mean is least with the fewest activated slots, one per expert that had a token
+// (`active_experts`), so no placement or dispatch of the same tokens beats
+// rank_us + slot_us * active / ranks + token_us * tokens / ranks, summed over the layers.
 void fit_and_predict(const std::vector<json>& reports, int64_t layers, RunResult& result) {
   std::vector<placement::CostSample> samples;
+  std::vector<int64_t> sample;
   for (int64_t s = result.before_first; s < result.before_last; ++s) {
     for (const json& rank : reports) {
-      if (!rank.contains("cost_samples")) continue;
-      const int64_t i = s - rank.value("first_step", int64_t{0});
-      const json& all = rank["cost_samples"];
       for (int64_t l = 0; l < layers; ++l) {
-        const int64_t at = (i * layers + l) * 3;
-        if (i < 0 || at + 3 > static_cast<int64_t>(all.size())) continue;
-        if (all[at + 1].get<int64_t>() == 0) continue;  // idle in that layer: nothing to fit
-        samples.push_back({.slots = static_cast<double>(all[at].get<int64_t>()),
-                           .tokens = static_cast<double>(all[at + 1].get<int64_t>()),
-                           .time_us = static_cast<double>(all[at + 2].get<int64_t>()) / 1e3});
+        const int64_t* x = sample_of(rank, sample, s, l, layers);
+        if (x == nullptr || x[1] == 0) continue;  // idle in that layer: nothing to fit
+        samples.push_back({.slots = static_cast<double>(x[0]),
+                           .tokens = static_cast<double>(x[1]),
+                           .time_us = static_cast<double>(x[2]) / 1e3});
       }
     }
   }
@@ -90,27 +135,39 @@ void fit_and_predict(const std::vector<json>& reports, int64_t layers, RunResult
   }
   const placement::CostModel& m = *result.cost_model;
   for (int64_t s = 0; s < static_cast<int64_t>(result.per_step.size()); ++s) {
-    double predicted = 0;
+    double predicted = 0, floor = 0;
     for (int64_t l = 0; l < layers; ++l) {
-      double most = 0;
+      double most = 0, tokens = 0;
+      int64_t ranks = 0, active = -1;
       for (const json& rank : reports) {
-        if (!rank.contains("cost_samples")) continue;
+        const int64_t* x = sample_of(rank, sample, s, l, layers);
+        if (x == nullptr) continue;
+        most = std::max(most, m.linear_rank_time_us(static_cast<double>(x[0]),
+                                                    static_cast<double>(x[1])));
+        tokens += static_cast<double>(x[1]);
+        ++ranks;
         const int64_t i = s - rank.value("first_step", int64_t{0});
-        const json& all = rank["cost_samples"];
-        const int64_t at = (i * layers + l) * 3;
-        if (i < 0 || at + 3 > static_cast<int64_t>(all.size())) continue;
-        const auto slots = static_cast<double>(all[at].get<int64_t>());
-        const auto tokens = static_cast<double>(all[at + 1].get<int64_t>());
-        most = std::max(most, m.linear_rank_time_us(slots, tokens));
+        if (active < 0 && rank.contains("active_experts")) {
+          active = rank["active_experts"][i * layers + l].get<int64_t>();
+        }
       }
       predicted += most;
+      if (ranks > 0 && active >= 0) {
+        const auto n = static_cast<double>(ranks);
+        floor += m.linear_rank_time_us(static_cast<double>(active) / n, tokens / n);
+      }
     }
     result.per_step[s].moe_ms_predicted = predicted / 1e3;
+    result.per_step[s].moe_ms_floor = floor / 1e3;
   }
   result.moe_ms_predicted_before = mean_of(result.per_step, result.before_first,
                                            result.before_last, &StepFigures::moe_ms_predicted);
   result.moe_ms_predicted_after = mean_of(result.per_step, result.after_first, result.after_last,
                                           &StepFigures::moe_ms_predicted);
+  result.moe_ms_floor_before = mean_of(result.per_step, result.before_first, result.before_last,
+                                       &StepFigures::moe_ms_floor);
+  result.moe_ms_floor_after = mean_of(result.per_step, result.after_first, result.after_last,
+                                      &StepFigures::moe_ms_floor);
 }
 
 }  // namespace
@@ -268,6 +325,7 @@ RunResult merge_reports(const RunOptions& options, const Workload& workload,
       mean_of(result.per_step, result.before_first, result.before_last, &StepFigures::moe_wall_ms);
   result.moe_wall_ms_after =
       mean_of(result.per_step, result.after_first, result.after_last, &StepFigures::moe_wall_ms);
+  time_balancedness(r, workload.layers, result);
   fit_and_predict(r, workload.layers, result);
   return result;
 }

@@ -32,7 +32,7 @@ using nlohmann::json;
 
 json step_json(const StepFigures& s) {
   return {s.balancedness, s.moe_ms, s.moe_wall_ms, s.stall_ms, s.installs, s.unavailable,
-          s.dropped, s.moe_ms_predicted};
+          s.dropped, s.moe_ms_predicted, s.moe_ms_floor, s.time_balancedness};
 }
 
 StepFigures step_from(const json& j) {
@@ -40,6 +40,8 @@ StepFigures step_from(const json& j) {
           .moe_ms = j.at(1).get<double>(),
           .moe_wall_ms = j.at(2).get<double>(),
           .moe_ms_predicted = j.at(7).get<double>(),
+          .moe_ms_floor = j.at(8).get<double>(),
+          .time_balancedness = j.at(9).get<double>(),
           .stall_ms = j.at(3).get<double>(),
           .installs = j.at(4).get<int64_t>(),
           .unavailable = j.at(5).get<bool>(),
@@ -129,7 +131,9 @@ std::string result_to_json(const RunResult& r) {
                                                : json(nullptr)},
                         {"error", r.cost_fit_error},
                         {"samples", r.cost_samples},
-                        {"predicted", {r.moe_ms_predicted_before, r.moe_ms_predicted_after}}}},
+                        {"predicted", {r.moe_ms_predicted_before, r.moe_ms_predicted_after}},
+                        {"floor", {r.moe_ms_floor_before, r.moe_ms_floor_after}}}},
+              {"time_balancedness", {r.time_balancedness_before, r.time_balancedness_after}},
               {"bytes", {r.bytes_moved, r.bytes_local_copy, r.bytes_installed}},
               {"stall", {r.stall_max_ms, r.stall_total_ms, r.stall_preempted_ms}},
               {"checks", {r.mismatches, r.verified, r.outputs}},
@@ -173,6 +177,10 @@ RunResult result_from_json(const std::string& text) {
     r.cost_samples = cost.at("samples").get<int64_t>();
     r.moe_ms_predicted_before = cost.at("predicted").at(0).get<double>();
     r.moe_ms_predicted_after = cost.at("predicted").at(1).get<double>();
+    r.moe_ms_floor_before = cost.at("floor").at(0).get<double>();
+    r.moe_ms_floor_after = cost.at("floor").at(1).get<double>();
+    r.time_balancedness_before = j.at("time_balancedness").at(0).get<double>();
+    r.time_balancedness_after = j.at("time_balancedness").at(1).get<double>();
     r.bytes_moved = j.at("bytes").at(0).get<int64_t>();
     r.bytes_local_copy = j.at("bytes").at(1).get<int64_t>();
     r.bytes_installed = j.at("bytes").at(2).get<int64_t>();

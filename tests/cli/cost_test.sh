@@ -78,8 +78,19 @@ if d["cost_model"] is not None:
     assert d["moe_ms_predicted_after"] is not None and d["moe_ms_predicted_after"] > 0
     assert d["moe_ms_predicted_before"] > 0
     assert len(d["per_step"]["moe_ms_predicted"]) == d["steps"]
+    # The floor: no placement or dispatch beats it under the model, so every step's
+    # prediction (the largest modeled rank time per layer) is at least that step's floor.
+    ps = d["per_step"]
+    assert d["moe_ms_floor_after"] is not None and 0 < d["moe_ms_floor_after"]
+    assert len(ps["moe_ms_floor"]) == d["steps"]
+    for floor, predicted in zip(ps["moe_ms_floor"], ps["moe_ms_predicted"]):
+        assert 0 < floor <= predicted * (1 + 1e-9), (floor, predicted)
 else:
     assert d["cost_fit_error"], d
+    assert d["moe_ms_floor_after"] is None
+# The time balancedness: the mean rank time over the busiest's, in (0, 1].
+assert 0 < d["time_balancedness_after"] <= 1
+assert all(0 < b <= 1 for b in d["per_step"]["time_balancedness"])
 PY
   done
 fi

@@ -163,8 +163,12 @@ TEST(Result, CostModelRoundTrips) {
   r.cost_samples = 768;
   r.moe_ms_predicted_before = 41.5;
   r.moe_ms_predicted_after = 31.75;
+  r.moe_ms_floor_after = 28.25;
+  r.time_balancedness_after = 0.875;
   r.per_step.push_back({});
   r.per_step.back().moe_ms_predicted = 30.5;
+  r.per_step.back().moe_ms_floor = 27.5;
+  r.per_step.back().time_balancedness = 0.9375;
   const RunResult back = result_from_json(result_to_json(r));
   ASSERT_TRUE(back.cost_model.has_value());
   EXPECT_DOUBLE_EQ(back.cost_model->slot_us, 48.5);
@@ -172,6 +176,10 @@ TEST(Result, CostModelRoundTrips) {
   EXPECT_EQ(back.cost_samples, 768);
   EXPECT_DOUBLE_EQ(back.moe_ms_predicted_after, 31.75);
   EXPECT_DOUBLE_EQ(back.per_step[0].moe_ms_predicted, 30.5);
+  EXPECT_DOUBLE_EQ(back.moe_ms_floor_after, 28.25);
+  EXPECT_DOUBLE_EQ(back.time_balancedness_after, 0.875);
+  EXPECT_DOUBLE_EQ(back.per_step[0].moe_ms_floor, 27.5);
+  EXPECT_DOUBLE_EQ(back.per_step[0].time_balancedness, 0.9375);
   RunResult none;
   none.mode = "off";
   none.cost_fit_error = "cost model fit: 3 samples";

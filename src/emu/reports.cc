@@ -148,7 +148,7 @@ void fit_and_predict(const std::vector<json>& reports, int64_t layers, RunResult
         ++ranks;
         const int64_t i = s - rank.value("first_step", int64_t{0});
         if (active < 0 && rank.contains("active_experts")) {
-          active = rank["active_experts"][i * layers + l].get<int64_t>();
+          active = rank["active_experts"].at(i * layers + l).get<int64_t>();
         }
       }
       predicted += most;

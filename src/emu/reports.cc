@@ -57,35 +57,42 @@ double mean_of(const std::vector<StepFigures>& steps, int64_t first, int64_t las
   return sum / static_cast<double>(last - first);
 }
 
-// Rank `rank`'s (activated slots, tokens, CPU ns) of layer `l` of step `s`; null when it did
-// not serve that step.
-const int64_t* sample_of(const json& rank, std::vector<int64_t>& scratch, int64_t s, int64_t l,
-                         int64_t layers) {
-  if (!rank.contains("cost_samples")) return nullptr;
+// What rank `rank` did in layer `l` of step `s`: its activated slots, tokens and CPU ns, and
+// the experts that had a token in the layer (all ranks' tokens; -1 where the report has none).
+struct RankLayer {
+  int64_t slots = 0, tokens = 0, cpu_ns = 0, active = -1;
+};
+
+// Empty when the rank did not serve that step.
+std::optional<RankLayer> rank_layer(const json& rank, int64_t s, int64_t l, int64_t layers) {
+  if (!rank.contains("cost_samples")) return std::nullopt;
   const int64_t i = s - rank.value("first_step", int64_t{0});
   const json& all = rank["cost_samples"];
   const int64_t at = (i * layers + l) * 3;
-  if (i < 0 || at + 3 > static_cast<int64_t>(all.size())) return nullptr;
-  scratch.resize(3);
-  for (int64_t x = 0; x < 3; ++x) scratch[x] = all[at + x].get<int64_t>();
-  return scratch.data();
+  if (i < 0 || at + 3 > static_cast<int64_t>(all.size())) return std::nullopt;
+  RankLayer x{.slots = all[at].get<int64_t>(),
+              .tokens = all[at + 1].get<int64_t>(),
+              .cpu_ns = all[at + 2].get<int64_t>()};
+  if (rank.contains("active_experts")) {
+    x.active = rank["active_experts"].at(i * layers + l).get<int64_t>();
+  }
+  return x;
 }
 
 // Each step's time balancedness: the sum over the layers of the mean rank CPU time over the sum
 // of the largest, every rank that served the step counted (an idle one at its own time), and its
 // means over both ranges.
 void time_balancedness(const std::vector<json>& reports, int64_t layers, RunResult& result) {
-  std::vector<int64_t> sample;
   for (int64_t s = 0; s < static_cast<int64_t>(result.per_step.size()); ++s) {
     double sum_mean = 0, sum_max = 0;
     for (int64_t l = 0; l < layers; ++l) {
       double total = 0, most = 0;
       int64_t ranks = 0;
       for (const json& rank : reports) {
-        const int64_t* x = sample_of(rank, sample, s, l, layers);
-        if (x == nullptr) continue;
-        total += static_cast<double>(x[2]);
-        most = std::max(most, static_cast<double>(x[2]));
+        const std::optional<RankLayer> x = rank_layer(rank, s, l, layers);
+        if (!x) continue;
+        total += static_cast<double>(x->cpu_ns);
+        most = std::max(most, static_cast<double>(x->cpu_ns));
         ++ranks;
       }
       if (ranks == 0) continue;
@@ -111,15 +118,14 @@ void time_balancedness(const std::vector<json>& reports, int64_t layers, RunResu
 // rank_us + slot_us * active / ranks + token_us * tokens / ranks, summed over the layers.
 void fit_and_predict(const std::vector<json>& reports, int64_t layers, RunResult& result) {
   std::vector<placement::CostSample> samples;
-  std::vector<int64_t> sample;
   for (int64_t s = result.before_first; s < result.before_last; ++s) {
     for (const json& rank : reports) {
       for (int64_t l = 0; l < layers; ++l) {
-        const int64_t* x = sample_of(rank, sample, s, l, layers);
-        if (x == nullptr || x[1] == 0) continue;  // idle in that layer: nothing to fit
-        samples.push_back({.slots = static_cast<double>(x[0]),
-                           .tokens = static_cast<double>(x[1]),
-                           .time_us = static_cast<double>(x[2]) / 1e3});
+        const std::optional<RankLayer> x = rank_layer(rank, s, l, layers);
+        if (!x || x->tokens == 0) continue;  // idle in that layer: nothing to fit
+        samples.push_back({.slots = static_cast<double>(x->slots),
+                           .tokens = static_cast<double>(x->tokens),
+                           .time_us = static_cast<double>(x->cpu_ns) / 1e3});
       }
     }
   }
@@ -140,16 +146,13 @@ void fit_and_predict(const std::vector<json>& reports, int64_t layers, RunResult
       double most = 0, tokens = 0;
       int64_t ranks = 0, active = -1;
       for (const json& rank : reports) {
-        const int64_t* x = sample_of(rank, sample, s, l, layers);
-        if (x == nullptr) continue;
-        most = std::max(most, m.linear_rank_time_us(static_cast<double>(x[0]),
-                                                    static_cast<double>(x[1])));
-        tokens += static_cast<double>(x[1]);
+        const std::optional<RankLayer> x = rank_layer(rank, s, l, layers);
+        if (!x) continue;
+        most = std::max(most, m.linear_rank_time_us(static_cast<double>(x->slots),
+                                                    static_cast<double>(x->tokens)));
+        tokens += static_cast<double>(x->tokens);
         ++ranks;
-        const int64_t i = s - rank.value("first_step", int64_t{0});
-        if (active < 0 && rank.contains("active_experts")) {
-          active = rank["active_experts"].at(i * layers + l).get<int64_t>();
-        }
+        if (active < 0) active = x->active;  // the same on every rank
       }
       predicted += most;
       if (ranks > 0 && active >= 0) {

@@ -1,5 +1,5 @@
 #pragma once
-// The serving emulator behind `eplb run` (DESIGN.md, layer `emu`; docs/run.md): G rank
+// The serving emulator behind `eplb run` (docs/design.md, layer `emu`; docs/run.md): G rank
 // processes, each an expert-parallel worker with real expert weights in the runtime's arena,
 // routing a trace's tokens through the dispatch tables, computing every expert output on CPU,
 // checking outputs bit for bit against reference weights, and rebalancing live through the

@@ -1,4 +1,4 @@
-// Metrics of a placement under a load (DESIGN.md). Computed in double; replicas share their
+// Metrics of a placement under a load (docs/design.md). Computed in double; replicas share their
 // expert's load equally.
 
 #include "eplb/placement/metrics.h"

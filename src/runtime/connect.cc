@@ -1,6 +1,7 @@
 // Rebalancer::Impl's start-up: connect() (the first agreement, the regions, the threads), the
 // engine's tensors registered with the transport, and the checks made before any of it. The
-// rest of the class is in rebalancer.cc (construction, forward thread), async.cc and sync.cc.
+// rest of the class is in rebalancer.cc (construction, forward thread), the files of a
+// rebalance's steps (trigger.cc, agree.cc, install.cc, records.cc), elastic.cc and sync.cc.
 
 #include <pthread.h>
 #include <sched.h>

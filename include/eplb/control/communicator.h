@@ -25,7 +25,7 @@
 // rank(), size(), backend() and broken() may be called from any thread at any time.
 //
 // Implementing a backend (the engine's seam: an engine that has its own collectives gives them
-// to eplb instead of letting eplb build a control plane; DESIGN.md, "Embedding"). Subclass
+// to eplb instead of letting eplb build a control plane; docs/design.md, "Embedding"). Subclass
 // Communicator with the rank and size of the group and implement the four do_* hooks below:
 //   - which thread: one at a time, never concurrently (the public calls detect misuse), from
 //     the thread of Rebalancer::connect() or reconfigure() at start-up, then from the runtime's

@@ -1,5 +1,5 @@
 #pragma once
-// The words of DESIGN.md as plain types: layout of a deployment, load matrices, placements.
+// The words of docs/design.md as plain types: layout of a deployment, load matrices, placements.
 // Pure data with validation; no I/O, no threads.
 
 #include <cstdint>

@@ -1,6 +1,6 @@
 #pragma once
-// The cost model: what one rank pays, in time, for one MoE layer of one step (DESIGN.md, "What a
-// step pays"). Balancing tokens is its first approximation; this makes the rest explicit:
+// The cost model: what one rank pays, in time, for one MoE layer of one step (docs/design.md,
+// "What a step pays"). Balancing tokens is its first approximation; this makes the rest explicit:
 //
 //   rank time  = rank_us + sum over the rank's activated slots of slot_time(n)
 //   slot_time(n) = 0                                                  n == 0 (not activated)

@@ -1,5 +1,5 @@
 #pragma once
-// Metrics of a placement under a load (DESIGN.md): rank loads, balancedness, the lower bound,
+// Metrics of a placement under a load (docs/design.md): rank loads, balancedness, the lower bound,
 // moved slots. Replicas share their expert's load equally.
 //
 // A layer with no load at all is a dense layer (DeepSeek-V3's first three, which SGLang's

@@ -33,7 +33,7 @@ enum class Mode { kAsync, kSync };
 Mode parse_mode(std::string_view name);
 std::string_view mode_name(Mode mode);
 
-// Where the per-step agreement of an async rebalance runs (DESIGN.md, "The runtime protocol",
+// Where the per-step agreement of an async rebalance runs (docs/design.md, "The runtime protocol",
 // step 4). The window all-reduce at a trigger always runs on eplb's control plane.
 enum class Agreement {
   kInternal,  // an all-reduce (min) of one value per step on the control thread
@@ -107,7 +107,7 @@ struct WeightSpec {
   void validate() const;         // InvalidArgument naming the bad value
 };
 
-// Where an expert comes from when every slot that held it was on a lost rank (DESIGN.md, "The
+// Where an expert comes from when every slot that held it was on a lost rank (docs/design.md, "The
 // runtime protocol", step 7; docs/elastic.md). Both are optional; with neither, a rank loss that
 // takes the last replica of an expert cannot be repaired (reconfigure's repair then fails,
 // naming the expert).

@@ -1,5 +1,5 @@
 #pragma once
-// Two of the engine's seams (DESIGN.md, "Embedding: the engine's four seams"): the map tensors
+// Two of the engine's seams (docs/design.md, "Embedding: the engine's four seams"): the map tensors
 // its router reads, which eplb writes in place, and the per-pass count tensor its router fills,
 // which eplb reads once per step. Both are the engine's memory in the engine's layout; eplb keeps
 // only their addresses.

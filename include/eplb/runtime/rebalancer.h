@@ -1,7 +1,8 @@
 #pragma once
 // The Rebalancer an inference engine embeds: records expert loads, serves the dispatch tables,
-// and rebalances the experts while the engine keeps serving (DESIGN.md, "The runtime protocol";
-// docs/runtime.md has the full protocol, the threads and the ownership of every buffer).
+// and rebalances the experts while the engine keeps serving (docs/design.md, "The runtime
+// protocol"; docs/runtime.md has the full protocol, the threads and the ownership of every
+// buffer).
 //
 // Use:
 //   Rebalancer rb(config, communicator, transport, weight_spec, initial_placement);

@@ -1,5 +1,5 @@
 #pragma once
-// Per-step scoring at token level (DESIGN.md layer `sim`): every MoE layer of every step waits
+// Per-step scoring at token level (docs/design.md layer `sim`): every MoE layer of every step waits
 // for its busiest rank, so what a step pays is the balance of that step's tokens under the
 // dispatch in use, not the balance of a window's sums. Given the placements a replay
 // (simulate() with keep_placements) served each step with, this scores every scored step and

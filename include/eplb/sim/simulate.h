@@ -1,5 +1,5 @@
 #pragma once
-// Trace replay (DESIGN.md layer `sim`): what rebalancing every `interval` steps would buy on a
+// Trace replay (docs/design.md layer `sim`): what rebalancing every `interval` steps would buy on a
 // recorded load history, per placement policy. Pure: plain structs in, plain results out; no
 // threads, no I/O, deterministic.
 //

@@ -1,12 +1,15 @@
 #pragma once
 // The Rebalancer an inference engine embeds: records expert loads, serves the dispatch tables,
 // and rebalances the experts while the engine keeps serving (docs/design.md, "The runtime
-// protocol"; docs/runtime.md has the full protocol, the threads and the ownership of every
-// buffer).
+// protocol"; docs/runtime.md: the protocol, the threads, who owns each buffer;
+// examples/cpp_engine.cc: a whole engine embedding it).
 //
-// Use:
-//   Rebalancer rb(config, communicator, transport, weight_spec, initial_placement);
-//   rb.connect();                     // start-up: staging (and any arena) allocated, peers read once
+// Use (the communicator, eplb's small CPU collectives: from eplb/control/launch.h, or one the
+// engine implements, docs/launch.md; the transport: eplb/transport/registry.h, docs/cuda.md):
+//   auto communicator = control::connect_from_env();   // torchrun's (or mpirun's) variables
+//   auto transport = transport::create("shm", {.rank = communicator->rank()});
+//   Rebalancer rb(config, *communicator, *transport, weight_spec, initial_placement);
+//   rb.connect();  // start-up: staging (and any arena) allocated, peers read once
 //   fill rb.weights(layer, tensor) with the experts of rb.phy2log(layer) (this rank's slots)
 //   loop (forward thread):
 //     rb.record(layer, expert_ids) ...; rb.dispatch(layer) ...; forward pass ...; rb.step_end();
@@ -14,11 +17,12 @@
 //
 // Threads. The engine's forward thread calls record*, dispatch, weights, phy2log and step_end;
 // they are not thread-safe against each other (one forward thread). history(), rank(), step()
-// accessors marked "any thread" may be called from anywhere. The Rebalancer runs two threads
-// of its own from connect() to shutdown(): a control thread, the only user of the communicator,
-// and a worker thread (placement, planning, reads). The communicator and the transport belong
-// to the caller, must outlive the Rebalancer (or its shutdown()), and must not be used by
-// anyone else in between.
+// accessors marked "any thread" may be called from anywhere. The Rebalancer runs three threads
+// of its own: a control thread, the only user of the communicator, and a worker thread
+// (placement, planning, reads), both from connect() to shutdown(); and a monitor thread (the
+// stall watchdog, the in-flight metrics, the periodic balancedness log), from the constructor
+// to shutdown(). The communicator and the transport belong to the caller, must outlive the
+// Rebalancer (or its shutdown()), and must not be used by anyone else in between.
 //
 // Weights: the engine's own tensors, or an arena eplb allocates (config.h, WeightSpec).
 
@@ -68,8 +72,9 @@ class Rebalancer {
   // Start-up, on every rank together (it runs collectives): allocates the arena (layers + 1
   // layer buffers, zero-filled) as one transport region, or with the engine's own weights one
   // staging layer and registers the engine's tensors; exchanges descriptors with every peer,
-  // reads a few bytes from each, starts the control and worker threads. Returns the bytes eplb
-  // holds (arena or staging); nothing more is allocated or connected later.
+  // reads a few bytes from each, starts the control and worker threads (the monitor thread runs
+  // from the constructor). Returns the bytes eplb holds (arena or staging); nothing more is
+  // allocated or connected later.
   int64_t connect();
 
   // Elastic serving (docs/elastic.md). Called by every member of the new group at the same step
@@ -166,7 +171,7 @@ class Rebalancer {
   // agreement, or for a step after step().
   void agreement_result(int64_t step, int64_t min_value);
 
-  // Drains the control thread's queue and joins both threads; idempotent. Call it on every
+  // Drains the control thread's queue and joins the three threads; idempotent. Call it on every
   // rank at the same step (a rank leaving alone mid-rebalance is, to its peers, a dead peer).
   void shutdown();
 

@@ -82,17 +82,34 @@ class Rebalancer:
     """One rank of eplb's runtime (C++ ``eplb::runtime::Rebalancer``).
 
     Parameters:
-        config: dict keyed by the C++ Config's field names: ``experts`` and ``physical``
-            (required), ``ranks`` (default world_size), ``nodes``, ``groups``, ``interval``,
-            ``window``, ``policy`` ("sticky", "balanced", "deepseek"), ``hierarchical``,
-            ``tolerance``, ``thorough`` (balanced / sticky at two slots per rank: see
-            eplb.rebalance_experts), ``min_gain``, ``lag``, ``timeout_ms``, ``mode`` ("async",
-            "sync"), ``agreement`` ("internal", or "external": see agreement_result()),
-            ``install`` ("swap"; "copy" keeps weights() at fixed addresses, at the cost of one
-            layer copy per installed layer), ``peers_per_round``, ``dispatch`` ("static",
-            "random", "hash", "weighted", "split", "adaptive": what route() uses), ``on_error`` ("log", "raise"),
-            ``backup_copies`` (host copies of every expert kept across the ranks for elastic
-            serving, default 0: see fill_backup()); defaults as in docs/runtime.md.
+        config: a dict; any other key is refused (eplb.InvalidArgument listing these). Mostly
+            the C++ Config's field names (docs/runtime.md, "Config", has every default); the
+            keys that differ say which field they set:
+              ``experts``, ``physical`` (required), ``ranks`` (default world_size), ``nodes``,
+                ``groups``: the layout;
+              ``interval``, ``window``: when to rebalance, on how many steps of load;
+              ``policy`` ("sticky", "balanced", "deepseek"), ``hierarchical``, ``tolerance``,
+                ``thorough`` (balanced / sticky at two slots per rank: see
+                eplb.rebalance_experts): Config::placement;
+              ``min_gain``, ``lag``, ``peers_per_round``;
+              ``timeout_ms``: Config::timeout, in milliseconds;
+              ``mode`` ("async", "sync"); ``agreement`` ("internal", or "external": see
+                agreement_result());
+              ``install`` ("swap"; "copy" keeps weights() at fixed addresses, at the cost of
+                one layer copy per installed layer);
+              ``dispatch``: what route() does, "static", "random", "hash", "weighted",
+                "split", "adaptive" or "adaptive_cost" (the last two take each step's
+                global_counts and prefix in route(); adaptive_cost also an
+                eplb.cost.CostModel, cost=);
+              ``on_error`` ("log", "raise");
+              ``stall_warn_ms``: Config::stall_warn, in milliseconds (the watchdog; 0: off);
+              ``balancedness_period`` (steps between measurements of the recorded window's
+                balancedness; 0: every interval, -1: never);
+              ``backup_copies``: Config::backup.copies, host copies of every expert kept
+                across the ranks for elastic serving (see fill_backup()); the loader is C++
+                only;
+              ``metric_labels``: a dict of label name -> value added to every metric.
+            The config property returns the same keys, every one filled in.
         rank, world_size: this rank and the number of ranks (taken from `group` when that is
             the engine's process group; given too, they must be the group's).
         control: control-plane backend, "shm" (processes of one machine), "gloo" (TCP; the

@@ -100,6 +100,8 @@ MigrationPlan plan_migration(const Placement& from, const Placement& to, const L
     t.rounds += layer.schedule.rounds;
     t.rounds_lower_bound += layer.schedule.lower_bound;
     t.max_layer_rounds = std::max(t.max_layer_rounds, layer.schedule.rounds);
+    t.link_time += layer.schedule.link_time;
+    t.link_time_lower_bound += layer.schedule.link_time_lower_bound;
     t.staging_slots = std::max(t.staging_slots, p.staging_slots);
     for (size_t g = 0; g < rank_in.size(); ++g) {
       rank_in[g] += p.rank_bytes_in[g];

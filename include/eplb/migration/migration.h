@@ -54,6 +54,8 @@ struct MigrationTotals {
   int64_t rounds = 0;              // sum over layers
   int64_t rounds_lower_bound = 0;  // sum over layers
   int64_t max_layer_rounds = 0;
+  int64_t link_time = 0;              // sum over layers (Schedule::link_time)
+  int64_t link_time_lower_bound = 0;  // sum over layers
   int64_t staging_slots = 0;  // the most staged slots of one rank in one layer
 
   int64_t count(Action action) const { return slots[static_cast<size_t>(action)]; }

@@ -8,6 +8,10 @@
 
 namespace eplb::migration {
 
+SourceChoice source_choice(const ScheduleOptions& schedule) {
+  return schedule.half_duplex ? SourceChoice::kLowestPeakDegree : SourceChoice::kSpreadServed;
+}
+
 MigrationPlan plan_migration(const Placement& from, const Placement& to, const Layout& layout,
                              const MigrationOptions& options) {
   if (from.layers != to.layers) {
@@ -80,7 +84,7 @@ MigrationPlan plan_migration(const Placement& from, const Placement& to, const L
                                       static_cast<size_t>(from.physical));
       }
       layer.plan = plan_layer(from.layer_phy2log(l), to.layer_phy2log(l), layout,
-                              options.expert_bytes, sources);
+                              options.expert_bytes, sources, source_choice(options.schedule));
     } catch (const InvalidArgument& e) {
       fail("layer ", l, ": ", e.what());
     }

@@ -128,9 +128,10 @@ struct Demand {
   bool same_node;      // the candidates are the sources on the destination's node
 };
 
-// The demands, fewest candidates first, in their order otherwise (a stable counting sort).
-std::vector<Demand> most_constrained_first(const std::vector<Demand>& demands, int64_t ranks) {
-  std::vector<Demand> ordered(demands.size());
+// The indices of the demands, fewest candidates first, in their order otherwise (a stable
+// counting sort).
+std::vector<int32_t> most_constrained_first(const std::vector<Demand>& demands, int64_t ranks) {
+  std::vector<int32_t> ordered(demands.size());
   std::vector<int32_t> start(static_cast<size_t>(ranks) + 1, 0);
   for (const Demand& d : demands) ++start[d.candidates];
   for (int64_t c = 0, sum = 0; c <= ranks; ++c) {
@@ -138,14 +139,115 @@ std::vector<Demand> most_constrained_first(const std::vector<Demand>& demands, i
     start[c] = static_cast<int32_t>(sum);
     sum += n;
   }
-  for (const Demand& d : demands) ordered[start[d.candidates]++] = d;
+  for (size_t i = 0; i < demands.size(); ++i) {
+    ordered[start[demands[i].candidates]++] = static_cast<int32_t>(i);
+  }
   return ordered;
+}
+
+// A read's source: a rank and its slot that holds the expert.
+struct Source {
+  int32_t rank = -1;
+  int32_t slot = -1;
+};
+
+// SourceChoice::kLowestPeakDegree: a holder for every read demand such that the most reads one
+// rank takes part in (in plus out) is as low as it can be (planner.h). `holders`: the valid
+// old holders of every expert by slot, hence by rank.
+std::vector<Source> lowest_peak_sources(const std::vector<Demand>& demands,
+                                        const PerExpert& holders,
+                                        std::span<const int32_t> slot_rank,
+                                        std::span<const int32_t> rank_node, int64_t ranks) {
+  const size_t n = demands.size();
+  std::vector<int64_t> load(static_cast<size_t>(ranks), 0);  // [ranks] reads in + out
+  for (const Demand& d : demands) ++load[slot_rank[d.dst_slot]];
+  auto slot_of = [&](int32_t expert, int32_t rank) {
+    for (const int32_t s : holders.of(expert)) {
+      if (slot_rank[s] == rank) return s;
+    }
+    return -1;
+  };
+
+  // Step 3a: greedy, the most constrained demands first, each to its least loaded holder
+  // (ties: on the reader's node, then the lowest rank, whose lowest slot comes first).
+  std::vector<Source> source(n);
+  for (const int32_t i : most_constrained_first(demands, ranks)) {
+    const Demand& d = demands[i];
+    const int32_t node = rank_node[slot_rank[d.dst_slot]];
+    Source best;
+    for (const int32_t s : holders.of(d.expert)) {
+      const int32_t r = slot_rank[s];
+      if (best.rank >= 0 &&
+          (load[r] > load[best.rank] ||
+           (load[r] == load[best.rank] &&
+            (rank_node[r] != node || rank_node[best.rank] == node)))) {
+        continue;
+      }
+      best = {r, s};
+    }
+    source[i] = best;
+    ++load[best.rank];
+  }
+
+  // Step 3b: lower the peak along chains of holders. From a busiest rank, a breadth-first
+  // search over "a read served by x could come from y instead"; a chain that ends at a rank at
+  // least two reads below the start moves each of its reads one step, which takes one read
+  // off the start and adds one to the end, nothing else changes.
+  std::vector<std::vector<int32_t>> served(static_cast<size_t>(ranks));  // [ranks] demands
+  for (size_t i = 0; i < n; ++i) served[source[i].rank].push_back(static_cast<int32_t>(i));
+  std::vector<int32_t> seen(static_cast<size_t>(ranks), -1);   // [ranks] search stamp
+  std::vector<int32_t> via_rank(static_cast<size_t>(ranks));   // [ranks] chain's previous rank
+  std::vector<int32_t> via_read(static_cast<size_t>(ranks));   // [ranks] the read that moves
+  std::vector<int32_t> queue;
+  int32_t stamp = 0;
+  auto move_read = [&](int32_t i, int32_t from, int32_t to) {
+    std::vector<int32_t>& list = served[from];
+    list.erase(std::find(list.begin(), list.end(), i));
+    served[to].push_back(i);
+    source[i] = {to, slot_of(demands[i].expert, to)};
+  };
+  auto lower = [&](int32_t start) {
+    ++stamp;
+    queue.assign(1, start);
+    seen[start] = stamp;
+    for (size_t q = 0; q < queue.size(); ++q) {
+      const int32_t x = queue[q];
+      for (const int32_t i : served[x]) {
+        for (const int32_t s : holders.of(demands[i].expert)) {
+          const int32_t y = slot_rank[s];
+          if (seen[y] == stamp) continue;
+          seen[y] = stamp;
+          via_rank[y] = x;
+          via_read[y] = i;
+          if (load[y] + 2 > load[start]) {
+            queue.push_back(y);
+            continue;
+          }
+          --load[start];
+          ++load[y];
+          for (int32_t to = y; to != start; to = via_rank[to]) move_read(via_read[to], via_rank[to], to);
+          return true;
+        }
+      }
+    }
+    return false;
+  };
+  for (;;) {
+    const int64_t peak = *std::max_element(load.begin(), load.end());
+    bool lowered_all = true;
+    for (int32_t g = 0; g < ranks; ++g) {
+      if (load[g] == peak && !lower(g)) lowered_all = false;
+    }
+    if (!lowered_all || peak < 2) break;
+  }
+  return source;
 }
 
 }  // namespace
 
 LayerPlan plan_layer(std::span<const int32_t> old_phy2log, std::span<const int32_t> new_phy2log,
-                     const Layout& layout, int64_t expert_bytes, const PlanSources& sources) {
+                     const Layout& layout, int64_t expert_bytes, const PlanSources& sources,
+                     SourceChoice choice) {
   check_inputs(old_phy2log, new_phy2log, layout, expert_bytes);
   check_sources(sources, layout);
   const int64_t physical = layout.physical;
@@ -229,8 +331,9 @@ LayerPlan plan_layer(std::span<const int32_t> old_phy2log, std::span<const int32
         }
       };
       if (!held.empty()) {
-        // Candidates: the holder ranks on g's node if any, else all of them, unless g can
-        // restore from its own copy rather than cross nodes.
+        // Candidates: the holder ranks on g's node if any, else all of them (all of them
+        // always, for the lowest peak), unless g can restore from its own copy rather than
+        // cross nodes. The action (same node or not) follows the source, in step 3.
         int32_t same_node = 0, all = 0;
         count(held | std::views::transform(rank_of), same_node, all);
         if (same_node == 0 && holds_backup(g, e)) {
@@ -238,9 +341,8 @@ LayerPlan plan_layer(std::span<const int32_t> old_phy2log, std::span<const int32
           a.src_slot = -1;
           continue;
         }
-        a.action = same_node > 0 ? Action::kReadSameNode : Action::kReadOtherNode;
-        reads.push_back({static_cast<int32_t>(p), e, same_node > 0 ? same_node : all,
-                         same_node > 0});
+        const bool near = same_node > 0 && choice == SourceChoice::kSpreadServed;
+        reads.push_back({static_cast<int32_t>(p), e, near ? same_node : all, near});
         continue;
       }
       // Nothing valid holds e: a restore, from g's own copy, a member's copy on g's node, one
@@ -267,29 +369,40 @@ LayerPlan plan_layer(std::span<const int32_t> old_phy2log, std::span<const int32
     }
   }
 
-  // Step 3: sources for the reads and the restores from peers' copies. The most constrained
-  // demands go first, each to the candidate rank that has served the fewest so far (ties:
-  // lowest rank, lowest slot). Reads and restores are counted apart: they load different
-  // memory (live GPU slots, host copies) at different times (restores before reads).
-  std::vector<int64_t> served(static_cast<size_t>(ranks), 0);
-  for (const Demand& d : most_constrained_first(reads, ranks)) {
+  // Step 3: sources for the reads and the restores from peers' copies. Reads: by `choice`
+  // (planner.h). Restores: the most constrained demands go first, each to the candidate rank
+  // that has served the fewest so far (ties: lowest rank, lowest slot). Reads and restores are
+  // counted apart: they load different memory (live GPU slots, host copies) at different
+  // times (restores before reads).
+  auto set_read = [&](const Demand& d, Source source) {
     SlotAction& a = plan.actions[d.dst_slot];
-    const int32_t node = rank_node[rank_of(d.dst_slot)];
-    int32_t best_slot = -1, best_rank = -1;
-    for (const int32_t s : holders.of(d.expert)) {
-      const int32_t r = rank_of(s);
-      if (d.same_node && rank_node[r] != node) continue;
-      if (best_rank < 0 || served[r] < served[best_rank]) {
-        best_rank = r;
-        best_slot = s;
+    a.src_rank = source.rank;
+    a.src_slot = source.slot;
+    a.action = rank_node[source.rank] == rank_node[rank_of(d.dst_slot)] ? Action::kReadSameNode
+                                                                        : Action::kReadOtherNode;
+  };
+  std::vector<int64_t> served(static_cast<size_t>(ranks), 0);
+  if (choice == SourceChoice::kLowestPeakDegree) {
+    const std::vector<Source> sources_of_reads =
+        lowest_peak_sources(reads, holders, slot_rank, rank_node, ranks);
+    for (size_t i = 0; i < reads.size(); ++i) set_read(reads[i], sources_of_reads[i]);
+  } else {
+    for (const int32_t i : most_constrained_first(reads, ranks)) {
+      const Demand& d = reads[i];
+      const int32_t node = rank_node[rank_of(d.dst_slot)];
+      Source best;
+      for (const int32_t s : holders.of(d.expert)) {
+        const int32_t r = rank_of(s);
+        if (d.same_node && rank_node[r] != node) continue;
+        if (best.rank < 0 || served[r] < served[best.rank]) best = {r, s};
       }
+      ++served[best.rank];
+      set_read(d, best);
     }
-    ++served[best_rank];
-    a.src_rank = best_rank;
-    a.src_slot = best_slot;
   }
   std::fill(served.begin(), served.end(), 0);
-  for (const Demand& d : most_constrained_first(restores, ranks)) {
+  for (const int32_t i : most_constrained_first(restores, ranks)) {
+    const Demand& d = restores[i];
     SlotAction& a = plan.actions[d.dst_slot];
     const int32_t node = rank_node[rank_of(d.dst_slot)];
     int32_t best_rank = -1;

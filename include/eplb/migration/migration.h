@@ -66,7 +66,13 @@ struct MigrationPlan {
   MigrationTotals totals;
 };
 
-// Plans and schedules every layer of from -> to. Both placements must have the same layers
+// The planner's rule for the holder of each read under these links: kLowestPeakDegree in half
+// duplex (a rank's reads in and out share its link, so the busiest rank's reads in plus out
+// bound the schedule), kSpreadServed otherwise.
+SourceChoice source_choice(const ScheduleOptions& schedule);
+
+// Plans and schedules every layer of from -> to, the sources of reads chosen by
+// source_choice(options.schedule). Both placements must have the same layers
 // and physical slots as each other and as the layout (whose ranks and nodes are used; their
 // expert counts may differ). Throws InvalidArgument naming the mismatch or bad option, or
 // "layer L: expert E has no replica on a live rank and no backup (...)" when a member slot

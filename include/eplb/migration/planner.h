@@ -12,9 +12,21 @@
 //   5. kReadOtherNode read from a holder on another node;
 //   6. kRestore       no slot of the old placement holds the expert with valid weights: copy it
 //                     from a backup (below).
-// For 4 and 5 the holder rank is chosen to spread the bytes served as evenly as possible over
-// the holders: demands with the fewest candidate holder ranks are assigned first, each to the
-// candidate that has served the least so far, ties to the lowest rank (then its lowest slot).
+// For 4 and 5 the holder rank is chosen by one of two rules (SourceChoice):
+//   kSpreadServed (the default; duplex links) - the holders on the reader's node if there are
+//     any, else all of them; the bytes served spread as evenly as possible over them: demands
+//     with the fewest candidate holder ranks are assigned first, each to the candidate that
+//     has served the least so far, ties to the lowest rank (then its lowest slot).
+//   kLowestPeakDegree (half-duplex links, where a rank's reads in and out share its link) -
+//     any holder; the largest number of reads one rank takes part in (in plus out) as low as
+//     it can be. Demands with the fewest candidates first, each to the candidate with the
+//     fewest reads in and out so far (ties: on the reader's node, then the lowest rank); then
+//     reads move along chains of holders (a read of the busiest rank to another holder, whose
+//     read to another, ...) while a chain ends at a rank with at least two reads fewer than
+//     the busiest, one busiest rank at a time. When no chain is left from a busiest rank, the
+//     peak is the least any choice of holders reaches: the ranks its chains reach hold every
+//     candidate of the reads they serve and none is two below the peak, so those reads cannot
+//     be spread thinner.
 // Everything is integer arithmetic with ties broken by index: the plan is identical on every
 // rank that computes it from the same input.
 //
@@ -138,6 +150,12 @@ struct PlanSources {
   bool loader = false;  // every member can load any expert itself (the slowest source)
 };
 
+// How plan_layer picks the holder that a read comes from (see the top of this file).
+enum class SourceChoice : uint8_t {
+  kSpreadServed = 0,
+  kLowestPeakDegree = 1,
+};
+
 struct LayerPlan {
   std::vector<SlotAction> actions;           // [physical], by destination slot; rank g owns
                                              // [g * slots_per_rank, (g + 1) * slots_per_rank)
@@ -175,6 +193,7 @@ struct LayerPlan {
 // E has no replica on a live rank and no backup (...)"; with usable and members both empty,
 // nothing is lost and the message says the old placement has no slot of E).
 LayerPlan plan_layer(std::span<const int32_t> old_phy2log, std::span<const int32_t> new_phy2log,
-                     const Layout& layout, int64_t expert_bytes, const PlanSources& sources = {});
+                     const Layout& layout, int64_t expert_bytes, const PlanSources& sources = {},
+                     SourceChoice choice = SourceChoice::kSpreadServed);
 
 }  // namespace eplb::migration

@@ -516,7 +516,8 @@ TEST(Elastic, EveryoneLiveGivesThePlainPlan) {
     for (int l = 0; l < 3; ++l) {
       ASSERT_EQ(a.layers[l].plan, b.layers[l].plan) << "layer " << l;
       ASSERT_TRUE(a.layers[l].plan.restores.empty());
-      ASSERT_EQ(a.layers[l].plan, plan_layer(from[l], to[l], layout, plain.expert_bytes, {}));
+      ASSERT_EQ(a.layers[l].plan, plan_layer(from[l], to[l], layout, plain.expert_bytes, {},
+                                             source_choice(plain.schedule)));
       ASSERT_EQ(a.layers[l].schedule.round_of_read, b.layers[l].schedule.round_of_read);
       ASSERT_EQ(a.layers[l].schedule.rounds, b.layers[l].schedule.rounds);
     }

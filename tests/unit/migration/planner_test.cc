@@ -2,11 +2,16 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <functional>
+#include <random>
+#include <set>
 #include <string>
 #include <vector>
 
 #include "eplb/core/error.h"
 #include "eplb/migration/scheduler.h"
+#include "unit/migration/plan_testing.h"
 
 namespace eplb::migration {
 namespace {
@@ -200,6 +205,102 @@ TEST(Planner, ActionNames) {
   EXPECT_EQ(action_name(A::kRestore), "restore");
   EXPECT_TRUE(is_staged(A::kRestore));
   EXPECT_FALSE(is_remote(A::kRestore));
+}
+
+// The least peak of reads in plus out that any choice of holders reaches, found apart from the
+// planner: the smallest T for which a flow sends every read demand to a holder rank g with room
+// T - (reads into g) (augmenting paths, one demand at a time).
+int64_t least_peak(const std::vector<std::vector<int32_t>>& candidates,
+                   const std::vector<int64_t>& reads_in) {
+  const int64_t ranks = static_cast<int64_t>(reads_in.size());
+  for (int64_t t = *std::max_element(reads_in.begin(), reads_in.end());; ++t) {
+    std::vector<std::vector<int32_t>> served(ranks);  // demands served by each rank
+    std::vector<int32_t> seen;
+    std::function<bool(int32_t)> place = [&](int32_t d) {
+      for (const int32_t g : candidates[d]) {
+        if (std::find(seen.begin(), seen.end(), g) != seen.end()) continue;
+        seen.push_back(g);
+        if (reads_in[g] + static_cast<int64_t>(served[g].size()) < t) {
+          served[g].push_back(d);
+          return true;
+        }
+        for (int32_t& other : served[g]) {
+          if (place(other)) {
+            other = d;
+            return true;
+          }
+        }
+      }
+      return false;
+    };
+    bool all = true;
+    for (size_t d = 0; d < candidates.size() && all; ++d) {
+      seen.clear();
+      all = place(static_cast<int32_t>(d));
+    }
+    if (all) return t;
+  }
+}
+
+// SourceChoice::kLowestPeakDegree on random placements (seeds printed on failure): the same
+// reads as kSpreadServed (one per expert a rank gains), each from a rank that holds the expert,
+// the action naming whether it is on the reader's node, and the busiest rank's reads in plus out
+// the least that any choice of holders reaches.
+TEST(Planner, LowestPeakDegreeReachesTheLeastPeak) {
+  constexpr uint32_t kSeed = 100;
+  for (uint32_t seed = kSeed; seed < kSeed + 400; ++seed) {
+    SCOPED_TRACE("seed " + std::to_string(seed));
+    std::mt19937 rng(seed);
+    const Layout layout = testing::random_layout(rng, 24, 6, false);
+    const std::vector<int32_t> from =
+        testing::random_phy2log(rng, layout.experts, layout.physical);
+    const std::vector<int32_t> to = seed % 2 ? testing::perturb(rng, from, layout.experts)
+                                             : testing::random_phy2log(rng, layout.experts,
+                                                                       layout.physical);
+    const LayerPlan spread = plan_layer(from, to, layout, 1);
+    const LayerPlan peak = plan_layer(from, to, layout, 1, {}, SourceChoice::kLowestPeakDegree);
+    ASSERT_EQ(spread.reads.size(), peak.reads.size());
+    std::vector<int64_t> reads_in(layout.ranks, 0), load(layout.ranks, 0);
+    std::vector<std::vector<int32_t>> candidates;
+    for (size_t i = 0; i < peak.reads.size(); ++i) {
+      const RemoteRead& r = peak.reads[i];
+      ASSERT_EQ(r.dst_slot, spread.reads[i].dst_slot);
+      ASSERT_EQ(r.expert, spread.reads[i].expert);
+      ASSERT_EQ(from[r.src_slot], r.expert);
+      ASSERT_EQ(layout.rank_of_slot(r.src_slot), r.src_rank);
+      const bool near = layout.node_of_rank(r.src_rank) == layout.node_of_rank(r.dst_rank);
+      ASSERT_EQ(peak.actions[r.dst_slot].action,
+                near ? Action::kReadSameNode : Action::kReadOtherNode);
+      ++reads_in[r.dst_rank];
+      ++load[r.dst_rank];
+      ++load[r.src_rank];
+      std::set<int32_t> holders;
+      for (int64_t q = 0; q < layout.physical; ++q) {
+        if (from[q] == r.expert) holders.insert(static_cast<int32_t>(layout.rank_of_slot(q)));
+      }
+      candidates.emplace_back(holders.begin(), holders.end());
+    }
+    // Everything else as kSpreadServed plans it.
+    for (int64_t p = 0; p < layout.physical; ++p) {
+      if (!is_remote(spread.actions[p].action)) {
+        ASSERT_EQ(peak.actions[p], spread.actions[p]);
+      }
+    }
+    if (peak.reads.empty()) continue;
+    ASSERT_EQ(*std::max_element(load.begin(), load.end()), least_peak(candidates, reads_in));
+  }
+}
+
+// Rank 3 (node 1) gains expert 0, which ranks 1 (node 0) and 2 (node 1) hold, both idle: the
+// tie goes to the reader's node, not to the lower rank.
+TEST(Planner, LowestPeakDegreeBreaksTiesOnTheReadersNode) {
+  const LayerPlan plan = plan_layer(std::vector<int32_t>{5, 6, 0, 1, 0, 1, 7, 8},
+                                    std::vector<int32_t>{5, 6, 0, 1, 0, 1, 0, 8},
+                                    layout_of(8, 4, 2), 1, {}, SourceChoice::kLowestPeakDegree);
+  ASSERT_EQ(plan.reads.size(), 1u);
+  EXPECT_EQ(plan.reads[0].src_rank, 2);
+  EXPECT_EQ(plan.reads[0].src_slot, 4);
+  EXPECT_EQ(plan.actions[6].action, Action::kReadSameNode);
 }
 
 }  // namespace

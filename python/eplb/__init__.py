@@ -361,11 +361,23 @@ def plan_migration(old_phy2log, new_phy2log, num_gpus, num_nodes, expert_bytes,
             "bytes_total", "bytes_intra_node", "bytes_inter_node", "bytes_local_copy",
             "max_rank_bytes_in", "max_rank_bytes_out", "staging_slots", "rounds",
             "rounds_lower_bound", "max_peers": ints
+            "link_time": the sum over rounds of the most reads between two ranks in the round
+                (one way in duplex, both ways in half duplex): the schedule's time when a read
+                takes one unit and a round ends with its largest flow
+            "link_time_lower_bound": no schedule is shorter: the most reads one rank takes
+                part in (the larger of in and out in duplex, in plus out in half duplex),
+                divided by peers_per_round, rounded up
         "totals": sums over the layers: "slots" (dict), "bytes_total", "bytes_intra_node",
             "bytes_inter_node", "bytes_local_copy", "max_rank_bytes_in", "max_rank_bytes_out"
             (of each rank's bytes summed over layers), "max_layer_rank_bytes_in",
             "max_layer_rank_bytes_out", "reads", "rounds", "rounds_lower_bound",
-            "max_layer_rounds", "staging_slots"
+            "max_layer_rounds", "link_time", "link_time_lower_bound", "staging_slots"
+
+    Half duplex (a rank's reads in and out share its link, vLLM's model): every read's source
+    is the holder that keeps the busiest rank's reads in plus out lowest, and the reads are
+    coloured one by one into rounds where a rank talks to at most peers_per_round peers.
+    Duplex: sources on the reader's node first, spreading the bytes served; all reads between
+    two ranks in one round, in the fewest rounds.
     """
     return _eplb.plan_migration(
         _as_phy2log(old_phy2log, "old_phy2log"), _as_phy2log(new_phy2log, "new_phy2log"),

@@ -87,6 +87,8 @@ py::dict layer_dict(const migration::LayerMigration& layer) {
   out["rounds"] = layer.schedule.rounds;
   out["rounds_lower_bound"] = layer.schedule.lower_bound;
   out["max_peers"] = layer.schedule.max_peers;
+  out["link_time"] = layer.schedule.link_time;
+  out["link_time_lower_bound"] = layer.schedule.link_time_lower_bound;
   return out;
 }
 
@@ -105,6 +107,8 @@ py::dict totals_dict(const migration::MigrationTotals& t) {
   out["rounds"] = t.rounds;
   out["rounds_lower_bound"] = t.rounds_lower_bound;
   out["max_layer_rounds"] = t.max_layer_rounds;
+  out["link_time"] = t.link_time;
+  out["link_time_lower_bound"] = t.link_time_lower_bound;
   out["staging_slots"] = t.staging_slots;
   return out;
 }

@@ -40,6 +40,8 @@ nlohmann::json migration_summary_json(const migration::MigrationTotals& t) {
       {"rounds", t.rounds},
       {"rounds_lower_bound", t.rounds_lower_bound},
       {"max_layer_rounds", t.max_layer_rounds},
+      {"link_time", t.link_time},
+      {"link_time_lower_bound", t.link_time_lower_bound},
       {"staging_slots", t.staging_slots},
   };
   // Only elastic plans restore; a plain plan's figures stay as they always were.
@@ -109,6 +111,8 @@ MigrationTotals layer_totals(const migration::LayerMigration& m) {
   t.max_rank_bytes_out = t.max_layer_rank_bytes_out = p.max_rank_bytes_out;
   t.rounds = t.max_layer_rounds = m.schedule.rounds;
   t.rounds_lower_bound = m.schedule.lower_bound;
+  t.link_time = m.schedule.link_time;
+  t.link_time_lower_bound = m.schedule.link_time_lower_bound;
   t.staging_slots = p.staging_slots;
   return t;
 }
@@ -206,6 +210,9 @@ void print_table(const MigratePlanArgs& args, const Layout& layout, const Migrat
     fmt::print("half duplex: {} rounds against a lower bound of {} (best effort)\n", t.rounds,
                t.rounds_lower_bound);
   }
+  fmt::print("link time {} against a lower bound of {} (expert moves: the sum over rounds of "
+             "the largest flow between two ranks)\n",
+             t.link_time, t.link_time_lower_bound);
   if (!args.output_path.empty()) fmt::print("wrote {}\n", args.output_path);
 }
 

@@ -29,6 +29,8 @@ if "$eplb" migrate-plan --from "$tmp/old5.json" --to "$tmp/new5.json" --expert-b
   expect_json "$tmp/out.json" max_rank_bytes_out 200
   expect_json "$tmp/out.json" rounds 2
   expect_json "$tmp/out.json" rounds_lower_bound 2
+  expect_json "$tmp/out.json" link_time 2
+  expect_json "$tmp/out.json" link_time_lower_bound 2
   expect_json "$tmp/out.json" ranks 5
   expect_json "$tmp/out.json" ranks_assumed false
 else
@@ -61,6 +63,8 @@ grep -q '{"dst_rank":3,"dst_slot":3,"expert":0,"round":0,"src_rank":0,"src_slot"
   --half-duplex --json >"$tmp/out.json" || fail "half duplex failed"
 expect_json "$tmp/out.json" rounds 2
 expect_json "$tmp/out.json" rounds_lower_bound 2
+expect_json "$tmp/out.json" link_time 2
+expect_json "$tmp/out.json" link_time_lower_bound 2
 expect_json "$tmp/out.json" half_duplex true
 
 # SGLang's format without --ranks: one slot per rank is assumed, and said on stderr only.
@@ -75,6 +79,8 @@ grep -q -- "--ranks" "$tmp/err" || fail "no note about the assumed ranks: $(cat 
   --ranks 2 >"$tmp/table" 2>&1 || fail "table failed"
 grep -q "^ *total" "$tmp/table" || fail "no total row: $(cat "$tmp/table")"
 grep -q "rounds" "$tmp/table" || fail "no rounds column"
+grep -q "^link time [0-9]* against a lower bound of [0-9]*" "$tmp/table" \
+  || fail "no link time line: $(cat "$tmp/table")"
 
 # Errors: non-zero exit, a message naming the value on stderr, never an internal error.
 expect_error() {

@@ -138,3 +138,37 @@ def test_huge_values_raise_value_error():
     # The largest that fits still plans, with exact byte counts.
     most = (2**63 - 1) // 4
     assert eplb.plan_migration(old, old[:, ::-1], 2, 1, most)["totals"]["bytes_total"] == 4 * most
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_half_duplex_link_time(k):
+    # Half duplex: in every round a rank has at most k flows (a peer it reads from or serves),
+    # link_time is the sum over rounds of the largest flow between two ranks, at least its bound
+    # (the most reads one rank takes part in, over k), and every layer's figures sum to totals.
+    rng = np.random.default_rng(19)
+    w = rng.lognormal(0, 1.2, (3, 64)) * 100
+    old = eplb.rebalance_experts(w, 96, 8, 2, 16)[0]
+    new = eplb.rebalance_experts(w[::-1].copy(), 96, 8, 2, 16)[0]
+    plan = eplb.plan_migration(old, new, 16, 2, 10, peers_per_round=k, half_duplex=True)
+    check_plan(old, new, plan, 16, 2, 10, k)
+    link = bound = 0
+    for layer in plan["layers"]:
+        r = layer["reads"]
+        flows = {}
+        for src, dst, rnd in zip(r["src_rank"].tolist(), r["dst_rank"].tolist(),
+                                 r["round"].tolist()):
+            flows.setdefault(rnd, []).append((src, dst))
+        total = 0
+        for rnd, pairs in flows.items():
+            for g in range(16):
+                assert len({p for p in pairs if g in p}) <= k, (rnd, g)
+            total += max(np.unique([(min(p), max(p)) for p in pairs], axis=0,
+                                   return_counts=True)[1])
+        degree = np.bincount(np.concatenate([r["src_rank"], r["dst_rank"]]), minlength=16)
+        assert layer["link_time"] == total
+        assert layer["link_time_lower_bound"] == -(-degree.max() // k)
+        assert layer["link_time"] >= layer["link_time_lower_bound"]
+        link += total
+        bound += layer["link_time_lower_bound"]
+    assert plan["totals"]["link_time"] == link
+    assert plan["totals"]["link_time_lower_bound"] == bound

@@ -17,8 +17,11 @@ removed (the survivors are its first ranks), narrower or ``-1``-padded when rank
 sticky keeps the surviving ranks' slots. Older vLLM expected (phy2log, log2phy, logcnt) from the
 same call: ``rebalance_experts_with_maps`` and ``make_policy(legacy=True)`` give that.
 
+``schedule_migration_batches`` and ``schedule_migration_batches_for_layers`` are drop-ins for
+vLLM's migration scheduler (eplb.integrations.vllm_scheduler), with eplb's half-duplex schedule.
+
 ``plugin`` is the ``vllm.general_plugins`` entry point the package declares: it does nothing
-unless ``EPLB_VLLM_POLICY`` is set (see ``plugin``).
+unless ``EPLB_VLLM_POLICY`` or ``EPLB_VLLM_SCHEDULER`` is set (see ``plugin``).
 
 Invalid inputs raise ``PolicyError``: both an ``eplb.InvalidArgument`` (a ValueError) with
 eplb's message and an ``AssertionError``, which is what vLLM's own policy raises (bare asserts).
@@ -35,11 +38,23 @@ import numpy as np
 import eplb
 from eplb.integrations import (_integers, _is_torch, _like, _loads, _logical_maps, _numpy,
                                _policy_env)
+from eplb.integrations.vllm_scheduler import (  # vLLM's migration scheduler, eplb's schedule
+    ScheduleError, install as install_scheduler, install_from_env as _install_scheduler_from_env,
+    schedule_migration_batches, schedule_migration_batches_for_layers)
 
 __all__ = [
     "EplbPolicy", "PolicyError", "make_policy", "register", "plugin", "policy_from_env",
     "compute_logical_maps", "preserve_intragpu_slots", "logical_load", "save_load_window",
+    "MigrationFlow", "ScheduleError", "schedule_migration_batches",
+    "schedule_migration_batches_for_layers", "install_scheduler",
 ]
+
+
+def __getattr__(name):
+    if name == "MigrationFlow":  # vLLM's class where vLLM is importable, found on first use
+        from eplb.integrations import vllm_scheduler
+        return vllm_scheduler.MigrationFlow
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 _log = logging.getLogger(__name__)
 
@@ -294,11 +309,14 @@ def policy_from_env(environ=None):
 
 def plugin():
     """The ``vllm.general_plugins`` entry point the package declares (vLLM runs it in every
-    process it starts). With ``EPLB_VLLM_POLICY`` unset (or "off") it does nothing: installing
-    eplb changes nothing in vLLM. Set to a policy (see ``policy_from_env``), it registers that
-    policy as vLLM's "default" EPLB policy, the one name vLLM's config (and async EPLB)
-    accepts. Running it again is harmless. vLLM's own ``VLLM_PLUGINS`` allow-list (entry point
-    name "eplb") also keeps it out."""
+    process it starts). With ``EPLB_VLLM_POLICY`` and ``EPLB_VLLM_SCHEDULER`` unset (or "off")
+    it does nothing: installing eplb changes nothing in vLLM. ``EPLB_VLLM_POLICY`` set to a
+    policy (see ``policy_from_env``) registers that policy as vLLM's "default" EPLB policy, the
+    one name vLLM's config (and async EPLB) accepts. ``EPLB_VLLM_SCHEDULER=eplb`` puts eplb's
+    migration schedule in place of vLLM's (eplb.integrations.vllm_scheduler.install). Running
+    it again is harmless. vLLM's own ``VLLM_PLUGINS`` allow-list (entry point name "eplb") also
+    keeps it out. A value it does not know raises eplb.InvalidArgument naming the variable."""
+    _install_scheduler_from_env()
     cls = policy_from_env()
     if cls is None:
         return None

@@ -5,6 +5,10 @@
 #   - runs vLLM's own tests/distributed/test_eplb_algo.py, unchanged, with eplb registered through
 #     its vllm.general_plugins entry point: EPLB_VLLM_POLICY=deepseek must pass every test,
 #     sticky and balanced every test but test_basic_rebalance (it pins DeepSeek's exact output);
+#   - runs vLLM's own tests/distributed/test_eplb_migration_scheduler.py, unchanged, with vLLM's
+#     scheduler (EPLB_VLLM_SCHEDULER unset: nothing changes) and with eplb's in its place
+#     (EPLB_VLLM_SCHEDULER=eplb): every test but test_schedule_migration_batches_is_deterministic,
+#     which pins vLLM's exact batches (docs/integrations.md);
 #   - runs scripts/conformance/sglang_check.py: SGLang's dispatcher and
 #     ExpertLocationMetadata.init_by_eplb with eplb installed, against SGLang's own outputs;
 #   - prints the versions it ran against.
@@ -107,6 +111,33 @@ PY
       failed=1
     fi
   done
+
+  # The migration scheduler (vLLM 0.34 and later), with vLLM's own and with eplb's in its place.
+  scheduler_tests=$src/tests/distributed/test_eplb_migration_scheduler.py
+  if [ -f "$scheduler_tests" ]; then
+    mkdir -p "$work/vllm-scheduler-tests"
+    cp "$scheduler_tests" "$work/vllm-scheduler-tests/"
+    cp "$root/scripts/conformance/vllm_scheduler_conftest.py" \
+      "$work/vllm-scheduler-tests/conftest.py"
+    for scheduler in vllm eplb; do
+      deselect=()
+      [ "$scheduler" = vllm ] || deselect=(--deselect \
+        test_eplb_migration_scheduler.py::test_schedule_migration_batches_is_deterministic)
+      if (cd "$work/vllm-scheduler-tests" && EPLB_VLLM_SCHEDULER=$scheduler PYTHONPATH="$src" \
+            "$venv/bin/python" -m pytest -q -p no:cacheprovider test_eplb_migration_scheduler.py \
+            "${deselect[@]}" 2>&1 | tee "$work/vllm-scheduler-$scheduler.log" | tail -n 3); then
+        scope="every test"
+        [ ${#deselect[@]} -eq 0 ] || scope="every test but test_schedule_migration_batches_is_deterministic"
+        echo "vllm $vllm_version test_eplb_migration_scheduler.py, EPLB_VLLM_SCHEDULER=$scheduler: $scope passed"
+      else
+        echo "vllm $vllm_version test_eplb_migration_scheduler.py, EPLB_VLLM_SCHEDULER=$scheduler: FAILED"
+        failed=1
+      fi
+    done
+  else
+    echo "vllm $vllm_version has no tests/distributed/test_eplb_migration_scheduler.py (it" \
+         "predates the migration scheduler): eplb's drop-in for it was not checked"
+  fi
 fi
 
 if [ "$only" != vllm ]; then

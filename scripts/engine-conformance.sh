@@ -120,17 +120,20 @@ PY
     cp "$root/scripts/conformance/vllm_scheduler_conftest.py" \
       "$work/vllm-scheduler-tests/conftest.py"
     for scheduler in vllm eplb; do
-      deselect=()
-      [ "$scheduler" = vllm ] || deselect=(--deselect \
-        test_eplb_migration_scheduler.py::test_schedule_migration_batches_is_deterministic)
-      if (cd "$work/vllm-scheduler-tests" && EPLB_VLLM_SCHEDULER=$scheduler PYTHONPATH="$src" \
+      deselect=() setting=(env -u EPLB_VLLM_SCHEDULER) label="EPLB_VLLM_SCHEDULER unset"
+      if [ "$scheduler" = eplb ]; then
+        deselect=(--deselect
+          test_eplb_migration_scheduler.py::test_schedule_migration_batches_is_deterministic)
+        setting=(env EPLB_VLLM_SCHEDULER=eplb) label="EPLB_VLLM_SCHEDULER=eplb"
+      fi
+      if (cd "$work/vllm-scheduler-tests" && "${setting[@]}" PYTHONPATH="$src" \
             "$venv/bin/python" -m pytest -q -p no:cacheprovider test_eplb_migration_scheduler.py \
             "${deselect[@]}" 2>&1 | tee "$work/vllm-scheduler-$scheduler.log" | tail -n 3); then
         scope="every test"
         [ ${#deselect[@]} -eq 0 ] || scope="every test but test_schedule_migration_batches_is_deterministic"
-        echo "vllm $vllm_version test_eplb_migration_scheduler.py, EPLB_VLLM_SCHEDULER=$scheduler: $scope passed"
+        echo "vllm $vllm_version test_eplb_migration_scheduler.py, $label: $scope passed"
       else
-        echo "vllm $vllm_version test_eplb_migration_scheduler.py, EPLB_VLLM_SCHEDULER=$scheduler: FAILED"
+        echo "vllm $vllm_version test_eplb_migration_scheduler.py, $label: FAILED"
         failed=1
       fi
     done

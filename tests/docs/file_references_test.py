@@ -36,6 +36,7 @@ ROOT = os.path.abspath(sys.argv[1] if len(sys.argv) > 1 else
 # Names of other projects' files that look like this tree's, cited for what they are.
 FOREIGN = {
     "tests/distributed/test_eplb_algo.py": "vLLM's test of its EPLB policies",
+    "tests/distributed/test_eplb_migration_scheduler.py": "vLLM's test of its migration scheduler",
     "redis_store.h": "gloo's Redis store header",
     "class.h": "pybind11's",
 }

@@ -31,7 +31,8 @@ experts: a vLLM batch lasts as long as its largest flow; duplex: the largest flo
 bound (per layer, the most transfers one rank takes part in under the schedule's own sources:
 in plus out, or for duplex the larger of in and out); the link time against vLLM's, and the
 layers where it is longer than vLLM's; the CPU time to schedule every layer against vLLM's
-schedule_migration_batches_for_layers (best of --repeat runs).
+schedule_migration_batches_for_layers (best of --repeat runs). Last, the duplex schedule's rounds
+beside their lower bound (eplb keeps them at it), summed over every layer.
 """
 
 import argparse
@@ -141,6 +142,8 @@ def main():
           "layers longer than vLLM | time to schedule vs vLLM |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     grand = {n: np.zeros(4, dtype=np.int64) for n in names}
+    duplex_rounds = np.zeros(3, dtype=np.int64)  # rounds, their lower bound, layers at it
+    total_layers = 0
     valid = True
     for chain, files in chains.items():
         loads = [read_load(f) for f in files]
@@ -178,7 +181,11 @@ def main():
                               f"{figures['vLLM'][0]}) or has a rank with two flows in a round")
                     sums[n] += (transfers, rounds, link, bound)
                     longer[n] += n != "eplb duplex" and link > figures["vLLM"][2]
+                duplex = out["eplb duplex"]["layers"][li]
+                duplex_rounds += (duplex["rounds"], duplex["rounds_lower_bound"],
+                                  duplex["rounds"] == duplex["rounds_lower_bound"])
                 layers += 1
+        total_layers += layers
         for n in names:
             transfers, rounds, link, bound = sums[n].tolist()
             vs = link / max(sums["vLLM"][2], 1)
@@ -193,6 +200,9 @@ def main():
         link, bound = grand[n][2], grand[n][3]
         print(f"{n}: link time {link / v:.3f}x vLLM's, {link / max(bound, 1):.3f}x its per-rank "
               f"bound (vLLM: {v / max(grand['vLLM'][3], 1):.3f}x its own)")
+    rounds, rounds_bound, at_bound = duplex_rounds.tolist()
+    print(f"eplb duplex: {rounds} rounds, lower bound {rounds_bound} (no schedule of "
+          f"these reads has fewer), at it on {at_bound} of {total_layers} layers")
     if not valid:
         sys.exit("a schedule broke the contract (see above)")
 

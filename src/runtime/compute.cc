@@ -41,7 +41,7 @@ double served_balancedness(const LoadMatrix& load, const Placement& p, const Lay
 
 RebalancePlan make_plan(std::span<const int64_t> window, std::span<const int32_t> current,
                         const Config& config, int64_t expert_bytes,
-                        const ElasticInputs& elastic) {
+                        const ElasticInputs& elastic, const Placement* proposed) {
   const Layout& layout = config.layout;
   const int64_t layers = static_cast<int64_t>(current.size()) / layout.physical;
   const int64_t spr = layout.slots_per_rank();
@@ -57,7 +57,7 @@ RebalancePlan make_plan(std::span<const int64_t> window, std::span<const int32_t
     total += load.values[i];
   }
   const Placement before = placement_of(current, layout, layers);
-  if (total <= 0 && elastic.repair) {
+  if (total <= 0 && (elastic.repair || proposed != nullptr)) {
     std::fill(load.values.begin(), load.values.end(), 1.0);
     total = static_cast<double>(load.values.size());
   }
@@ -75,20 +75,21 @@ RebalancePlan make_plan(std::span<const int64_t> window, std::span<const int32_t
 
   // Step 2: the new placement over the members' seats, and the predicted gain.
   // A repair moves as few slots as it can (sticky against what the members hold), so that lost
-  // experts come back sooner; the configured policy takes over at the next interval.
+  // experts come back sooner; the configured policy takes over at the next interval. A
+  // placement proposed from outside takes the policy's place.
   placement::PolicyOptions options = config.placement;
   if (elastic.repair) options.policy = placement::Policy::kSticky;
   options.previous = &before;
   if (static_cast<int64_t>(elastic.members.size()) < layout.ranks) {
     options.live_ranks = elastic.members;
   }
-  const Placement after = placement::place(load, layout, options);
+  const Placement after = proposed != nullptr ? *proposed : placement::place(load, layout, options);
   // Over the slots that serve: the members', and before the move only the usable ones.
   plan.balancedness_before =
       served_balancedness(load, before, layout, elastic.members, elastic.usable);
   plan.balancedness_after = served_balancedness(load, after, layout, elastic.members, {});
   const double gain = plan.balancedness_after - plan.balancedness_before;
-  if (gain < config.min_gain && !elastic.repair) {
+  if (gain < config.min_gain && !elastic.repair && proposed == nullptr) {
     plan.skipped = true;
     plan.skip_reason = detail::concat("predicted balancedness gain ", gain, " (",
                                       plan.balancedness_before, " -> ", plan.balancedness_after,
@@ -149,7 +150,8 @@ RebalancePlan make_plan(std::span<const int64_t> window, std::span<const int32_t
     }
     if (plan.moved_layers.empty()) {
       plan.skipped = true;
-      plan.skip_reason = "the new placement equals the current one";
+      plan.skip_reason = proposed != nullptr ? "the proposed placement equals the one in force"
+                                             : "the new placement equals the current one";
     }
   }
   plan.placement_ms =

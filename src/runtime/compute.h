@@ -48,8 +48,10 @@ struct RebalancePlan {
 };
 
 // window: summed loads of all ranks [layers][experts]; current: phy2log in force [layers][physical].
+// proposed: a placement computed elsewhere (Rebalancer::propose), planned instead of placing
+// with the configured policy; it is never skipped for min_gain (the engine's policy decided).
 RebalancePlan make_plan(std::span<const int64_t> window, std::span<const int32_t> current,
                         const Config& config, int64_t expert_bytes,
-                        const ElasticInputs& elastic = {});
+                        const ElasticInputs& elastic = {}, const Placement* proposed = nullptr);
 
 }  // namespace eplb::runtime

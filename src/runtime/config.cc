@@ -137,9 +137,11 @@ void WeightSpec::validate() const {
 
 void Config::validate() const {
   layout.validate();
-  if (interval < 1) fail("interval ", interval, " must be at least 1 step");
+  if (interval < 0 || interval > kMaxSteps) {
+    fail("interval ", interval, " is outside [0, ", kMaxSteps,
+         "] steps (0: no rebalance of the runtime's own, only proposed placements and repairs)");
+  }
   if (window < 1) fail("window ", window, " must be at least 1 step");
-  if (interval > kMaxSteps) fail("interval ", interval, " is outside [1, ", kMaxSteps, "] steps");
   if (window > kMaxSteps) fail("window ", window, " is outside [1, ", kMaxSteps, "] steps");
   if (backup.copies < 0 || backup.copies > layout.ranks) {
     fail("backup copies ", backup.copies, " is outside [0, ", layout.ranks,

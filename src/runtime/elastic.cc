@@ -94,6 +94,11 @@ void Rebalancer::Impl::reconfigure(control::Communicator& communicator,
   }
   agreements_.clear();
   contribution_.store(kNoAgreement, std::memory_order_release);
+  // A proposal not started yet was made for the old group: the engine proposes again.
+  if (proposals_.take()) {
+    spdlog::warn("eplb runtime rank {}: reconfigure() at step {} drops the placement proposed "
+                 "for the old group; propose again for the new one", seat_, step_);
+  }
   if (!joining) wait_worker_idle();
   // Until the new group is in place no rebalance may start: a reconfigure that throws below
   // leaves the Rebalancer serving its tables, waiting for another reconfigure().
@@ -352,6 +357,16 @@ void Rebalancer::Impl::exchange_membership(const Membership& membership, bool jo
   records_.set_next_index(next_index);
   published_step_.store(step_, std::memory_order_release);
   const Placement now = placement();
+  // Maps numbered as the old members' slots say nothing true of the new group's (an engine
+  // that re-slices its maps binds the new views next).
+  if (const std::vector<std::string> names = maps_.unbind_other_members(compact_slots());
+      !names.empty()) {
+    std::string list;
+    for (const std::string& name : names) list += (list.empty() ? "" : ", ") + name;
+    spdlog::info("eplb runtime rank {}: the maps bound at the old group's width ({}) are no "
+                 "longer written; bind_maps() again with views of the new group's width",
+                 seat_, list);
+  }
   for (int64_t l = 0; l < layers_; ++l) {
     tables_[l] = build_tables(now, l, false);
     write_maps(l);

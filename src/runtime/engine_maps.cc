@@ -75,45 +75,99 @@ void check_shape(const IntTensor& t, const std::string& name, std::vector<int64_
   }
 }
 
+
+// Whether a [layers][width] tensor is at the layout's width (false) or the members' (true);
+// InvalidArgument otherwise, naming both.
+bool compact_width(const IntTensor& t, const std::string& name, int64_t layers,
+                   const Layout& layout, const CompactSlots& compact, const char* words) {
+  const int64_t P = layout.physical;
+  const bool two = t.shape.size() == 2 && t.shape[0] == layers;
+  const bool narrow = two && t.shape[1] != P && t.shape[1] == compact.width();
+  if (!narrow && two && t.shape[1] != P && compact.width() != P) {
+    fail(name, " is ", t.describe(), ", expected [", layers, ", ", P, "] (", words, ") or [",
+         layers, ", ", compact.width(), "] (the slots of the group's ",
+         compact.width() / layout.slots_per_rank(), " members, in seat order)");
+  }
+  check_shape(t, name, {layers, narrow ? compact.width() : P}, words);
+  return narrow;
+}
+
 }  // namespace
 
-void EngineMaps::bind(std::vector<MapBinding> maps, int64_t layers, const Layout& layout) {
+void EngineMaps::bind(std::vector<MapBinding> maps, int64_t layers, const Layout& layout,
+                      const CompactSlots& members) {
   const int64_t E = layout.experts, P = layout.physical;
-  const int64_t most = P - E + 1;  // the most replicas a placement can give one expert
+  // The call's numbering: its physical_to_logical tensors' widths say it.
+  bool narrow = false;
+  for (const MapBinding& m : maps) {
+    if (m.kind == MapKind::kPhysicalToLogical) {
+      const std::string name = m.name.empty() ? std::string(map_kind_name(m.kind)) : m.name;
+      narrow = compact_width(m.tensor, name, layers, layout, members, "layers, physical slots");
+      break;
+    }
+  }
+  const int64_t width = narrow ? members.width() : P;
+  const int64_t most = width - E + 1;  // the most replicas a placement can give one expert
   for (MapBinding& m : maps) {
     if (m.name.empty()) m.name = std::string(map_kind_name(m.kind));
     switch (m.kind) {
       case MapKind::kPhysicalToLogical:
-        check_shape(m.tensor, m.name, {layers, P}, "layers, physical slots");
+        if (compact_width(m.tensor, m.name, layers, layout, members, "layers, physical slots") !=
+            narrow) {
+          fail(m.name, " is ", m.tensor.describe(), ", but another physical_to_logical tensor of "
+               "this call is ", width, " slots wide: bind the maps of one numbering together");
+        }
         break;
       case MapKind::kLogicalToPhysical:
         check_shape(m.tensor, m.name, {layers, E, -1}, "layers, experts, R");
         if (m.tensor.size(2) < most) {
           fail(m.name, " is ", m.tensor.describe(), ": R = ", m.tensor.size(2), " columns, but a "
-               "placement of ", P, " slots for ", E, " experts can give one expert ", most,
+               "placement of ", width, " slots for ", E, " experts can give one expert ", most,
                " replicas; R must be at least ", most, " (physical - experts + 1: vLLM sizes it "
                "num_redundant_experts + 1)");
         }
         break;
       case MapKind::kReplicaCount:
-        check_shape(m.tensor, m.name, {layers, E}, "layers, experts");
-        break;
       case MapKind::kRankDispatch:
         check_shape(m.tensor, m.name, {layers, E}, "layers, experts");
         break;
     }
   }
-  maps_ = std::move(maps);
+  std::vector<Bound> bound;
+  for (MapBinding& m : maps) {
+    bound.push_back({std::move(m), narrow ? std::optional<CompactSlots>(members) : std::nullopt});
+  }
+  maps_ = std::move(bound);
+}
+
+std::vector<std::string> EngineMaps::unbind_other_members(const CompactSlots& members) {
+  std::vector<std::string> names;
+  std::vector<Bound> kept;
+  for (Bound& b : maps_) {
+    if (!b.compact || *b.compact == members) {
+      kept.push_back(std::move(b));
+    } else {
+      names.push_back(b.map.name);
+    }
+  }
+  maps_ = std::move(kept);
+  return names;
 }
 
 void EngineMaps::write(int64_t layer, std::span<const int32_t> phy2log,
                        const routing::DispatchTables& tables, int rank) const {
-  for (const MapBinding& m : maps_) {
-    const IntTensor& t = m.tensor;
-    switch (m.kind) {
+  for (const Bound& b : maps_) {
+    const IntTensor& t = b.map.tensor;
+    // A slot of the tables in the tensor's numbering (-1 stays -1; the tables name no slot of a
+    // seat that is no member once the group changed).
+    const auto slot_of = [&](int64_t slot) {
+      return slot < 0 || !b.compact ? slot : b.compact->compact_slot(slot);
+    };
+    switch (b.map.kind) {
       case MapKind::kPhysicalToLogical:
-        for (size_t p = 0; p < phy2log.size(); ++p) {
-          store(t, t.offset({layer, static_cast<int64_t>(p)}), phy2log[p]);
+        for (int64_t i = 0; i < t.size(1); ++i) {
+          const int64_t slot = b.compact ? b.compact->seat_slot(i) : i;
+          store(t, t.offset({layer, i}), phy2log[static_cast<size_t>(slot)]);
         }
         break;
       case MapKind::kLogicalToPhysical:
@@ -122,7 +176,7 @@ void EngineMaps::write(int64_t layer, std::span<const int32_t> phy2log,
           const int64_t width = t.size(2);
           for (int64_t i = 0; i < width; ++i) {
             const int64_t slot = i < static_cast<int64_t>(replicas.size()) ? replicas[i] : -1;
-            store(t, t.offset({layer, e, i}), slot);
+            store(t, t.offset({layer, e, i}), slot_of(slot));
           }
         }
         break;
@@ -133,7 +187,7 @@ void EngineMaps::write(int64_t layer, std::span<const int32_t> phy2log,
         break;
       case MapKind::kRankDispatch:
         for (int64_t e = 0; e < tables.experts; ++e) {
-          store(t, t.offset({layer, e}), tables.static_slot[rank * tables.experts + e]);
+          store(t, t.offset({layer, e}), slot_of(tables.static_slot[rank * tables.experts + e]));
         }
         break;
     }
@@ -141,12 +195,18 @@ void EngineMaps::write(int64_t layer, std::span<const int32_t> phy2log,
 }
 
 void read_pass_counts(const IntTensor& counts, CountsOf of, int64_t layers, const Layout& layout,
-                      std::span<const int32_t> phy2log, std::span<int64_t> logical) {
+                      const CompactSlots& compact, std::span<const int32_t> phy2log,
+                      std::span<int64_t> logical) {
   const int64_t E = layout.experts, P = layout.physical;
-  const int64_t width = of == CountsOf::kSlots ? P : E;
-  check_shape(counts, "record_pass: counts", {layers, width},
-              of == CountsOf::kSlots ? "layers, physical slots: tokens per slot"
-                                     : "layers, experts: tokens per logical expert");
+  bool narrow = false;
+  if (of == CountsOf::kSlots) {
+    narrow = compact_width(counts, "record_pass: counts", layers, layout, compact,
+                           "layers, physical slots: tokens per slot");
+  } else {
+    check_shape(counts, "record_pass: counts", {layers, E},
+                "layers, experts: tokens per logical expert");
+  }
+  const int64_t width = counts.size(1);
   // Every count is checked before any is added: an error leaves nothing half recorded.
   for (int64_t l = 0; l < layers; ++l) {
     for (int64_t i = 0; i < width; ++i) {
@@ -160,7 +220,8 @@ void read_pass_counts(const IntTensor& counts, CountsOf of, int64_t layers, cons
   for (int64_t l = 0; l < layers; ++l) {
     for (int64_t i = 0; i < width; ++i) {
       const int64_t c = load(counts, counts.offset({l, i}));
-      const int64_t e = of == CountsOf::kSlots ? phy2log[l * P + i] : i;
+      const int64_t slot = narrow ? compact.seat_slot(i) : i;
+      const int64_t e = of == CountsOf::kSlots ? phy2log[l * P + slot] : i;
       logical[l * E + e] += c;
     }
   }

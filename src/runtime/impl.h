@@ -40,6 +40,7 @@
 #include "runtime/in_flight.h"
 #include "runtime/runtime_metrics.h"
 #include "runtime/monitor.h"
+#include "runtime/proposal.h"
 #include "runtime/record_book.h"
 #include "runtime/stage.h"
 #include "runtime/testing.h"
@@ -64,6 +65,7 @@ class Rebalancer::Impl {
   void record_counts(int64_t layer, std::span<const int64_t> counts);
   void record_pass(const IntTensor& counts, CountsOf of);
   void bind_maps(std::vector<MapBinding> maps);
+  void propose(const Placement& placement);
   const routing::DispatchTables& dispatch(int64_t layer) const;
   std::span<std::byte> weights(int64_t layer, int64_t tensor) const;
   std::span<std::byte> slot_weights(int64_t layer, int64_t tensor, int64_t slot) const;
@@ -114,6 +116,7 @@ class Rebalancer::Impl {
   void wait_worker_idle();
   // Trigger and records (trigger.cc, records.cc).
   bool should_trigger() const;
+  CompactSlots compact_slots() const;
   void open_record();
   void fill_plan_figures(const RebalancePlan& plan);
   void close_open(std::optional<Failure> raise);
@@ -198,6 +201,7 @@ class Rebalancer::Impl {
   int64_t step_ = 0;
   int64_t installed_total_ = 0;
   bool shut_down_ = false;
+  Proposals proposals_;                      // a placement proposed for the next step_end
   std::shared_ptr<Active> active_;           // the rebalance in flight (in_flight.h)
   std::deque<PendingAgreement> agreements_;  // by step
   RecordBook records_;                       // its record, and the history (any thread)

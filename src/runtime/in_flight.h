@@ -9,8 +9,10 @@
 #include <future>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <vector>
 
+#include "eplb/core/types.h"
 #include "runtime/arena.h"
 #include "runtime/compute.h"
 #include "runtime/control_thread.h"
@@ -30,6 +32,10 @@ struct Active {
   ElasticInputs elastic;                 // members, usable slots, backups at the trigger
   // The window all-reduce: the worker waits on it (and the monitor, to measure the window).
   std::shared_future<CollectiveResult> window;
+  // A placement proposed from outside (proposal.h), and the all-reduce that proves every rank
+  // proposed it: the worker plans it instead of placing.
+  std::optional<Placement> proposed;
+  std::shared_future<CollectiveResult> proposal_check;
 
   // Progress this rank contributes to the agreement: -1 - rank after a failure, 0 while
   // the placement is computed, 1 + the number of moved layers staged.

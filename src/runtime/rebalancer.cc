@@ -60,6 +60,7 @@ Rebalancer::Impl::Impl(Config config, WeightSpec spec, int seat, const Placement
       map_(spec_.layers),
       external_(config_.lag) {
   const Layout& layout = config_.layout;
+  // 0: every interval (never with interval 0, no rebalance of the runtime's own).
   balancedness_period_ = config_.balancedness_period == 0 ? config_.interval
                                                           : std::max<int64_t>(
                                                                 config_.balancedness_period, 0);
@@ -130,7 +131,7 @@ void Rebalancer::Impl::record_pass(const IntTensor& counts, CountsOf of) {
          "step_end(); nothing of this call was counted)");
   }
   pass_counts_.resize(static_cast<size_t>(layers_ * E));
-  read_pass_counts(counts, of, layers_, config_.layout, phy2log_, pass_counts_);
+  read_pass_counts(counts, of, layers_, config_.layout, compact_slots(), phy2log_, pass_counts_);
   // The recorder refuses a step count past its limit layer by layer; checked here for every
   // layer first, so an error counts nothing.
   const std::span<const int64_t> open = recorder_.current();
@@ -148,7 +149,7 @@ void Rebalancer::Impl::record_pass(const IntTensor& counts, CountsOf of) {
 }
 
 void Rebalancer::Impl::bind_maps(std::vector<MapBinding> maps) {
-  maps_.bind(std::move(maps), layers_, config_.layout);
+  maps_.bind(std::move(maps), layers_, config_.layout, compact_slots());
   for (int64_t l = 0; l < layers_; ++l) write_maps(l);
 }
 
@@ -439,6 +440,7 @@ void Rebalancer::record_pass(const IntTensor& counts, CountsOf of) {
 }
 
 void Rebalancer::bind_maps(std::vector<MapBinding> maps) { impl_->bind_maps(std::move(maps)); }
+void Rebalancer::propose(const Placement& placement) { impl_->propose(placement); }
 const routing::DispatchTables& Rebalancer::dispatch(int64_t layer) const {
   return impl_->dispatch(layer);
 }

@@ -22,9 +22,18 @@ void Rebalancer::Impl::step_end_sync() {
   open_record();
   std::vector<int64_t> window(static_cast<size_t>(layers_ * config_.layout.experts));
   recorder_.snapshot_window(window);
+  std::optional<Proposals::Queued> proposed = proposals_.take();
+  std::vector<int64_t> check;
   try {
-    window = await(control_->all_reduce(std::move(window), control::ReduceOp::kSum,
-                                        config_.timeout, installs_done()));
+    std::future<CollectiveResult> sum = control_->all_reduce(
+        std::move(window), control::ReduceOp::kSum, config_.timeout, installs_done());
+    std::future<CollectiveResult> max;
+    if (proposed) {  // right behind the window, as in async mode (proposal.h)
+      max = control_->all_reduce(agreement_values(proposed->placement, proposed->step),
+                                 control::ReduceOp::kMax, config_.timeout);
+    }
+    window = await(std::move(sum));
+    if (proposed) check = await(std::move(max));
     sync_window_ = window;
   } catch (...) {
     control_broken_.store(true, std::memory_order_release);
@@ -38,8 +47,10 @@ void Rebalancer::Impl::step_end_sync() {
   std::optional<Failure> local;
   progress_.note(records_.open->index, Phase::kPlacement);
   try {
+    if (proposed) check_agreed(check, proposed->placement);
     if (delay_hook_) delay_hook_(DelayPoint::kPlacement);
-    plan = make_plan(window, phy2log_, config_, spec_.expert_bytes(), elastic_inputs());
+    plan = make_plan(window, phy2log_, config_, spec_.expert_bytes(), elastic_inputs(),
+                     proposed ? &proposed->placement : nullptr);
   } catch (...) {
     local = Failure::current();
   }

@@ -29,12 +29,14 @@ bool Rebalancer::Impl::should_trigger() const {
   if (control_broken() || records_.open) return false;
   // A repair starts at once after reconfigure(); after a failed one, again at the next interval
   // (a loader that keeps failing must not cost a collective and a warning at every step).
-  const bool at_interval = step_ > 0 && step_ % config_.interval == 0;
-  return (repair_pending_ && !repair_failed_) || at_interval;
+  // Interval 0: no rebalance of the runtime's own (an engine that proposes its placements).
+  const bool at_interval = config_.interval > 0 && step_ > 0 && step_ % config_.interval == 0;
+  return (repair_pending_ && !repair_failed_) || at_interval || proposals_.pending();
 }
 
 void Rebalancer::Impl::open_record() {
   records_.start(step_, repair_pending_);
+  records_.open->proposed = proposals_.pending();
   progress_.start(records_.open->index, step_);
   metrics_->set_age_steps(0);
 }
@@ -58,6 +60,13 @@ void Rebalancer::Impl::trigger_async() {
   a->window = control_->all_reduce(std::move(window), control::ReduceOp::kSum,
                                    config_.timeout, installs_done())
                   .share();
+  // A proposal: the check that every rank proposed it, right behind the window (proposal.h).
+  if (std::optional<Proposals::Queued> queued = proposals_.take()) {
+    a->proposal_check = control_->all_reduce(agreement_values(queued->placement, queued->step),
+                                             control::ReduceOp::kMax, config_.timeout)
+                            .share();
+    a->proposed = std::move(queued->placement);
+  }
   a->current_phy2log = phy2log_;
   a->map = map_;
   a->elastic = elastic_inputs();

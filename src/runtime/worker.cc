@@ -120,8 +120,17 @@ void Rebalancer::Impl::run_job(Active& a) {
     const std::vector<int64_t> window = std::move(result).take();
     if (cancelled()) return;
     progress_.note(a.index, Phase::kPlacement);
+    if (a.proposed) {  // every rank proposed this very placement, or every rank fails here
+      while (a.proposal_check.wait_for(std::chrono::milliseconds(2)) !=
+             std::future_status::ready) {
+        if (cancelled()) return;
+      }
+      CollectiveResult check = a.proposal_check.get();
+      check_agreed(std::move(check).take(), *a.proposed);
+    }
     if (delay_hook_) delay_hook_(DelayPoint::kPlacement);
-    a.plan = make_plan(window, a.current_phy2log, config_, spec_.expert_bytes(), a.elastic);
+    a.plan = make_plan(window, a.current_phy2log, config_, spec_.expert_bytes(), a.elastic,
+                       a.proposed ? &*a.proposed : nullptr);
     progress_.note(a.index, Phase::kAgreeing);
     a.progress.store(1, std::memory_order_release);
     if (a.plan.skipped) return;

@@ -211,7 +211,7 @@ def test_initial_placement_forms(tmp_path):
     ({"policy": "best"}, "best"),
     ({"mode": "later"}, "choose async or sync"),
     ({"install": "move"}, "choose swap or copy"),
-    ({"interval": 0}, "interval 0 must be at least 1"),
+    ({"interval": -1}, r"interval -1 is outside \[0, "),
     ({"lag": "2"}, "must be an integer"),
     ({"thorough": 1}, r"config\['thorough'\] must be True or False"),
     ({"thorough": True}, "thorough applies to the balanced and sticky policies, not deepseek"),

@@ -81,8 +81,9 @@ class LoadSourceState {
       if (scenario_.counters != Scenario::Counters::kPerLayer) record_pass(rb);
       return;
     }
-    // Zipf-like weights over a permutation that depends on the phase and the layer.
-    const int64_t phase = step / (2 * scenario_.config.interval);
+    // Zipf-like weights over a permutation that depends on the phase and the layer (interval
+    // 0, no rebalance of the runtime's own: a phase of 8 steps).
+    const int64_t phase = step / (2 * std::max<int64_t>(scenario_.config.interval, 4));
     std::vector<int64_t> counts(static_cast<size_t>(experts));
     for (int64_t l = 0; l < layers; ++l) {
       for (int64_t e = 0; e < experts; ++e) {
@@ -543,6 +544,14 @@ RankResult run_rank(const Scenario& s, int rank, const std::string& rendezvous,
         std::fflush(stdout);
         std::fflush(stderr);
         ::kill(::getpid(), SIGKILL);
+      }
+    }
+    if (s.before_step_end) {
+      std::string line = s.before_step_end(rb, rank, step);
+      if (line.rfind("error: ", 0) == 0) {
+        result.errors.push_back(detail::concat("rank ", rank, " step ", step, ": ", line));
+      } else if (!line.empty()) {
+        result.log.push_back(std::move(line));
       }
     }
     try {

@@ -14,6 +14,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -74,6 +75,10 @@ struct Scenario {
   // counters recorded once per pass with record_pass, per slot or per expert.
   bool engine_maps = false;
   enum class Counters { kPerLayer, kPassSlots, kPassExperts } counters = Counters::kPerLayer;
+  // The engine's own calls on every rank before each step_end() (propose(), say); a line it
+  // returns goes into the rank's log, which is compared across ranks, or into its errors when
+  // it starts with "error: ".
+  std::function<std::string(Rebalancer& rb, int rank, int64_t step)> before_step_end;
 };
 
 struct RankResult {

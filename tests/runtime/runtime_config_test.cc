@@ -124,8 +124,11 @@ TEST(RuntimeConfig, RejectsBadValuesWithTheRule) {
   c.lag = 0;
   EXPECT_NE(message(c).find("lag 0"), std::string::npos);
   c = one_rank_config();
-  c.interval = 0;
-  EXPECT_NE(message(c).find("interval 0"), std::string::npos);
+  c.interval = -1;
+  EXPECT_NE(message(c).find("interval -1 is outside [0, "), std::string::npos);
+  c = one_rank_config();
+  c.interval = 0;  // no rebalance of the runtime's own: proposals and repairs only
+  EXPECT_EQ(message(c), "");
   c = one_rank_config();
   c.peers_per_round = 0;
   EXPECT_NE(message(c).find("peers_per_round 0"), std::string::npos);

@@ -121,15 +121,41 @@ class Rebalancer {
   void record_counts(int64_t layer, std::span<const int64_t> counts);
   // One forward pass of the engine's own counters, all layers at once (engine_maps.h): tokens
   // per slot ([layers][physical], counted for the expert each slot holds now) or per logical
-  // expert ([layers][experts]). Read in place, once per step: a second call before step_end(),
+  // expert ([layers][experts]); per slot also at the members' width after a reconfigure() to
+  // fewer seats (bind_maps()). Read in place, once per step: a second call before step_end(),
   // a wrong shape or a negative count is InvalidArgument, and nothing of that call is counted.
   void record_pass(const IntTensor& counts, CountsOf of);
   // Binds the engine's map tensors (engine_maps.h) in place of any bound before, and writes
   // every layer's rows now. From then on eplb writes a layer's rows at the step it installs
   // that layer (the same step on every rank, so every rank's tensors are the same after every
   // step, kRankDispatch excepted: it is this rank's) and after reconfigure(); their storage
-  // never moves. InvalidArgument for a wrong shape (or R too small); nothing is bound then.
+  // never moves, and tensors bound before are never written again. After a reconfigure() to
+  // fewer seats an engine may bind views at the members' width (vLLM's elastic EP re-slices its
+  // physical_to_logical_map to the survivors' slots, renumbered): a call whose
+  // kPhysicalToLogical tensor is [layers][members x slots_per_rank] numbers every slot of its
+  // tensors that way (member g, in ascending seat order, owns [g * slots_per_rank, ...)). Such
+  // a binding is unbound (with a warning) by the next reconfigure() that changes the members.
+  // InvalidArgument for a wrong shape, a width neither the layout's nor the members', or R too
+  // small; nothing is bound then.
   void bind_maps(std::vector<MapBinding> maps);
+  // A placement computed elsewhere (the engine's own policy, a file `eplb plan` wrote): the
+  // next step_end() starts a rebalance that installs it instead of placing with the configured
+  // policy. The runtime plans the moves, stages them off the forward thread, agrees the install
+  // steps and installs layer by layer, exactly as for its own placements (never skipped for
+  // min_gain: the engine's policy decided; skipped when it equals the placement in force).
+  // `placement.phy2log` decides ([layers][physical]); its width is the layout's physical, or
+  // after a reconfigure() to fewer seats the members' slots (member g, in ascending seat order,
+  // at [g * slots_per_rank, ...): an engine's compact view); slots of seats that are no member
+  // keep what they hold. Every rank proposes the same placement at the same step (between the
+  // same two step_end() calls): the trigger proves it with one all-reduce, and a mismatch fails
+  // that rebalance on every rank, naming the first differing layer and slot (or the steps); a
+  // rank that does not propose while the others do leaves their collective without a partner
+  // (it fails at the timeout, as a rank that skipped a step_end()). A second call before the
+  // next step_end() replaces the first; reconfigure() drops a proposal not yet started.
+  // Forward thread. InvalidArgument, and nothing queued, for a wrong shape, an expert outside
+  // [0, experts) or a layer that leaves an expert without a member slot, while a rebalance is
+  // in flight (rebalancing()), or once the control plane is broken (control_broken()).
+  void propose(const Placement& placement);
   // The tables of `layer` now; valid until the next step_end() or reconfigure(). Only they say
   // which slots serve: after a rank is lost, phy2log() still names an expert in its slots.
   const routing::DispatchTables& dispatch(int64_t layer) const;

@@ -37,6 +37,7 @@ struct RebalanceRecord {
   int64_t bytes_installed = 0;     // bytes this rank's installs wrote into live weights
   int64_t bytes_restored = 0;      // bytes this rank restored from a backup (host copy or loader)
   bool repair = false;             // triggered by reconfigure(): lost or empty slots to fill
+  bool proposed = false;           // installs a placement proposed from outside (propose())
   int64_t steps = 0;               // end_step - trigger_step
   double seconds = 0;              // wall time from trigger to end on this rank
   double stall_total_ms = 0;       // this rank's forward thread in step_end, steps of this

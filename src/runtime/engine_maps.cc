@@ -107,7 +107,10 @@ void EngineMaps::bind(std::vector<MapBinding> maps, int64_t layers, const Layout
     }
   }
   const int64_t width = narrow ? members.width() : P;
-  const int64_t most = width - E + 1;  // the most replicas a placement can give one expert
+  // The most replicas the tables can give one expert: P - E + 1, at the members' width too
+  // (before a repair, the experts of the lost seats have no slot, so the members' slots may
+  // hold that many copies of the others; vLLM keeps its R through elastic EP).
+  const int64_t most = P - E + 1;
   for (MapBinding& m : maps) {
     if (m.name.empty()) m.name = std::string(map_kind_name(m.kind));
     switch (m.kind) {
@@ -122,7 +125,7 @@ void EngineMaps::bind(std::vector<MapBinding> maps, int64_t layers, const Layout
         check_shape(m.tensor, m.name, {layers, E, -1}, "layers, experts, R");
         if (m.tensor.size(2) < most) {
           fail(m.name, " is ", m.tensor.describe(), ": R = ", m.tensor.size(2), " columns, but a "
-               "placement of ", width, " slots for ", E, " experts can give one expert ", most,
+               "placement of ", P, " slots for ", E, " experts can give one expert ", most,
                " replicas; R must be at least ", most, " (physical - experts + 1: vLLM sizes it "
                "num_redundant_experts + 1)");
         }

@@ -411,7 +411,7 @@ TEST(Rebind, MapsOfTheMembersWidthAfterAReconfigure) {
           }
         }
         const std::vector<int64_t> wide_then = wide, wide_log2phy_then = wide_log2phy;
-        const int64_t R = 8 - E + 1;
+        const int64_t R = P - E + 1;  // the layout's bound, at the members' width too
         std::vector<int64_t> narrow(L * 8, -9), narrow_log2phy(L * E * R, -9), count(L * E, -9);
         rb.bind_maps({{MapKind::kPhysicalToLogical, view(narrow, {L, 8}), "physical_to_logical_map"},
                       {MapKind::kLogicalToPhysical, view(narrow_log2phy, {L, E, R}),

@@ -52,23 +52,22 @@ def _host_ints(tensor, what):
 def _control_group(group, control, rendezvous, rank, world_size):
     """(the engine's group as collectives or None, group name, rank, world_size) for the
     constructor and reconfigure(): `group` is eplb's own group name (a string) or the engine's
-    torch.distributed process group."""
-    from ._torch_group import TorchGroup, is_process_group
-    if is_process_group(group):
-        if control not in ("shm", "torch"):
-            raise InvalidArgument(f"control={control!r} with group= a process group: the "
-                                  f"engine's group is the control plane, leave control out")
-        if rendezvous is not None:
-            raise InvalidArgument("rendezvous with group= a process group: the engine's group "
-                                  "has met already, leave rendezvous out")
-        collectives = TorchGroup(group, rank, world_size)
-        return collectives, "eplb", collectives.rank, collectives.size
+    group (a torch.distributed gloo ProcessGroup, in the world map or not, vLLM's
+    StatelessProcessGroup, or an object with eplb's collectives: _torch_group.py)."""
+    from ._torch_group import collectives as engine_collectives
     if not isinstance(group, str):
-        raise InvalidArgument(f"group must be a group name (str) or a torch.distributed process "
-                              f"group, got {type(group).__name__}")
+        if control not in ("shm", "torch"):
+            raise InvalidArgument(f"control={control!r} with group= the engine's group: that "
+                                  f"group is the control plane, leave control out")
+        if rendezvous is not None:
+            raise InvalidArgument("rendezvous with group= the engine's group: its ranks have "
+                                  "met already, leave rendezvous out")
+        collectives = engine_collectives(group, rank, world_size)
+        return collectives, "eplb", collectives.rank, collectives.size
     if world_size is None or rank is None:
         raise InvalidArgument("rank and world_size are needed unless group= is the engine's "
-                              "torch.distributed process group")
+                              "group (a torch.distributed process group, vLLM's "
+                              "StatelessProcessGroup, or an object with eplb's collectives)")
     world_size = _as_int(world_size, "world_size", 1, MAX_RANKS)
     rank = _as_int(rank, "rank", 0, world_size - 1)
     return None, group, rank, world_size

@@ -302,47 +302,72 @@ class Rebalancer:
                     _store(view[j], raw[j], fill(layer, name, int(expert)))
 
     # ------------------------------------------------------------------ elastic serving
-    def reconfigure(self, rank=None, world_size=None, seats=None, *, control="shm",
-                    rendezvous=None, transport="shm", group="eplb"):
+    def reconfigure(self, rank=None, world_size=None, seats=None, *, members=None,
+                    control="shm", rendezvous=None, transport="shm", group="eplb"):
         """Moves this rank onto a new group (docs/elastic.md): after a rank was lost, or to take
         one back. Every member of the new group calls it at the same step (between two
-        step_end() calls, on the forward thread), each with its `rank` in the new group of
-        `world_size` members; ``seats[g]`` is the seat (rank of the layout, what ``self.rank``
-        is) of member g, the same list on every member. A member keeps its seat; a seat left
-        out is lost: nothing is placed on it or routed to it until a member takes it back. A
-        Rebalancer from join() enters the group here.
+        step_end() calls, on the forward thread). `members` (or `seats`, the same list) gives
+        the seat (rank of the layout, what ``self.rank`` is) of each member of the new group, by
+        its rank in that group, the same list on every member. A member keeps its seat; a seat
+        left out is lost: nothing is placed on it or routed to it until a member takes it back.
+        A Rebalancer from join() enters the group here.
 
-        It joins a new control group and builds a new transport (`control`, `rendezvous`,
-        `transport`, `group` as for the constructor: the rendezvous must be new to this group,
-        e.g. named after the membership's epoch), abandons a rebalance in flight (recorded as
-        failed), moves eplb's memory into the new transport, and rebuilds every layer's tables
-        over the usable slots only: unavailable(layer) lists the experts left with no replica
-        (routed to -1). The next step_end() starts a repair rebalance (history(): "repair").
-        The old communicator and transport are released once it returns; views of the arena
-        (weights(), backup_weights()) taken before must be taken again (old ones stay readable,
-        but stale). The GIL is released while it waits for the group.
+        The group is the engine's or eplb's own, as for the constructor:
+
+        - ``reconfigure(group=new_group, members=seats)``: the group the engine built after the
+          failure (a torch.distributed gloo ProcessGroup, in the world map or not, such as the
+          stateless groups vLLM's elastic EP builds; vLLM's StatelessProcessGroup; an object
+          with eplb's collectives). This rank's rank and the size are the group's; a group
+          whose size is not len(members), or whose rank here is not this seat's position in
+          members, is refused before anything runs on it.
+        - ``reconfigure(rank, world_size, members, control=..., rendezvous=...)``: eplb joins a
+          new control group itself (the rendezvous must be new to this group, e.g. named after
+          the membership's epoch).
+
+        Either way it builds a new transport (`transport`), abandons a rebalance in flight
+        (recorded as failed) and a proposal not yet started, moves eplb's memory into the new
+        transport, and rebuilds every layer's tables over the usable slots only:
+        unavailable(layer) lists the experts left with no replica (routed to -1). The next
+        step_end() starts a repair rebalance (history(): "repair"). The bound maps are written
+        again; an engine whose map views change width with the group (vLLM re-slices its
+        physical_to_logical_map to the members' slots) binds the new views with bind_maps()
+        right after. The old communicator and transport are released once it returns; views of
+        the arena (weights(), backup_weights()) taken before must be taken again (old ones stay
+        readable, but stale). The GIL is released while it waits for the group.
 
         Raises eplb.InvalidArgument for a bad membership (a seat twice or outside the layout,
-        this rank's seat not at its position) before joining anything, and the library's
-        error when the members disagree (steps, configuration) or a collective fails (then
-        call it again with the next group)."""
-        collectives, group, rank, world_size = _control_group(group, control, rendezvous, rank,
-                                                             world_size)
+        this rank's seat not at its position, a group that contradicts it) before joining
+        anything, and the library's error when the members disagree (steps, configuration) or
+        a collective fails (then call it again with the next group)."""
+        if members is not None and seats is not None:
+            raise InvalidArgument("reconfigure: give members or seats (the same list), not both")
+        seats = members if members is not None else seats
         if seats is None:
-            raise InvalidArgument("reconfigure needs seats: the seat of each member of the new "
+            raise InvalidArgument("reconfigure needs members: the seat of each member of the new "
                                   "group, by its rank in that group")
         if _is_torch_tensor(seats):
             seats = seats.detach().cpu().numpy()
         try:
             seats = [_as_int(s, "seat", -2**31, 2**31 - 1) for s in seats]
         except TypeError:
-            raise InvalidArgument(f"seats must be a list of integer seats, got {seats!r}") from None
+            raise InvalidArgument(f"members must be a list of integer seats, got "
+                                  f"{seats!r}") from None
+        collectives, group, rank, world_size = _control_group(group, control, rendezvous, rank,
+                                                             world_size)
+        if collectives is not None and len(seats) != world_size:
+            raise InvalidArgument(
+                f"reconfigure: the group has {world_size} ranks but members lists {len(seats)} "
+                f"seats {seats}: member g of the group is its rank g")
+        if collectives is not None and seats[rank] != self.rank:
+            raise InvalidArgument(
+                f"reconfigure: this process is rank {rank} of the group, but members puts seat "
+                f"{seats[rank]} there and this Rebalancer holds seat {self.rank}: list each "
+                f"member's seat at its rank in the group")
         rendezvous = None if collectives is not None else _rendezvous(rendezvous, world_size)
-        if collectives is not None:
-            self._collectives = collectives
         self._rt.reconfigure(rank, world_size, seats, str(control), rendezvous or "",
                              str(group), str(transport), collectives)
-        self._rebind_maps()
+        if collectives is not None:
+            self._collectives = collectives
 
     def exited_ranks(self):
         """With group= the engine's process group: the ranks of this machine whose process has
@@ -426,21 +451,27 @@ class Rebalancer:
         and counts nothing. The engine zeroes its tensor for the next pass as it does."""
         layers, experts = self._layers, self._config["experts"]
         physical = self._config["physical"]
+        # After a reconfigure to fewer seats: the members' slots, as vLLM re-slices its counts.
+        members = len(self._rt.members()) * self._slots_per_rank
         address, dtype, shape, strides = _host_ints(counts, "record_pass: counts")
         if per is None:
-            if len(shape) == 2 and shape[1] == physical and physical != experts:
+            if len(shape) == 2 and shape[1] in (physical, members) and \
+                    shape[1] != experts:
                 per = "slot"
-            elif len(shape) == 2 and shape[1] == experts and physical != experts:
+            elif len(shape) == 2 and shape[1] == experts and experts not in (physical, members):
                 per = "expert"
             elif len(shape) == 2 and shape[1] == experts:
                 raise InvalidArgument(f"record_pass: counts is [{shape[0]}, {shape[1]}] and "
-                                      f"physical == experts == {experts}: say per='slot' or "
-                                      f"per='expert'")
+                                      f"the slots are as many as the experts ({experts}): say "
+                                      f"per='slot' or per='expert'")
             else:
+                slots = f"[{layers}, {physical}]" + (
+                    f" or [{layers}, {members}] (the members' slots)" if members != physical
+                    else "")
                 raise InvalidArgument(
                     f"record_pass: counts has shape {list(shape)}, expected [layers, physical] "
-                    f"= [{layers}, {physical}] (tokens per slot) or [layers, experts] = "
-                    f"[{layers}, {experts}] (tokens per expert)")
+                    f"= {slots} (tokens per slot) or [layers, experts] = [{layers}, "
+                    f"{experts}] (tokens per expert)")
         if per not in ("slot", "expert"):
             raise InvalidArgument(f"record_pass: per={per!r} is not 'slot' or 'expert'")
         self._rt.record_pass(address, dtype, shape, strides, per + "s")
@@ -493,9 +524,48 @@ class Rebalancer:
         self._rt.bind_maps(bindings)
         self._maps = (bindings, keep)
 
-    def _rebind_maps(self):
-        if self._maps:
-            self._rt.bind_maps(self._maps[0])
+    def propose(self, placement):
+        """Installs a placement computed elsewhere: the engine's own policy (vLLM's, SGLang's
+        init_by_eplb, eplb.integrations.vllm.propose), or a file ``eplb plan`` wrote.
+
+        `placement`: the phy2log, a [layers, physical] integer torch tensor (any device) or
+        numpy array, or after a reconfigure() to fewer seats [layers, members' slots] (member
+        g, in ascending seat order, at [g * slots_per_rank, ...), as vLLM numbers its slots
+        after a scale-down); or the path of a placement file (eplb's placement JSON, SGLang's
+        ``{"physical_to_logical_map": ...}``).
+
+        The next step_end() starts a rebalance that installs it instead of placing with the
+        configured policy (config "interval": 0 leaves all placements to the engine): the
+        runtime plans the moves, stages them off the forward thread, agrees the install steps
+        and installs layer by layer, exactly as for its own placements; history() marks it
+        "proposed". Every rank proposes the same placement at the same step: a mismatch fails
+        that rebalance on every rank, naming the first differing layer and slot, and the
+        placement in force stays (raised from step_end() with on_error "raise").
+
+        Raises eplb.InvalidArgument, and nothing is queued, for a wrong shape, an expert out
+        of range or a layer that leaves an expert without a slot, while a rebalance is in
+        flight (propose once ``rebalancing`` is False), or once rebalancing has stopped
+        (control plane broken). A second call before step_end() replaces the first."""
+        if isinstance(placement, (str, os.PathLike)):
+            self._rt.propose_file(os.fspath(placement))
+            return
+        if _is_torch_tensor(placement):
+            placement = placement.detach().cpu().numpy()
+        a = np.asarray(placement)
+        if a.dtype.kind not in "iu" or a.ndim != 2:
+            raise InvalidArgument(
+                f"propose: the placement must be an integer [layers, physical] phy2log (torch "
+                f"tensor or numpy array) or a placement file, got dtype {a.dtype} shape "
+                f"{a.shape}")
+        if a.size and (a.min() < -2**62 or a.max() > 2**62):
+            raise InvalidArgument(f"propose: the placement holds expert {a.max()}, outside "
+                                  f"[0, {self._config['experts']})")
+        self._rt.propose(np.ascontiguousarray(a, dtype=np.int64))
+
+    @property
+    def rebalancing(self):
+        """Whether a rebalance is in flight (the same on every rank at every step)."""
+        return self._rt.state()["rebalancing"]
 
     def record_counts(self, layer, counts):
         """Adds a count vector [experts] (integers) to `layer` in this step."""
@@ -639,7 +709,8 @@ class Rebalancer:
         "skipped", "failed", "cancelled"), error, placement_ms, balancedness_before/after,
         layers_moved, layers_installed, slots_moved, bytes_intra_node, bytes_inter_node,
         bytes_local_copy, rounds, bytes_installed, bytes_restored (bytes this rank restored
-        from a backup copy), repair (True for the rebalance a reconfigure() started), steps,
+        from a backup copy), repair (True for the rebalance a reconfigure() started),
+        proposed (True for one that installs a placement given to propose()), steps,
         seconds, stall_total_ms, stall_max_ms (the forward thread's time in step_end less
         the time it waited for a core), stall_preempted_ms (that wait)."""
         return self._rt.history()

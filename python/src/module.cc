@@ -1,6 +1,10 @@
 // The extension module `eplb._eplb`: the exception tree, array conversions, and the module.
 
+#include <spdlog/sinks/stdout_color_sinks.h>
+#include <spdlog/spdlog.h>
+
 #include <exception>
+#include <memory>
 #include <string>
 
 #include "bindings.h"
@@ -119,10 +123,21 @@ py::array_t<int64_t> to_numpy(const int32_t* values, std::initializer_list<py::s
 // The cost model's bindings (cost.cc).
 void bind_cost(py::module_& m);
 
+// The runtime's logs (rebalances, the watchdog) go to standard error, as the CLI's do: standard
+// output is the engine's, and an engine or example that prints one JSON document there must
+// find nothing else in it. spdlog's default logger writes to standard output.
+void log_to_stderr() {
+  auto logger = std::make_shared<spdlog::logger>(
+      "", std::make_shared<spdlog::sinks::stderr_color_sink_mt>());
+  logger->set_level(spdlog::default_logger()->level());
+  spdlog::set_default_logger(std::move(logger));
+}
+
 }  // namespace eplb::python
 
 PYBIND11_MODULE(_eplb, m) {
   m.doc() = "C++ core of the eplb package; use the functions of `eplb` instead.";
+  eplb::python::log_to_stderr();
   m.attr("__version__") = EPLB_VERSION;
   eplb::python::bind_errors(m);
   eplb::python::bind_placement(m);

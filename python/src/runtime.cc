@@ -587,6 +587,32 @@ void bind_runtime(py::module_& m) {
                                 of == "slots" ? runtime::CountsOf::kSlots
                                               : runtime::CountsOf::kExperts);
            })
+      // A placement computed elsewhere: phy2log [layers][width] (int64; the width the layout's
+      // or the members'), or a placement file (eplb's JSON, SGLang's physical_to_logical_map).
+      .def("propose",
+           [](Runtime& r, const IndexArray& phy2log) {
+             r.require_member("propose()");
+             if (phy2log.ndim() != 2) {
+               fail("propose: the placement must be a 2-D [layers, physical] phy2log, got ",
+                    phy2log.ndim(), " dimensions");
+             }
+             const int64_t layers = phy2log.shape(0), width = phy2log.shape(1);
+             Placement p(layers, r.layout().experts, width);
+             const int64_t* v = phy2log.data();
+             for (int64_t i = 0; i < layers * width; ++i) {
+               if (v[i] < 0 || v[i] >= r.layout().experts) {
+                 fail("propose: layer ", i / width, " slot ", i % width, " holds expert ", v[i],
+                      ", outside [0, ", r.layout().experts, ") (the layout's experts)");
+               }
+               p.phy2log[static_cast<size_t>(i)] = static_cast<int32_t>(v[i]);
+             }
+             r.rb().propose(p);
+           })
+      .def("propose_file",
+           [](Runtime& r, const std::string& path) {
+             r.require_member("propose()");
+             r.rb().propose(runtime::placement_from_file(path, r.layout()));
+           })
       .def("members", [](Runtime& r) { return r.rb().members(); })
       .def("unavailable",
            [](Runtime& r, int64_t layer) {

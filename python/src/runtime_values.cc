@@ -204,6 +204,7 @@ py::dict record_dict(const runtime::RebalanceRecord& r) {
   d["bytes_installed"] = r.bytes_installed;
   d["bytes_restored"] = r.bytes_restored;
   d["repair"] = r.repair;
+  d["proposed"] = r.proposed;
   d["steps"] = r.steps;
   d["seconds"] = r.seconds;
   d["stall_total_ms"] = r.stall_total_ms;

@@ -23,6 +23,10 @@ vLLM's migration scheduler (eplb.integrations.vllm_scheduler), with eplb's half-
 ``plugin`` is the ``vllm.general_plugins`` entry point the package declares: it does nothing
 unless ``EPLB_VLLM_POLICY`` or ``EPLB_VLLM_SCHEDULER`` is set (see ``plugin``).
 
+``propose`` is vLLM's rearrangement with eplb's runtime underneath: vLLM's configured policy
+(eplb's, or vLLM's own from its registry) decides, and an ``eplb.Rebalancer`` moves the weights
+and installs the result (staged off the forward thread, agreed, layer by layer).
+
 Invalid inputs raise ``PolicyError``: both an ``eplb.InvalidArgument`` (a ValueError) with
 eplb's message and an ``AssertionError``, which is what vLLM's own policy raises (bare asserts).
 
@@ -46,7 +50,7 @@ __all__ = [
     "EplbPolicy", "PolicyError", "make_policy", "register", "plugin", "policy_from_env",
     "compute_logical_maps", "preserve_intragpu_slots", "logical_load", "save_load_window",
     "MigrationFlow", "ScheduleError", "schedule_migration_batches",
-    "schedule_migration_batches_for_layers", "install_scheduler",
+    "schedule_migration_batches_for_layers", "install_scheduler", "propose",
 ]
 
 
@@ -498,3 +502,67 @@ def save_load_window(path, expert_load_window, physical_to_logical_map, num_logi
             json.dump({"logical_expert_load": steps[s].tolist()}, f, separators=(",", ":"))
         f.write("\n]}\n")
     return steps.shape[0]
+
+
+def _policy_class(policy):
+    """A policy class from `policy`: a class (or instance) with vLLM's ``rebalance_experts``,
+    a name in vLLM's EPLB_POLICIES registry (needs vLLM), or None (EplbPolicy)."""
+    if policy is None:
+        return EplbPolicy
+    if isinstance(policy, str):
+        try:
+            from vllm.distributed.eplb import policy as registry
+        except ImportError as e:
+            raise eplb.InvalidArgument(
+                f"policy {policy!r}: a policy name is looked up in vLLM's EPLB_POLICIES, and "
+                f"vLLM is not importable here ({e}); pass the policy class itself") from e
+        policies = getattr(registry, "EPLB_POLICIES", {})
+        if policy not in policies:
+            raise eplb.InvalidArgument(f"policy {policy!r} is not in vLLM's EPLB_POLICIES "
+                                       f"({', '.join(sorted(policies))})")
+        return policies[policy]
+    if not callable(getattr(policy, "rebalance_experts", None)):
+        raise eplb.InvalidArgument(f"policy {policy!r} has no rebalance_experts (vLLM's policy "
+                                   f"interface, AbstractEplbPolicy)")
+    return policy
+
+
+def propose(rebalancer, weight, policy=None, num_groups=1, num_nodes=1):
+    """vLLM's rearrangement, with eplb's runtime moving the weights: `policy` places the load
+    `weight` against the placement in force, and `rebalancer` (an eplb.Rebalancer) installs the
+    result (Rebalancer.propose): the moves are planned, staged off the forward thread, agreed
+    and installed layer by layer, at the same step on every rank, into the engine's tensors and
+    maps. Give the Rebalancer config "interval": 0 so that only the engine's policy places.
+
+    weight: [layers, logical experts], the global logical load of the window, as vLLM's
+        rearrange() hands its policy (its expert_load_window all-reduced over the EP group,
+        logical_load() of it): the same on every rank
+    policy: vLLM's policy interface, a class (or instance) with ``rebalance_experts(weight,
+        num_replicas, num_groups, num_nodes, num_ranks, old_global_expert_indices)``: eplb's
+        (EplbPolicy, make_policy(...); the default), vLLM's own DefaultEplbPolicy, or the name
+        of one in vLLM's EPLB_POLICIES registry. A policy that returns older vLLM's triple is
+        taken too (its phy2log).
+    num_groups, num_nodes: as vLLM passes them (its model's expert groups, its nodes).
+
+    After a reconfigure() to fewer seats the policy places over the members only, as vLLM's
+    elastic EP calls it: num_replicas and num_ranks the members', the placement in force at the
+    members' width (member g's slots at [g * slots_per_rank, ...)). Call it on every rank at the
+    same step (vLLM's rearrange runs at the same step everywhere), while no rebalance runs
+    (``rebalancer.rebalancing`` False). Returns the proposed phy2log, as the policy returned it.
+    """
+    cls = _policy_class(policy)
+    spr = rebalancer.slots_per_rank
+    members = list(rebalancer.members())
+    old = np.asarray(rebalancer.placement(), dtype=np.int64)
+    if len(members) < rebalancer.world_size:  # the members' slots, renumbered (vLLM's view)
+        old = np.concatenate([old[:, g * spr:(g + 1) * spr] for g in members], axis=1)
+    if _is_torch(weight):
+        import torch
+        old = torch.from_numpy(old)
+    # Positionally, as vLLM's rearrange() calls it.
+    out = cls.rebalance_experts(weight, len(members) * spr, num_groups, num_nodes, len(members),
+                                old)
+    phy2log = out[0] if isinstance(out, tuple) else out
+    rebalancer.propose(phy2log)
+    return phy2log
+

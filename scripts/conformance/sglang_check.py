@@ -9,6 +9,9 @@
    standing in for a server's (a model config, ep_size, nnodes, static dispatch) and eplb
    installed; eplb's ``expert_location_metadata`` builds the same fields, and SGLang's own
    dataclass accepts them.
+4. ``ExpertLocationMetadata.init_by_mapping(moe_ep_rank=r)`` for every rank, without and with an
+   all-to-all backend (which narrows each expert's replicas to the one nearest rank r), against
+   ``expert_location_metadata(ep_rank=r, a2a_backend=...)``.
 Prints one line per check and "sglang conformance: N/N" last; exits 1 if any fails.
 """
 
@@ -177,11 +180,12 @@ def _():
     return "SGLang's load_plugins() installed eplb's sticky"
 
 
-def stub_context(el, ep_size, nnodes, redundant, raw_algorithm):
-    """The runtime context init_by_eplb reads, as a server with these settings publishes it."""
+def stub_context(el, ep_size, nnodes, redundant, raw_algorithm, a2a_backend="none"):
+    """The runtime context init_by_eplb and init_by_mapping read, as a server with these
+    settings publishes it."""
     moe = types.SimpleNamespace(eplb_algorithm=raw_algorithm, ep_num_redundant_experts=redundant,
                                 ep_dispatch_algorithm="static", ep_join_mode=None,
-                                moe_a2a_backend="none", elastic_ep_backend=None)
+                                moe_a2a_backend=a2a_backend, elastic_ep_backend=None)
     parallel = types.SimpleNamespace(ep_size=ep_size, nnodes=nnodes, elastic_ep_initial_size=None,
                                      tp_size=ep_size, ep_join_rank_offset=0,
                                      max_world_size=ep_size)
@@ -240,6 +244,37 @@ def _():
     finally:
         restore()
     return "SGLang's fields and static dispatch map, identical in deepseek mode"
+
+
+@check("init_by_mapping(moe_ep_rank=r) = expert_location_metadata(ep_rank=r), every rank, "
+       "with and without an all-to-all backend")
+def _():
+    from sglang.srt.eplb import expert_location as el
+    phy2log = eplb_sglang.rebalance_experts(counts(5), P, P // G, GROUPS, NODES,
+                                            Alg.deepseek_hierarchical)[0]
+    fields = ("physical_to_logical_map", "logical_to_all_physical_map",
+              "logical_to_all_physical_map_num_valid", "logical_to_rank_dispatch_physical_map")
+    narrowed = 0
+    for backend in ("none", "deepep"):
+        restore = stub_context(el, G, NODES, P - E, "deepseek", a2a_backend=backend)
+        try:
+            for r in range(G):
+                theirs = el.ExpertLocationMetadata.init_by_mapping(None, phy2log, moe_ep_rank=r)
+                mine = eplb_sglang.expert_location_metadata(phy2log, E, G, ep_rank=r,
+                                                            num_nodes=NODES,
+                                                            a2a_backend=backend)
+                for f in fields:
+                    assert torch.equal(torch.as_tensor(mine[f]), getattr(theirs, f).cpu()), \
+                        f"{backend}, rank {r}: {f} differs from SGLang's"
+                if backend != "none":
+                    plain = eplb_sglang.expert_location_metadata(phy2log, E, G, ep_rank=r,
+                                                                 num_nodes=NODES)
+                    narrowed += int((plain["logical_to_all_physical_map_num_valid"] !=
+                                     mine["logical_to_all_physical_map_num_valid"]).sum())
+        finally:
+            restore()
+    assert narrowed > 0, "the all-to-all backend narrowed nothing: the check proves nothing"
+    return f"{G} ranks x 2 backends identical ({narrowed} counts narrowed per rank in all)"
 
 
 print(f"sglang {sglang.__version__}, torch {torch.__version__}, eplb {eplb.__version__}")

@@ -692,6 +692,37 @@ def test_sglang_expert_location_metadata():
                                         64, 8)
 
 
+@pytest.mark.parametrize("backend", [None, "none", "deepep"])
+def test_sglang_metadata_per_rank_with_an_all_to_all_backend(backend):
+    """SGLang's init_by_mapping(moe_ep_rank=r) with an all-to-all backend narrows each expert's
+    replicas to the one nearest rank r (on it, else on its node when that narrows the choice);
+    without one every rank keeps them all. 4 ranks of 2 slots on 2 nodes."""
+    phy2log = np.array([[0, 1, 0, 2, 3, 1, 3, 0]])  # e0: 0 2 7, e1: 1 5, e2: 3, e3: 4 6
+    narrowing = backend not in (None, "none")
+    want = {  # rank -> each expert's replicas
+        0: [[0], [1], [3], [4, 6]] if narrowing else None,  # e3: none near rank 0
+        1: [[2], [1], [3], [4, 6]] if narrowing else None,
+        2: [[7], [5], [3], [4]] if narrowing else None,
+        3: [[7], [5], [3], [6]] if narrowing else None,
+    }
+    everyone = [[0, 2, 7], [1, 5], [3], [4, 6]]
+    for rank in range(4):
+        meta = sglang.expert_location_metadata(phy2log, 4, 4, ep_rank=rank, num_nodes=2,
+                                               a2a_backend=backend)
+        lists = [[int(s) for s in row if s != -1]
+                 for row in meta["logical_to_all_physical_map"][0]]
+        assert lists == (want[rank] or everyone), (rank, lists)
+        assert meta["logical_to_all_physical_map_num_valid"][0].tolist() == \
+            [len(x) for x in lists]
+        for e, slot in enumerate(meta["logical_to_rank_dispatch_physical_map"][0].tolist()):
+            assert slot in lists[e], (rank, e, slot)  # a replica of its own list
+    # An algorithm's log2phy (init_by_eplb) is never narrowed.
+    log2phy = np.array([[[0, 2, 7], [1, 5, -1], [3, -1, -1], [4, 6, -1]]])
+    meta = sglang.expert_location_metadata(phy2log, 4, 4, ep_rank=1, num_nodes=2,
+                                           logical_to_physical_map=log2phy, a2a_backend=backend)
+    assert meta["logical_to_all_physical_map_num_valid"][0].tolist() == [3, 2, 1, 2]
+
+
 def test_sglang_files_round_trip(tmp_path):
     phy2log = sglang.rebalance_experts(tie_free_load(19, 3, 64), 80, 10, 8, 2)[0]
     path = tmp_path / "location.json"

@@ -516,9 +516,26 @@ def _rank_dispatch_maps(log2phy, ranks, physical, nodes, seed):
     return out
 
 
+def _nearest_replicas(log2phy, rank, local, gpus_per_node):
+    """SGLang's per-rank narrowing of init_by_mapping with an all-to-all backend: each expert's
+    replicas, for `rank`, become its nearest one alone (the only one, else the first on the
+    rank, else the first on its node when that narrows the choice), or stay all of them when
+    none is nearer; padded with -1 to the longest list left."""
+    lists = []
+    for row in log2phy.reshape(-1, log2phy.shape[-1]):
+        candidates = [int(c) for c in row if c != -1]
+        nearest = _dispatch_row(candidates, local, rank, gpus_per_node) if candidates else -1
+        lists.append([nearest] if nearest != -1 else candidates)
+    width = max((len(x) for x in lists), default=1)
+    out = np.full((len(lists), width), -1, dtype=np.int64)
+    for i, x in enumerate(lists):
+        out[i, :len(x)] = x
+    return out.reshape(*log2phy.shape[:2], width)
+
+
 def expert_location_metadata(physical_to_logical_map, num_logical_experts, ep_size, *,
                              logical_to_physical_map=None, ep_rank=None, num_nodes=1,
-                             dispatch="static", active_ranks=None, seed=42):
+                             dispatch="static", active_ranks=None, seed=42, a2a_backend=None):
     """Every field of SGLang's ExpertLocationMetadata for the placement `physical_to_logical_map`
     ([layers, P] expert ids) on `ep_size` ranks, as a dict in the dataclass's field order:
 
@@ -539,6 +556,12 @@ def expert_location_metadata(physical_to_logical_map, num_logical_experts, ep_si
     ep_rank: this rank (default: torch.distributed's rank % ep_size where a process group is
     initialized, else 0); num_nodes: SGLang's --nnodes (same-node preference). active_ranks:
     SGLang's elastic flags; the slots of dead ranks are left out of the maps.
+    a2a_backend: SGLang's --moe-a2a-backend (None or "none": no all-to-all backend). With one
+    set and `ep_rank` given, each expert's replica list is, as SGLang's
+    ``init_by_mapping(moe_ep_rank=ep_rank)`` builds it, narrowed to the replica nearest to that
+    rank (the only one, else one on the rank, else one on its node when that narrows it): the
+    logical_to_all_physical_map, its counts and the dispatch map are then that rank's own. The
+    maps of an algorithm's log2phy (`logical_to_physical_map`, init_by_eplb) are never narrowed.
 
     All int64; for a torch input the device fields are on its device and the _cpu ones on the
     CPU; numpy arrays otherwise. P must be a multiple of ep_size and every expert hold a slot
@@ -575,6 +598,11 @@ def expert_location_metadata(physical_to_logical_map, num_logical_experts, ep_si
         if np.any((log2phy < -1) | (log2phy >= physical)):
             raise eplb.InvalidArgument(f"logical_to_physical_map holds a slot outside "
                                        f"[0, {physical}) (or -1 for padding)")
+    narrow = ep_rank is not None and a2a_backend not in (None, "none") and \
+        logical_to_physical_map is None
+    if narrow:
+        log2phy = _nearest_replicas(log2phy, _ep_rank(ep_rank, ranks), physical // ranks,
+                                    ranks // nodes or None)
     count = (log2phy != -1).sum(axis=-1).astype(np.int64)
     if np.any(count == 0):
         l, e = np.argwhere(count == 0)[0]

@@ -23,10 +23,12 @@ eplb says is there, then calls rb.step_end() and fetches the weight views again.
     PYTHONPATH=<build>/python python3 examples/torch_moe.py [--ranks 2 --steps 120 ...]
     PYTHONPATH=<build>/python python3 examples/torch_moe.py --own-weights
     PYTHONPATH=<build>/python python3 examples/torch_moe.py --trace data/flame-moe-290m/routing_top6.csv
+    PYTHONPATH=<build>/python python3 examples/torch_moe.py --json   # one JSON document on stdout
 """
 
 import argparse
 import csv
+import json
 import os
 import sys
 import tempfile
@@ -67,6 +69,8 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--own-weights", action="store_true",
                    help="the model allocates its experts as nn.Parameters and registers them")
+    p.add_argument("--json", action="store_true",
+                   help="print the summary as one JSON object (logs go to standard error)")
     args = p.parse_args(argv)
     if args.trace:
         args.experts, args.top_k = 64, 6
@@ -273,6 +277,21 @@ def run_rank(rank, args, workdir):
         kept = "the model's own parameters" if args.own_weights else "in its arena"
         first = balance[:args.interval]
         last = balance[-args.interval:]
+        if args.json:
+            print(json.dumps({
+                "ranks": G, "layers": args.layers, "experts": args.experts,
+                "physical": args.experts + args.redundant, "top_k": args.top_k,
+                "steps": args.steps, "tokens_per_rank": T, "control": control,
+                "agreement": args.agreement, "transport": "shm", "bytes_held": held,
+                "weights": "engine" if args.own_weights else "arena",
+                "rebalances": len(history), "completed": len(done),
+                "skipped": sum(r["outcome"] == "skipped" for r in history),
+                "slots_moved": sum(r["slots_moved"] for r in done),
+                "bytes_read": sum(r["bytes_intra_node"] for r in done),
+                "balancedness_first": sum(first) / len(first),
+                "balancedness_last": sum(last) / len(last),
+                "max_abs_difference": worst, "seconds": seconds}))
+            return
         print(f"eplb torch_moe: {G} ranks, {args.layers} layers, {args.experts} experts in "
               f"{args.experts + args.redundant} slots, top-{args.top_k}, {args.steps} steps of "
               f"{T} tokens per rank, control {control} (agreement {args.agreement}), transport shm, "

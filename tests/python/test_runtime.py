@@ -9,6 +9,7 @@ history shows one (every rank ends a rebalance at the same step, so all stop tog
 """
 
 import multiprocessing
+import json
 import os
 import subprocess
 import sys
@@ -607,6 +608,23 @@ def test_torch_moe_example(tmp_path, extra):
     assert "outputs match the reference" in run.stdout, run.stdout + run.stderr
     if extra:
         assert "weights the model's own parameters" in run.stdout, run.stdout
+
+
+def test_torch_moe_example_json(tmp_path):
+    """--json: exactly one JSON document on standard output, the logs on standard error."""
+    pytest.importorskip("torch")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [os.path.dirname(os.path.dirname(
+        eplb.__file__)), env.get("PYTHONPATH", "")] if p)
+    run = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "examples", "torch_moe.py"), "--ranks", "2",
+         "--layers", "2", "--experts", "8", "--redundant", "4", "--hidden", "16", "--ffn", "32",
+         "--tokens", "16", "--steps", "20", "--interval", "8", "--window", "8", "--json",
+         "--workdir", str(tmp_path)], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    summary = json.loads(run.stdout)  # the whole of standard output
+    assert summary["ranks"] == 2 and summary["steps"] == 20, summary
+    assert "eplb runtime rank 0: connected" in run.stderr  # the runtime's log lines went there
 
 
 @pytest.mark.parametrize("changes, message", [

@@ -139,9 +139,50 @@ def test_engine_example_serves_and_rebalances():
     out = run_example("--ranks", "2", "--steps", "24", "--interval", "8", "--window", "8",
                       "--layers", "3", "--tokens-per-rank", "24", "--json")
     assert out.returncode == 0, out.stderr[-2000:]
-    d = json.loads(out.stdout.strip().splitlines()[-1])
+    d = json.loads(out.stdout)  # --json: the whole of standard output is one document
     assert (d["control"], d["weights"], d["maps"]) == ("torch", "engine", "engine")
     assert d["rebalances"] >= 1 and d["mismatches"] == 0 and d["outputs_checked"] > 0
+    assert "eplb runtime rank 0: connected" in out.stderr  # the logs go to standard error
+
+
+def test_engine_example_engines_own_policy():
+    """--propose: a vLLM policy class over the engine's own load window decides, eplb moves
+    and installs (Rebalancer.propose through eplb.integrations.vllm.propose)."""
+    out = run_example("--ranks", "2", "--steps", "30", "--interval", "8", "--window", "8",
+                      "--layers", "2", "--tokens-per-rank", "16", "--propose", "--json")
+    assert out.returncode == 0, out.stderr[-2000:]
+    d = json.loads(out.stdout)
+    assert d["policy"] == "engine" and d["mismatches"] == 0
+    assert d["rebalances"] >= 1 and d["proposed"] == d["rebalances"], d
+
+
+def test_engine_example_elastic_keeps_serving_on_the_engines_group():
+    """--elastic (the short version of the acceptance run): rank 1 is killed at step 8; the
+    survivors build new groups of their own, eplb reconfigures onto theirs, repairs from its
+    backup copies, and every step is served with every output checked; a new process takes
+    the seat back at step 18."""
+    out = run_example("--ranks", "3", "--steps", "30", "--interval", "8", "--window", "8",
+                      "--layers", "2", "--experts", "16", "--top-k", "4",
+                      "--tokens-per-rank", "16", "--kill-rank", "1", "--at-step", "8",
+                      "--elastic", "--rejoin-at-step", "18", "--json", timeout=400)
+    assert out.returncode == 0, out.stderr[-3000:]
+    d = json.loads(out.stdout)
+    e = d["elastic"]
+    assert d["steps"] == 30 and d["mismatches"] == 0 and d["outputs_checked"] > 0, d
+    assert len(e["lost"]) == 1 and e["lost"][0].startswith("rank 1 ") and e["rejoins"] == 1
+    assert e["reconfigures"] == 2, e  # how far each repair got by the end is a matter of time
+
+
+def test_engine_example_refuses_bad_elastic_arguments():
+    for args, words in [(["--elastic"], "--elastic needs --kill-rank"),
+                        (["--kill-rank", "1", "--at-step", "4", "--rejoin-at-step", "9"],
+                         "--rejoin-at-step needs --elastic"),
+                        (["--kill-rank", "1", "--at-step", "4", "--elastic", "--redundant", "0"],
+                         "cannot hold 64 experts"),
+                        (["--propose", "--mode", "off"], "--propose needs eplb")]:
+        out = run_example(*args)
+        assert out.returncode == 2 and words in out.stderr, (args, out.stderr[-500:])
+        assert out.stdout == ""
 
 
 def test_engine_example_killed_rank_ends_every_survivor():

@@ -28,11 +28,11 @@
 namespace eplb::runtime {
 
 // The longest the forward thread waits for a collective's result: each queued collective
-// (at most lag + 1 agreements, a window, and a balancedness window before it) is bounded by
-// the timeout itself.
+// (at most lag + 1 agreements, a window, a proposal's check behind it, and a balancedness
+// window before it) is bounded by the timeout itself.
 std::chrono::milliseconds Rebalancer::Impl::result_bound() const {
   // A balancedness window only runs while no rebalance does: at most one ahead of a window.
-  return config_.timeout * (config_.lag + 4);
+  return config_.timeout * (config_.lag + 5);
 }
 
 int64_t Rebalancer::Impl::agreement_contribution() const {

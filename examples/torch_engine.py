@@ -564,7 +564,8 @@ def summarize(args, results):
         "policy": "engine" if args.propose else "eplb",
         "mode": args.mode, "ranks": args.ranks, "steps": len(steps),
         "rebalances": len(completed),
-        "proposed": sum(1 for h in completed if h.get("proposed")),
+        "proposed": sum(1 for h in completed if h.get("proposed")),  # installed
+        "proposals": sum(1 for h in history if h.get("proposed")),   # made, any outcome
         "mismatches": sum(r["mismatches"] for r in results),
         "outputs_checked": sum(r["checked"] for r in results),
         "balancedness_before": mean(before_rows, 0), "balancedness_after": mean(after_rows, 0),

@@ -129,6 +129,11 @@ void Rebalancer::Impl::advance_async() {
     const int64_t failed_rank = -1 - agreed;
     if (a.progress.load(std::memory_order_acquire) < 0) {
       end_active(detail::concat("rank ", seat_, ": ", a.failure.message), a.failure);
+    } else if (std::optional<Failure> refused = proposal_refused(a)) {
+      // A rank whose worker has not read the check yet says the same as the ones that have.
+      // The message first: the two arguments are built in no set order.
+      std::string message = detail::concat("rank ", seat_, ": ", refused->message);
+      end_active(std::move(message), std::move(refused));
     } else {
       end_active(detail::concat("rank ", failed_rank, " failed (its log has the error)"),
                  std::nullopt);

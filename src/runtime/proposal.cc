@@ -3,11 +3,15 @@
 #include "runtime/proposal.h"
 
 #include <algorithm>
+#include <chrono>
+#include <future>
+#include <optional>
 #include <string>
 #include <utility>
 
 #include "eplb/core/error.h"
 #include "runtime/impl.h"
+#include "runtime/in_flight.h"
 
 namespace eplb::runtime {
 
@@ -88,6 +92,22 @@ void check_agreed(std::span<const int64_t> reduced, const Placement& proposal) {
            "placement in force stays)");
     }
   }
+}
+
+std::optional<Failure> proposal_refused(const Active& active) {
+  if (!active.proposed || !active.proposal_check.valid()) return std::nullopt;
+  // The forward thread's own copy: the worker may read the shared state through its own.
+  const std::shared_future<CollectiveResult> check = active.proposal_check;
+  // The agreement that reported the failure ran after the check on the same control thread.
+  if (check.wait_for(std::chrono::seconds(0)) != std::future_status::ready) return std::nullopt;
+  const CollectiveResult& result = check.get();
+  if (result.failure) return std::nullopt;
+  try {
+    check_agreed(result.values, *active.proposed);
+  } catch (...) {
+    return Failure::current();
+  }
+  return std::nullopt;
 }
 
 // ---------------------------------------------------------------- the runtime's entry

@@ -21,6 +21,7 @@
 
 #include "eplb/core/types.h"
 #include "runtime/compact_slots.h"
+#include "runtime/failure.h"
 
 namespace eplb::runtime {
 
@@ -40,6 +41,12 @@ std::vector<int64_t> agreement_values(const Placement& proposal, int64_t step);
 // After that all-reduce: InvalidArgument naming the steps, or the first layer and slot whose
 // expert differs between ranks (the maximum and minimum proposed there).
 void check_agreed(std::span<const int64_t> reduced, const Placement& proposal);
+
+struct Active;
+// The forward thread's own reading of a rebalance's proposal check, once the agreement says a
+// rank failed: the refusal check_agreed() gives (the same on every rank, whether or not this
+// rank's worker got to it), or none (no proposal, a check that passed or failed to run).
+std::optional<Failure> proposal_refused(const Active& active);
 
 // The proposal waiting for the next step_end() (forward thread).
 class Proposals {

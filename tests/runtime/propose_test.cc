@@ -14,6 +14,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -109,7 +110,6 @@ TEST(Propose, EveryRankInstallsTheEnginesPlacement) {
     s.config.interval = 0;  // no rebalance of the runtime's own
     s.delays = mode == Mode::kAsync;
     s.completed = 3;
-    s.max_steps = 400;
     s.before_step_end = proposer(s, 12);
     const auto results = testing::run_scenario(s);
     testing::expect_consistent(s, results);
@@ -130,7 +130,6 @@ TEST(Propose, ProcessesWithTheEnginesWeights) {
   s.engine_maps = true;
   s.counters = Scenario::Counters::kPassSlots;
   s.completed = 2;
-  s.max_steps = 300;
   s.before_step_end = proposer(s, 10);
   const auto results = testing::run_scenario(s);
   testing::expect_consistent(s, results);
@@ -145,7 +144,7 @@ TEST(Propose, MismatchRefusedOnEveryRankNamingLayerAndSlot) {
     s.config.interval = 0;
     s.config.on_error = OnError::kRaise;
     s.completed = 1;
-    s.max_steps = 200;
+
     const Layout layout = s.config.layout;
     const int64_t layers = s.weights.layers;
     s.before_step_end = [layout, layers](Rebalancer& rb, int rank, int64_t step) {
@@ -186,7 +185,11 @@ TEST(Propose, MismatchRefusedOnEveryRankNamingLayerAndSlot) {
 }
 
 // Ranks as threads with a loop of the test's own (the harness compares histories, whose
-// trigger steps differ here by design).
+// trigger steps differ here by design). The loops run until what they wait for happened, a
+// short pause per step giving the runtime's background threads the core on a busy machine;
+// kMaxSteps only guards against a hang.
+constexpr int64_t kMaxSteps = 200'000;
+constexpr std::chrono::microseconds kPause{200};
 struct ThreadRank {
   std::unique_ptr<control::Communicator> comm;
   std::unique_ptr<transport::Transport> transport;
@@ -271,10 +274,14 @@ TEST(Propose, AtDifferentStepsRefusedOnEveryRank) {
         ThreadRank r = make_rank(config, spec, rank, 3, "propose-steps");
         r.rb->connect();
         fill_weights(*r.rb, fill_expert);
-        for (int64_t step = 0; step < 30; ++step) {
+        // Until the proposal's rebalance has ended (the same step on every rank, however fast
+        // the workers run; the bound only guards against a hang).
+        for (int64_t step = 0; step < kMaxSteps; ++step) {
           if (step == (rank == 0 ? 4 : 5)) r.rb->propose(p);
           errors[rank] += check_weights(*r.rb, spec, config.layout);
+          if (step > 5 && !r.rb->rebalancing() && !r.rb->history().empty()) break;
           r.rb->step_end();
+          std::this_thread::sleep_for(kPause);
         }
         r.rb->shutdown();
         histories[rank] = r.rb->history();
@@ -336,9 +343,10 @@ TEST(Propose, BadProposalsAndProposalsWhileInstallingAreRefused) {
   ASSERT_TRUE(rb.rebalancing());
   expect_invalid([&] { rb.propose(first); }, "rebalance 0 (triggered at step 2) is still "
                                              "installing at step 2");
-  for (int i = 0; i < 200 && rb.rebalancing(); ++i) {
+  for (int64_t i = 0; i < kMaxSteps && rb.rebalancing(); ++i) {
     EXPECT_EQ(check_weights(rb, spec, config.layout), "");
     rb.step_end();
+    std::this_thread::sleep_for(kPause);
   }
   ASSERT_FALSE(rb.rebalancing());
   ASSERT_EQ(rb.history().size(), 1u);
@@ -348,7 +356,11 @@ TEST(Propose, BadProposalsAndProposalsWhileInstallingAreRefused) {
   EXPECT_EQ(check_weights(rb, spec, config.layout), "");
   // The placement in force, proposed again: nothing to move.
   rb.propose(second);
-  for (int i = 0; i < 10; ++i) rb.step_end();
+  rb.step_end();
+  for (int64_t i = 0; i < kMaxSteps && rb.rebalancing(); ++i) {
+    rb.step_end();
+    std::this_thread::sleep_for(kPause);
+  }
   ASSERT_EQ(rb.history().size(), 2u);
   EXPECT_EQ(rb.history()[1].outcome, Outcome::kSkipped);
   EXPECT_NE(rb.history()[1].error.find("equals the one in force"), std::string::npos);
@@ -420,7 +432,7 @@ TEST(Rebind, MapsOfTheMembersWidthAfterAReconfigure) {
         // A proposal at the members' width: the engine's policy over its 8 slots.
         const Placement proposal = random_placement(L, E, 8, 9);
         bool proposed = false;
-        for (int64_t step = 0; step < 300; ++step) {
+        for (int64_t step = 0; step < kMaxSteps; ++step) {
           // The narrow views are the placement and tables in force, in the members' numbering.
           const auto seat_slot = [&](int64_t i) { return (i / spr == 0 ? 0 : 2) * spr + i % spr; };
           for (int64_t l = 0; l < L; ++l) {
@@ -454,6 +466,7 @@ TEST(Rebind, MapsOfTheMembersWidthAfterAReconfigure) {
             break;
           }
           rb.step_end();
+          std::this_thread::sleep_for(kPause);
         }
         const std::vector<RebalanceRecord> history = rb.history();
         if (history.empty() || !history.back().proposed ||

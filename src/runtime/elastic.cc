@@ -289,14 +289,17 @@ void Rebalancer::Impl::exchange_membership(const Membership& membership, bool jo
   }
   std::sort(members_.begin(), members_.end());
   {
+    // In the arena, the last buffer: a peer that is past this exchange copies its layers into
+    // buffers 0 .. layers - 1 of its new region (reconfigure's step 3), never into that one.
     constexpr size_t kProbe = 8;
+    const auto probe_at = static_cast<uint64_t>(engine ? 0 : arena_.offset(layers_, 0, 0));
     std::vector<std::byte> probe(kProbe * all.size());
     std::vector<transport::Read> reads;
     for (size_t g = 0; g < all.size(); ++g) {
       if (static_cast<int>(g) == comm_->rank()) continue;
       reads.push_back({.peer = static_cast<int>(g),
                        .region = engine ? engine_.at.front().region : heads[g].region,
-                       .offset = 0,
+                       .offset = probe_at,
                        .dst = probe.data() + kProbe * g,
                        .bytes = std::min<size_t>(
                            kProbe, static_cast<size_t>(engine ? arena_.tensor_bytes(0)

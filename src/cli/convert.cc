@@ -21,10 +21,10 @@ struct ConvertArgs {
 
 void run_convert(const ConvertArgs& args) {
   stats::LoadReadOptions read_options;
-  read_options.format = stats::parse_load_format(args.from);
+  read_options.format = stats::parse_load_format(args.from, "--from");
   if (args.experts < 0) fail("--experts ", args.experts, " must be positive");
   read_options.experts = args.experts;
-  const stats::LoadFormat to = stats::parse_load_format(args.to);
+  const stats::LoadFormat to = stats::parse_load_format(args.to, "--to");
   if (to == stats::LoadFormat::kAuto || to == stats::LoadFormat::kTrace) {
     fail("--to ", args.to, " is not a format loads can be written in (expected eplb, sglang, "
          "vllm or csv)");

@@ -123,6 +123,14 @@ std::string format_load_csv(const LoadHistory& history) {
       }
     }
   }
+  for (size_t i = 0; i < sum.values.size(); ++i) {
+    if (!std::isfinite(sum.values[i])) {
+      fail("the loads of layer ", static_cast<int64_t>(i) / sum.experts, " expert ",
+           static_cast<int64_t>(i) % sum.experts, " sum over ", history.steps,
+           " steps past the largest double: csv holds one matrix, the steps' sum; write eplb, "
+           "sglang or vllm, which keep the steps");
+    }
+  }
   std::string out;
   out.reserve(static_cast<size_t>(sum.values.size() * 4 + 64));
   for (int64_t l = 0; l < sum.layers; ++l) {

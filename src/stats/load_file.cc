@@ -97,11 +97,11 @@ void append_number(std::string& out, double v) {
 
 // ---------------------------------------------------------------------------------------------
 
-LoadFormat parse_load_format(std::string_view name) {
+LoadFormat parse_load_format(std::string_view name, std::string_view option) {
   for (size_t i = 0; i < kFormatNames.size(); ++i) {
     if (name == kFormatNames[i]) return static_cast<LoadFormat>(i);
   }
-  fail("--format ", shown(name), " is not a load format (expected auto, eplb, sglang, vllm, csv "
+  fail(option, " ", shown(name), " is not a load format (expected auto, eplb, sglang, vllm, csv "
        "or trace)");
 }
 
@@ -120,12 +120,12 @@ LoadMatrix LoadHistory::sum() const {
   return out;
 }
 
-LoadFormat detect_load_format(std::string_view content) {
+LoadFormat detect_load_format(std::string_view content, std::string_view source) {
   const std::string_view body = body_of(content);
-  if (body.empty()) fail("the input is empty");
+  if (body.empty()) fail(source, ": the input is empty");
   if (looks_like_json(body)) {
-    return json_format(detail::parse_json(content, "<input>", kLoadRowLimit, kLoadIntegerLimit),
-                       "<input>");
+    return json_format(detail::parse_json(content, source, kLoadRowLimit, kLoadIntegerLimit),
+                       source);
   }
   return is_trace_header(first_line(body)) ? LoadFormat::kTrace : LoadFormat::kCsv;
 }

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cctype>
 #include <cstdio>
+#include <unordered_set>
 #include <vector>
 
 #include "eplb/core/error.h"
@@ -58,8 +59,9 @@ class IntegerAwareBuilder : public nlohmann::detail::json_sax_dom_callback_parse
 };
 
 // Counts the numbers of every open array while nlohmann's parser runs (its callback sees
-// every event in document order) and throws once one passes the limit, or once an array holds
-// an integer above `integers`.
+// every event in document order) and throws once one passes the limit, once an array holds
+// an integer above `integers`, or once an object repeats a key (nlohmann would keep the last
+// value silently: which of two "load" arrays the file meant is a guess).
 class RowCounter {
  public:
   RowCounter(std::string_view source, RowLimit limit, IntegerLimit integers,
@@ -71,7 +73,7 @@ class RowCounter {
       case Json::parse_event_t::object_start:
       case Json::parse_event_t::array_start:
         if (!open_.empty()) ++open_.back().index;  // a container is an element too
-        open_.push_back({event == Json::parse_event_t::array_start, -1, pending_key_, 0});
+        open_.push_back({event == Json::parse_event_t::array_start, -1, pending_key_, 0, {}});
         pending_key_.clear();
         break;
       case Json::parse_event_t::object_end:
@@ -79,7 +81,15 @@ class RowCounter {
         if (!open_.empty()) open_.pop_back();
         break;
       case Json::parse_event_t::key:
-        if (parsed.is_string()) pending_key_ = parsed.get<std::string>();
+        if (parsed.is_string()) {
+          pending_key_ = parsed.get<std::string>();
+          if (!open_.empty() && !open_.back().keys.insert(pending_key_).second) {
+            const std::string where = path();
+            fail(source_, ": the key ", shown(pending_key_), " appears twice in ",
+                 where == "an array" ? "the top-level object" : where,
+                 " (each key may appear once)");
+          }
+        }
         break;
       case Json::parse_event_t::value:
         if (open_.empty()) break;
@@ -114,6 +124,7 @@ class RowCounter {
     int64_t index = -1;  // of the element being parsed
     std::string key;     // the key this container is the value of (in an object)
     int64_t numbers = 0;
+    std::unordered_set<std::string> keys;  // an object's keys so far
   };
 
   // "load[0][2]": the keys and indices down to the innermost open array.

@@ -28,8 +28,9 @@ namespace eplb::stats {
 
 enum class LoadFormat { kAuto, kEplb, kSglang, kVllm, kCsv, kTrace };
 
-// "auto" | "eplb" | "sglang" | "vllm" | "csv" | "trace"; else InvalidArgument listing them.
-LoadFormat parse_load_format(std::string_view name);
+// "auto" | "eplb" | "sglang" | "vllm" | "csv" | "trace"; else InvalidArgument naming `option`
+// (the option or parameter the name came from) and listing them.
+LoadFormat parse_load_format(std::string_view name, std::string_view option = "--format");
 std::string_view load_format_name(LoadFormat format);
 
 struct LoadReadOptions {
@@ -64,8 +65,9 @@ struct RoutingTrace {
 
 // JSON by its key ("load" before "logical_count" before "load_history"); CSV whose first line is
 // the header "layer,token,experts[,weights]" is a trace, other CSV a matrix. Throws
-// InvalidArgument for empty content, invalid JSON, or JSON without any of the keys.
-LoadFormat detect_load_format(std::string_view content);
+// InvalidArgument, naming `source` (the file), for empty content, invalid JSON, or JSON without
+// any of the keys.
+LoadFormat detect_load_format(std::string_view content, std::string_view source = "<input>");
 
 // Parse from memory; `source` names the input in messages (a path, or "<input>").
 LoadHistory parse_load_history(std::string_view content, const LoadReadOptions& options,

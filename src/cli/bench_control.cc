@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "cli/commands.h"
+#include "cli/option_checks.h"
 #include "eplb/control/communicator.h"
 #include "eplb/control/launch.h"
 #include "eplb/core/error.h"
@@ -37,6 +38,7 @@ struct Args {
   std::string backend = "shm";
   int ranks = 2;  // the size being measured: one of `sizes`
   std::vector<int> sizes = {2};
+  std::string sizes_text = "2";  // --ranks as given: parse_int_list fills `sizes`
   int iters = 2000;
   bool json = false;
 };
@@ -254,14 +256,16 @@ void add_bench_control(CLI::App& bench) {
       "control", "All-reduce latency of the control plane (4 int64 values) over N ranks");
   cmd->add_option("--backend", args->backend, "inproc | shm | gloo | mpi (those built)")
       ->capture_default_str();
-  cmd->add_option("--ranks", args->sizes,
+  cmd->add_option("--ranks", args->sizes_text,
                   "Number of ranks; a comma-separated list (8,32,64) measures each in turn")
-      ->delimiter(',')
       ->capture_default_str();
   cmd->add_option("--iters", args->iters, "Measured all-reduces")->capture_default_str();
   cmd->add_flag("--json", args->json,
                 "Print one JSON object per size, one a line: backend, ranks, p50_us, p99_us");
-  cmd->callback([args] { run(*args); });
+  cmd->callback([args] {
+    args->sizes = parse_int_list("--ranks", args->sizes_text);
+    run(*args);
+  });
 }
 
 }  // namespace eplb::cli

@@ -26,6 +26,7 @@
 
 #include "cli/bench_runtime.h"
 #include "cli/commands.h"
+#include "cli/option_checks.h"
 #include "eplb/control/communicator.h"
 #include "eplb/control/launch.h"
 #include "eplb/core/error.h"
@@ -271,6 +272,12 @@ void run_bench_runtime(BenchRuntimeArgs args) {
   }
   for (const int ranks : args.ranks) check_shape(args, ranks);
   if (args.steps < 1) fail("--steps ", args.steps, " must be at least 1");
+  // The runtime's own options, here rather than in each rank, where a bad one would end the
+  // rank (or thread) as a failure of the run.
+  check_range("--lag", args.lag, 1, runtime::kMaxLag, "steps between an agreement and its action");
+  check_range("--timeout-ms", args.timeout_ms, 1, runtime::kMaxTimeout.count(),
+              "milliseconds every collective waits");
+  placement::parse_policy(args.policy);
   if (!(std::isfinite(args.forward_ms) && args.forward_ms >= 0 && args.forward_ms <= 60'000)) {
     fail("--forward-ms ", args.forward_ms, " must be a number in [0, 60000] (milliseconds)");
   }
@@ -367,12 +374,11 @@ void add_bench_runtime(CLI::App& bench) {
   const auto threads_default = [&](CLI::Option* option, std::function<void()> apply) {
     defaults->push_back({option, std::move(apply)});
   };
-  threads_default(cmd->add_option("--ranks", args->ranks,
+  threads_default(cmd->add_option("--ranks", args->ranks_text,
                                   "Ranks; with --threads a comma-separated list runs one after "
                                   "the other (threads: 8,32,128,256)")
-                      ->delimiter(',')
                       ->capture_default_str(),
-                  [args] { args->ranks = {8, 32, 128, 256}; });
+                  [args] { args->ranks_text = "8,32,128,256"; });
   threads_default(cmd->add_option("--layers", args->layers, "(threads: 4)")->capture_default_str(),
                   [args] { args->layers = 4; });
   threads_default(
@@ -425,6 +431,7 @@ void add_bench_runtime(CLI::App& bench) {
         if (d.option->count() == 0) d.apply();
       }
     }
+    args->ranks = parse_int_list("--ranks", args->ranks_text);
     run_bench_runtime(*args);
   });
 }

@@ -16,6 +16,7 @@ namespace eplb::cli {
 struct BenchRuntimeArgs {
   // Processes: exactly one count. Threads: one run per count, in the order given.
   std::vector<int> ranks = {4};
+  std::string ranks_text = "4";  // --ranks as given: parse_int_list fills `ranks`
   int64_t layers = 58;
   int64_t slots_per_rank = 9;
   int64_t experts = 0;  // 0: one redundant slot per rank (for each rank count)

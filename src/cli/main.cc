@@ -65,6 +65,12 @@ std::string parse_error_message(const CLI::App& app, const CLI::ParseError& e) {
     return app.get_option_no_throw(name);
   };
   std::string what = e.what();
+  // A validator's message that names its option itself ("--cost: --cost '' is empty ..."):
+  // CLI11's prefix once is enough.
+  if (const size_t colon = what.find(": "); colon != std::string::npos && colon > 0) {
+    const std::string head = what.substr(0, colon);
+    if (what.compare(colon + 2, head.size() + 1, head + " ") == 0) what.erase(0, colon + 2);
+  }
   constexpr std::string_view kConvert = "Could not convert: ";
   constexpr std::string_view kExtra = "The following argument was not expected: ";
   constexpr std::string_view kExtras = "The following arguments were not expected: ";
@@ -129,6 +135,23 @@ std::string parse_error_message(const CLI::App& app, const CLI::ParseError& e) {
   return fmt::format("{}; see '{} --help'", what, verbs);
 }
 
+// An empty value ('') is never what an option of this CLI means: leaving the option out gives
+// its default, which '' would otherwise give silently too (`simulate --cost ''` ran without a
+// cost model, `run --trace ''` on the bundled loads). Every option that takes text refuses it.
+void refuse_empty_values(CLI::App& app) {
+  for (CLI::Option* option : app.get_options()) {
+    if (option->get_expected_max() == 0 || !option->get_type_name().starts_with("TEXT")) continue;
+    const std::string name = option->get_name();
+    option->check(CLI::Validator(
+        [name](const std::string& value) -> std::string {
+          if (!value.empty()) return {};
+          return name + " '' is empty: give a value, or leave the option out for its default";
+        },
+        ""));
+  }
+  for (CLI::App* sub : app.get_subcommands({})) refuse_empty_values(*sub);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -155,6 +178,7 @@ int main(int argc, char** argv) {
   eplb::cli::add_simulate(app);
   eplb::cli::add_convert(app);
   eplb::cli::add_bench(app);
+  refuse_empty_values(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

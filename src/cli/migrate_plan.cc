@@ -15,7 +15,10 @@
 
 #include "cli/commands.h"
 #include "cli/migration_summary.h"
+#include "cli/option_checks.h"
 #include "eplb/core/error.h"
+#include "eplb/core/memory.h"
+#include "eplb/core/types.h"
 #include "eplb/migration/migration.h"
 #include "eplb/stats/placement_file.h"
 
@@ -336,14 +339,24 @@ Placement random_placement(int64_t layers, int64_t experts, int64_t physical,
 
 void run_bench_migration(const BenchMigrationArgs& args) {
   if (args.repeat < 1) fail("--repeat ", args.repeat, " must be at least 1");
-  if (args.layers < 1) fail("--layers ", args.layers, " must be at least 1");
-  if (args.changed < 0 || args.changed > 1) fail("--changed ", args.changed, " is outside [0, 1]");
+  check_range("--layers", args.layers, 1, kMaxLayers, "MoE layers");
+  check_number("--changed", args.changed, 0, 1,
+               "slot swaps per layer, as a fraction of the slots");
   const Layout layout{.experts = args.experts,
                       .physical = args.physical,
                       .ranks = args.ranks,
                       .nodes = args.nodes,
                       .groups = 1};
   layout.validate();
+  // The two placements and the plan, per slot of every layer, before any is sized: phy2log
+  // twice (4 B each), the plan's action and its read (under 64 B together), and the same again
+  // while the next repeat replaces the plan.
+  check_fits_in_memory(
+      checked_mul(checked_mul(args.layers, args.physical, "--layers x --physical"), 8 + 2 * 64,
+                  "the bytes of the placements and plans"),
+      fmt::format("--layers {} x --physical {} (two placements and a migration plan)",
+                  args.layers, args.physical),
+      "lower --layers or --physical");
   std::mt19937_64 rng(args.seed);
   const Placement from = random_placement(args.layers, args.experts, args.physical, rng);
   // The new placement: a random one, of which a fraction `changed` of the slot swaps is kept.

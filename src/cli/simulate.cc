@@ -21,6 +21,7 @@
 
 #include "cli/commands.h"
 #include "cli/layout_options.h"
+#include "cli/option_checks.h"
 #include "eplb/core/error.h"
 #include "emu/workload.h"
 #include "eplb/placement/cost.h"
@@ -32,6 +33,8 @@ namespace {
 
 // DeepSeek-V3's routed expert in one layer: gate, up and down projections of 7168 x 2048
 // weights in FP8, one byte each.
+// --token-us: a second per token and expert.
+constexpr double kMaxTokenUs = 1e6;
 constexpr int64_t kDeepseekV3ExpertBytes = int64_t{7168} * 2048 * 3;
 
 struct SimulateArgs {
@@ -126,7 +129,7 @@ Input read_input(const SimulateArgs& args) {
   const std::string& path = trace ? args.trace_path : args.load_path;
   const std::string content = stats::read_file(path);
   stats::LoadFormat format = stats::parse_load_format(args.format);
-  if (format == stats::LoadFormat::kAuto) format = stats::detect_load_format(content);
+  if (format == stats::LoadFormat::kAuto) format = stats::detect_load_format(content, path);
   if (trace && format != stats::LoadFormat::kTrace) {
     fail("--trace ", path,
          " is not a routing trace (CSV with the header "
@@ -182,10 +185,10 @@ void check_options(const SimulateArgs& args) {
   if (args.peers_per_round < 1) {
     fail("--peers-per-round ", args.peers_per_round, " must be at least 1");
   }
-  if (!(args.token_us >= 0) || !std::isfinite(args.token_us)) {
-    fail("--token-us ", args.token_us,
-         " must be a finite time >= 0 (microseconds for one token through one expert)");
-  }
+  // A second per token and expert is past any device; below it, the predicted MoE time of a
+  // step stays finite for every load a file may hold (kMaxLayerLoad per layer).
+  check_number("--token-us", args.token_us, 0, kMaxTokenUs,
+               "microseconds for one token through one expert");
 }
 
 // CPU time of this thread: the replay runs on one core, and its speed on that core should not
@@ -468,14 +471,23 @@ void run_simulate(const SimulateArgs& args) {
   const stats::LoadHistory& history = input.history;
   options.layout = make_layout(args, history.experts);
   if (args.window >= history.steps) {
-    fail("--window ", args.window, " leaves no step to score: the input has ", history.steps,
-         " steps",
-         history.format == stats::LoadFormat::kTrace
-             ? fmt::format(" of {} tokens", args.tokens_per_step)
-             : std::string(),
+    const std::string steps = fmt::format(
+        "{} step{}{}", history.steps, history.steps == 1 ? "" : "s",
+        history.format == stats::LoadFormat::kTrace
+            ? fmt::format(" of {} tokens", args.tokens_per_step)
+            : std::string());
+    if (history.steps < 2) {
+      fail("--window ", args.window, " leaves no step to score: the input has ", steps,
+           ", and a replay needs at least 2 (a placement is made from the first --window steps "
+           "and scored on the steps after them)",
+           history.format == stats::LoadFormat::kTrace
+               ? "; lower --tokens-per-step to cut the trace into more steps"
+               : "");
+    }
+    fail("--window ", args.window, " leaves no step to score: the input has ", steps,
          "; the first placement is made from steps [0, window) and scored on the steps after "
-         "it, so --window must be below ",
-         history.steps);
+         "it, so --window must be at most ",
+         history.steps - 1);
   }
 
   // Step 3: the replay, timed without the parsing: wall-clock, and CPU time for the speed.

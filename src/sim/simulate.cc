@@ -51,9 +51,11 @@ void check_options(const stats::LoadHistory& history, const SimOptions& options)
   }
   if (options.window >= history.steps) {
     fail("window ", options.window, " leaves no step to score: the history has ", history.steps,
-         " steps (the first placement is made from steps [0, window) and scored on the steps "
-         "after it, so the window must be below ",
-         history.steps, ")");
+         history.steps == 1 ? " step" : " steps",
+         " (the first placement is made from steps [0, window) and scored on the steps after it",
+         history.steps < 2 ? ", so a replay needs a history of at least 2 steps)"
+                           : ", so the window must be at most ",
+         history.steps < 2 ? "" : std::to_string(history.steps - 1) + ")");
   }
   if (options.policies.empty()) fail("no policy to simulate (expected ", kChoices, ")");
   for (const SimPolicy& p : options.policies) {

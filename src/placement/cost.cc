@@ -15,6 +15,11 @@
 namespace eplb::placement {
 namespace {
 
+// The largest figures a measured sample or kernel row may hold: past them the fits' sums of
+// squares could overflow, and no measurement is that large.
+constexpr double kMaxSampleUs = 1e12;                  // 11.6 days
+constexpr double kMaxSampleCount = 9007199254740992.0;  // 2^53
+
 void check_parameter(std::string_view name, double value) {
   if (!std::isfinite(value) || value < 0) {
     fail("cost model: ", name, " is ", value, " (must be a finite number >= 0)");
@@ -129,6 +134,13 @@ CostModel fit_cost_model(std::span<const CostSample> samples) {
              ", time ", s.time_us, " us); every figure must be finite and >= 0");
       }
     }
+    // Bounded so that the sums of squares below stay finite: past these no fit is meaningful
+    // (a model's parameters are at most kMaxCostUs each).
+    if (s.time_us > kMaxSampleUs || s.slots > kMaxSampleCount || s.tokens > kMaxSampleCount) {
+      fail("cost model fit: sample ", i, " is (slots ", s.slots, ", tokens ", s.tokens,
+           ", time ", s.time_us, " us); a sample is one rank's layer: at most ", kMaxSampleCount,
+           " slots and tokens, and ", kMaxSampleUs, " us (times are in microseconds)");
+    }
     const std::array<double, 3> x{1.0, s.slots, s.tokens};
     for (int r = 0; r < 3; ++r) {
       for (int c = 0; c < 3; ++c) ata[r][c] += x[r] * x[c];
@@ -185,6 +197,11 @@ CostModel fit_slot_table(std::span<const SlotTiming> table) {
     if (!std::isfinite(r.tokens) || !(r.tokens > 0) || !std::isfinite(r.time_us) || r.time_us < 0) {
       fail("kernel table fit: row ", i, " is (tokens ", r.tokens, ", time ", r.time_us,
            " us); tokens must be > 0 and the time finite and >= 0");
+    }
+    if (r.tokens > kMaxSampleCount || r.time_us > kMaxSampleUs) {
+      fail("kernel table fit: row ", i, " is (tokens ", r.tokens, ", time ", r.time_us,
+           " us); a row is one slot's kernel: at most ", kMaxSampleCount, " tokens and ",
+           kMaxSampleUs, " us (times are in microseconds)");
     }
     knees.push_back(r.tokens);
   }
@@ -341,6 +358,15 @@ CostModel cost_model_from_json(std::string_view text, std::string_view where) {
   }
   check_fields(j, {"rank_us", "slot_us", "token_us", "knee_tokens", "token_us_above", "source"},
                where, "the model");
+  // An object without a parameter ({}) would be the defaults' model, which nobody measured.
+  bool any = false;
+  for (const char* key : {"rank_us", "slot_us", "token_us", "knee_tokens", "token_us_above"}) {
+    any = any || j.contains(key);
+  }
+  if (!any) {
+    fail(where, " gives no cost model parameter (expected some of rank_us, slot_us, token_us, "
+         "knee_tokens, token_us_above; or {\"preset\": NAME} or {\"roofline\": {...}})");
+  }
   CostModel m;
   read_number(j, "rank_us", where, m.rank_us);
   read_number(j, "slot_us", where, m.slot_us);

@@ -5,10 +5,16 @@
 // memcpy of B bytes between two private buffers is timed in the same processes, interleaved
 // with the transport rounds and run on every rank at once, so both figures see the same memory
 // bandwidth. Figures are per rank, median over rounds, averaged over ranks.
+//
+// Beside the wall-clock figures, two that do not depend on what else the machine runs: the
+// same copies timed in the rank thread's CPU time (a rank that waits for a core is not
+// copying), and the page faults each timed copy took (a pull into or from pages not yet mapped
+// faults once per page; a warm one, none).
 
 #include <sched.h>
 #include <signal.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -17,6 +23,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <ctime>
 #include <memory>
 #include <string>
 #include <thread>
@@ -26,7 +33,9 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/commands.h"
+#include "cli/option_checks.h"
 #include "eplb/core/error.h"
+#include "eplb/core/memory.h"
 #include "eplb/transport/registry.h"
 #include "eplb/transport/shareable.h"
 
@@ -36,6 +45,7 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 constexpr int kMaxRanks = 64;
+constexpr int64_t kMaxBytes = int64_t{1} << 40;  // --bytes, before the memory check
 constexpr std::size_t kMaxDescriptor = 64 * 1024;
 constexpr int kRounds = 5;
 constexpr auto kBarrierTimeout = std::chrono::seconds(120);
@@ -51,6 +61,10 @@ struct Board {
   std::byte descriptors[kMaxRanks][kMaxDescriptor];
   double transport_gbps[kMaxRanks];
   double memcpy_gbps[kMaxRanks];
+  double transport_cpu_gbps[kMaxRanks];  // in the rank thread's CPU time
+  double memcpy_cpu_gbps[kMaxRanks];
+  double pull_faults[kMaxRanks];  // page faults (minor and major) per timed pull
+  double memcpy_faults[kMaxRanks];
 };
 
 void barrier(Board& board, int ranks) {
@@ -72,6 +86,21 @@ double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v[v.size() / 2];
 }
+
+// The calling thread's CPU time and page faults so far.
+struct ThreadUsage {
+  double cpu_s = 0;
+  int64_t faults = 0;
+
+  static ThreadUsage now() {
+    rusage u{};
+    ::getrusage(RUSAGE_THREAD, &u);
+    timespec t{};
+    ::clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+    return {static_cast<double>(t.tv_sec) + static_cast<double>(t.tv_nsec) * 1e-9,
+            static_cast<int64_t>(u.ru_minflt + u.ru_majflt)};
+  }
+};
 
 void run_rank(Board& board, const std::string& backend, int rank, int ranks, std::size_t bytes,
               const std::string& memory) {
@@ -131,22 +160,34 @@ void run_rank(Board& board, const std::string& backend, int rank, int ranks, std
   pull();  // warm up: connections, page tables, caches
   std::memcpy(dst.data(), src.data(), bytes);
 
-  std::vector<double> copy_s, pull_s;
+  std::vector<double> copy_s, pull_s, copy_cpu_s, pull_cpu_s;
+  int64_t copy_faults = 0, pull_faults = 0;
+  // Times `copy` in wall-clock and CPU time, and counts its page faults.
+  const auto timed = [](const auto& copy, std::vector<double>& wall, std::vector<double>& cpu,
+                        int64_t& faults) {
+    const ThreadUsage u0 = ThreadUsage::now();
+    const auto t0 = Clock::now();
+    copy();
+    wall.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+    const ThreadUsage u1 = ThreadUsage::now();
+    cpu.push_back(std::max(u1.cpu_s - u0.cpu_s, 1e-9));
+    faults += u1.faults - u0.faults;
+  };
   for (int round = 0; round < kRounds; ++round) {
     barrier(board, ranks);
-    auto t0 = Clock::now();
-    std::memcpy(dst.data(), src.data(), bytes);
-    copy_s.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+    timed([&] { std::memcpy(dst.data(), src.data(), bytes); }, copy_s, copy_cpu_s, copy_faults);
     barrier(board, ranks);
-    t0 = Clock::now();
-    pull();
-    pull_s.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+    timed(pull, pull_s, pull_cpu_s, pull_faults);
   }
   if (dst[bytes - 1] != static_cast<std::byte>(0x40 + reads.back().peer)) {
     fail<IoError>("bench transport: rank ", rank, " read wrong bytes");
   }
   board.memcpy_gbps[rank] = static_cast<double>(bytes) / median(copy_s) / 1e9;
   board.transport_gbps[rank] = static_cast<double>(bytes) / median(pull_s) / 1e9;
+  board.memcpy_cpu_gbps[rank] = static_cast<double>(bytes) / median(copy_cpu_s) / 1e9;
+  board.transport_cpu_gbps[rank] = static_cast<double>(bytes) / median(pull_cpu_s) / 1e9;
+  board.memcpy_faults[rank] = static_cast<double>(copy_faults) / kRounds;
+  board.pull_faults[rank] = static_cast<double>(pull_faults) / kRounds;
   barrier(board, ranks);  // nobody closes while a peer may still read from it
 }
 
@@ -203,17 +244,20 @@ void run_threads(Board& board, const std::string& backend, int ranks, std::size_
   for (auto& t : threads) t.join();
 }
 
-void bench_transport(const std::string& backend, int ranks, std::size_t bytes,
+void bench_transport(const std::string& backend, int ranks, int64_t bytes_given,
                      const std::string& memory, bool json) {
   if (!transport::has_backend(backend)) transport::create(backend, {});  // throws the message
-  if (ranks < 1 || ranks > kMaxRanks) {
-    fail<InvalidArgument>("--ranks ", ranks, " is out of range (1..", kMaxRanks, ")");
-  }
-  if (bytes == 0) fail<InvalidArgument>("--bytes 0: give the bytes each rank pulls (> 0)");
-  if (bytes < static_cast<std::size_t>(ranks)) {
-    fail<InvalidArgument>("--bytes ", bytes, " is smaller than --ranks ", ranks,
-                          " (each peer serves at least one byte)");
-  }
+  check_range("--ranks", ranks, 1, kMaxRanks,
+              backend == "inproc" ? "rank threads" : "rank processes");
+  check_range("--bytes", bytes_given, ranks, kMaxBytes,
+              "bytes each rank pulls, at least one from each peer");
+  // Every rank holds the region it serves, the buffer it pulls into and memcpy's source.
+  check_fits_in_memory(
+      checked_mul(bytes_given, 3 * ranks, "--bytes x 3 x --ranks"),
+      fmt::format("--bytes {} with --ranks {} (each rank holds 3 buffers of --bytes)",
+                  bytes_given, ranks),
+      "lower --bytes or --ranks");
+  const auto bytes = static_cast<std::size_t>(bytes_given);
   void* mem = ::mmap(nullptr, sizeof(Board), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS,
                      -1, 0);
   if (mem == MAP_FAILED) fail<IoError>("bench transport: cannot map shared memory");
@@ -226,25 +270,41 @@ void bench_transport(const std::string& backend, int ranks, std::size_t bytes,
   }
   if (board->failed.load()) fail<IoError>("bench transport --backend ", backend, ": ", board->error);
 
-  double gbps = 0, memcpy_gbps = 0;
+  double gbps = 0, memcpy_gbps = 0, cpu_gbps = 0, memcpy_cpu_gbps = 0;
+  double pull_faults = 0, memcpy_faults = 0;
   for (int rank = 0; rank < ranks; ++rank) {
     gbps += board->transport_gbps[rank] / ranks;
     memcpy_gbps += board->memcpy_gbps[rank] / ranks;
+    cpu_gbps += board->transport_cpu_gbps[rank] / ranks;
+    memcpy_cpu_gbps += board->memcpy_cpu_gbps[rank] / ranks;
+    pull_faults += board->pull_faults[rank] / ranks;
+    memcpy_faults += board->memcpy_faults[rank] / ranks;
   }
   const double ratio = gbps / memcpy_gbps;
+  const double cpu_ratio = cpu_gbps / memcpy_cpu_gbps;
   if (json) {
-    nlohmann::json out{{"backend", backend},   {"ranks", ranks},
-                       {"bytes", bytes},       {"registered", memory != "allocated"},
+    nlohmann::json out{{"backend", backend},
+                       {"ranks", ranks},
+                       {"bytes", bytes},
+                       {"registered", memory != "allocated"},
                        {"memory", memory},
-                       {"gbps", gbps},         {"memcpy_gbps", memcpy_gbps},
-                       {"ratio", ratio}};
+                       {"gbps", gbps},
+                       {"memcpy_gbps", memcpy_gbps},
+                       {"ratio", ratio},
+                       {"cpu_gbps", cpu_gbps},
+                       {"memcpy_cpu_gbps", memcpy_cpu_gbps},
+                       {"cpu_ratio", cpu_ratio},
+                       {"page_faults_per_pull", pull_faults},
+                       {"page_faults_per_memcpy", memcpy_faults}};
     fmt::print("{}\n", out.dump());
   } else {
     fmt::print("transport {}{}: {} ranks pulling {} bytes each: {:.2f} GB/s per rank "
                "(memcpy {:.2f} GB/s, {:.2f}x)\n",
                backend, memory == "allocated" ? "" : " (registered " + memory + " memory)", ranks,
-               bytes, gbps,
-               memcpy_gbps, ratio);
+               bytes, gbps, memcpy_gbps, ratio);
+    fmt::print("  in CPU time: {:.2f} GB/s (memcpy {:.2f} GB/s, {:.2f}x); page faults per pull "
+               "{:.0f}, per memcpy {:.0f}\n",
+               cpu_gbps, memcpy_cpu_gbps, cpu_ratio, pull_faults, memcpy_faults);
   }
 }
 
@@ -254,7 +314,7 @@ void add_bench_transport(CLI::App& bench) {
   struct Args {
     std::string backend;
     int ranks = 2;
-    std::size_t bytes = 64 << 20;
+    int64_t bytes = 64 << 20;
     bool registered = false;
     bool shareable = false;
     bool json = false;

@@ -41,6 +41,11 @@ struct RunArgs {
   std::string metrics;
   bool verbose = false;
   std::string cost;  // --cost: adaptive_cost's model, a preset or a JSON file
+  // Given on the command line (not the defaults): --layers (whose default, -1, is no value a
+  // user may give), and the options of sampled loads, which a --trace has no use for.
+  bool layers_given = false;
+  bool top_k_given = false;
+  bool sample_tokens_given = false;
 };
 
 // --metrics FILE: every rank's metrics (of every mode with --compare) as one exposition.
@@ -439,8 +444,20 @@ void run(RunArgs a) {
     } catch (const std::exception&) {
       fail("--verify '", a.verify, "' is not all, sample or a number N (one token in N)");
     }
+    if (o.verify_every < 1) {
+      fail("--verify ", a.verify, " is not all, sample or a number N >= 1 (one token in N)");
+    }
   }
   if (!a.trace.empty() && !a.load.empty()) fail("--trace and --load exclude each other");
+  if (!a.trace.empty() && (a.top_k_given || a.sample_tokens_given)) {
+    fail(a.top_k_given ? fmt::format("--top-k {}", a.top_k)
+                       : fmt::format("--sample-tokens {}", a.sample_tokens),
+         " is for sampled loads (--load, or the bundled ones): --trace ", a.trace,
+         " replays its own tokens, with their own top-k");
+  }
+  if (a.layers_given && a.layers < 0) {
+    fail("--layers ", a.layers, " must not be negative (N: the first N MoE layers; 0: all)");
+  }
   if (!a.cost.empty()) {
     if (o.dispatch != "adaptive_cost") {
       fail("--cost ", a.cost, " is adaptive_cost's model: it needs --dispatch adaptive_cost (not ",
@@ -466,8 +483,7 @@ void run(RunArgs a) {
       !a.trace.empty() ? emu::workload_from_trace(a.trace)
                        : emu::workload_from_load(bundled ? emu::default_load_path() : a.load,
                                                  a.top_k, a.sample_tokens, o.seed);
-  if (a.layers < -1) fail("--layers ", a.layers, " must not be negative (0: every layer)");
-  emu::keep_layers(workload, a.layers == -1 ? (bundled ? 6 : 0) : a.layers);
+  emu::keep_layers(workload, a.layers_given ? a.layers : (bundled ? 6 : 0));
 
   const bool launched = control::launched_by_mpirun() || std::getenv("RANK") != nullptr;
   if (launched) {
@@ -519,7 +535,7 @@ void run(RunArgs a) {
       if (o.metrics_port > 0) m.metrics_port = o.metrics_port + static_cast<int>(i);
       runs.push_back(std::move(m));
     }
-    o.check_window_fits(workload, o.ranks * static_cast<int64_t>(runs.size()));
+    o.check_resources(workload, o.ranks * static_cast<int64_t>(runs.size()));
     results = emu::run_side_by_side(runs, workload);
   } else {
     emu::RunOptions m = o;
@@ -614,12 +630,15 @@ void add_run(CLI::App& app) {
   cmd->add_option("--load", a->load,
                   "Load file to sample tokens from, any `eplb plan` format (default: the bundled "
                   "DeepSeek-V3 loads, data/deepseek-v3-sglang/prefill_in1024.json)");
-  cmd->add_option("--top-k", a->top_k, "With --load: experts per token")->capture_default_str();
-  cmd->add_option("--layers", a->layers,
-                  "Serve the first N MoE layers of the input (default: 6 of the bundled "
-                  "DeepSeek-V3 loads, every layer of a --trace or --load; 0: all)");
-  cmd->add_option("--sample-tokens", a->sample_tokens, "With --load: tokens in one pass")
-      ->capture_default_str();
+  CLI::Option* top_k = cmd->add_option("--top-k", a->top_k, "With --load: experts per token")
+                           ->capture_default_str();
+  CLI::Option* layers = cmd->add_option(
+      "--layers", a->layers,
+      "Serve the first N MoE layers of the input (default: 6 of the bundled DeepSeek-V3 loads, "
+      "every layer of a --trace or --load; 0: all)");
+  CLI::Option* sample_tokens =
+      cmd->add_option("--sample-tokens", a->sample_tokens, "With --load: tokens in one pass")
+          ->capture_default_str();
   add_seed_option(cmd, o.seed, "Sampler and random dispatch seed");
   cmd->add_option("--transport", o.transport, "auto, shm, ucx or hybrid")->capture_default_str();
   cmd->add_option("--weights", o.weights,
@@ -653,7 +672,12 @@ void add_run(CLI::App& app) {
                   "Serve the ranks' metrics on http://127.0.0.1:PORT/metrics while running "
                   "(under a launcher: each rank on PORT + its local rank; with --compare, off, "
                   "sync and async on PORT, PORT + 1, PORT + 2)");
-  cmd->callback([a] { run(*a); });
+  cmd->callback([a, top_k, layers, sample_tokens] {
+    a->top_k_given = top_k->count() > 0;
+    a->layers_given = layers->count() > 0;
+    a->sample_tokens_given = sample_tokens->count() > 0;
+    run(*a);
+  });
 }
 
 }  // namespace eplb::cli

@@ -175,7 +175,9 @@ void RunOptions::validate(const Workload& workload) const {
   if (lag < 1 || lag > runtime::kMaxLag) {
     fail("--lag ", lag, " is outside [1, ", runtime::kMaxLag, "] steps");
   }
-  if (verify_every < 1) fail("--verify-every ", verify_every, " must be at least 1");
+  if (verify_every < 1) {
+    fail("--verify ", verify_every, " is not all, sample or a number N >= 1 (one token in N)");
+  }
   if (timeout_ms < 1) fail("--timeout-ms ", timeout_ms, " must be at least 1");
   if (mode != "async" && mode != "sync" && mode != "off") {
     fail("--mode '", mode, "' is not one of async, sync, off");
@@ -244,7 +246,7 @@ void RunOptions::validate(const Workload& workload) const {
     fail("--backup-copies ", backup_copies, " is outside [0, ", ranks, "] (-1: 2 with --kill-rank)");
   }
   make_config(*this, workload).validate();
-  check_window_fits(workload, 1);
+  check_resources(workload, 1);
 }
 
 void RunOptions::check_window_fits(const Workload& workload, int64_t local_ranks) const {

@@ -100,6 +100,11 @@ struct RunOptions {
   void validate(const Workload& workload) const;  // InvalidArgument naming the option
   // InvalidArgument when `local_ranks` ranks' load windows would not fit in memory here.
   void check_window_fits(const Workload& workload, int64_t local_ranks) const;
+  // Before any rank starts (resources.cc): InvalidArgument naming the option when what
+  // `local_ranks` ranks of this machine hold (weights, a step's tokens, the load windows, the
+  // figures of every step) would not fit in memory, or when one step's compute would take
+  // longer than --timeout-ms at any core's pace. Both estimates are lower bounds.
+  void check_resources(const Workload& workload, int64_t local_ranks) const;
   // Redundant slots per layer, the -1 default resolved: one per rank; in an elastic run the
   // fewest (at least one per rank) with which the ranks left after a loss hold every expert.
   int64_t redundant_slots(int64_t experts) const;

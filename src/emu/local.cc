@@ -121,7 +121,7 @@ RunResult run_local(const RunOptions& options, const Workload& workload) {
          control::max_local_ranks(), " (", control::kMaxLocalRanks,
          ", fewer where the memory available or the process limit, ulimit -u, leave less room)");
   }
-  options.check_window_fits(workload, options.ranks);
+  options.check_resources(workload, options.ranks);
   const control::ScratchFolder scratch("eplb-run");
   const std::string& dir = scratch.path();
 

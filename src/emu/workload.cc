@@ -1,11 +1,14 @@
 #include "emu/workload.h"
 
+#include <fmt/core.h>
+
 #include <cstdlib>
 #include <filesystem>
 #include <numeric>
 
 #include "eplb/core/error.h"
 #include "eplb/core/hash.h"
+#include "eplb/core/memory.h"
 #include "eplb/stats/load_file.h"
 
 namespace eplb::emu {
@@ -81,7 +84,11 @@ Workload workload_from_trace(const std::string& path) {
 
 Workload workload_from_load(const std::string& path, int64_t top_k, int64_t tokens, uint64_t seed) {
   if (top_k < 1) fail("--top-k ", top_k, " must be at least 1");
-  if (tokens < 1) fail("--sample-tokens ", tokens, " must be at least 1");
+  // Each token's draw scans the experts of every layer: past a million tokens, minutes.
+  if (tokens < 1 || tokens > kMaxSampleTokens) {
+    fail("--sample-tokens ", tokens, " is outside [1, ", kMaxSampleTokens,
+         "] (tokens in one pass of the sampled loads; the steps reuse them in a cycle)");
+  }
   const LoadMatrix file = stats::read_load(path);
   if (file.experts < top_k) {
     fail("--top-k ", top_k, " is more than the ", file.experts, " experts of ", path);
@@ -105,6 +112,11 @@ Workload workload_from_load(const std::string& path, int64_t top_k, int64_t toke
              (load.layers < file.layers
                   ? ", " + std::to_string(file.layers - load.layers) + " dense layers left out)"
                   : ")");
+  check_fits_in_memory(checked_mul(checked_mul(w.layers * top_k, tokens, "the sampled tokens"),
+                                   4, "the sampled tokens"),
+                       fmt::format("--sample-tokens {} ({} layers x top-{} expert ids)", tokens,
+                                   w.layers, top_k),
+                       "lower --sample-tokens");
   w.routes.resize(static_cast<size_t>(w.layers * tokens * top_k));
   uint64_t state = seed;
   std::vector<double> weight(static_cast<size_t>(w.experts));

@@ -43,6 +43,9 @@ void keep_layers(Workload& w, int64_t layers);
 // A routing trace file (the "layer,token,experts,weights" CSV `eplb plan` reads).
 Workload workload_from_trace(const std::string& path);
 
+// The most tokens workload_from_load samples (--sample-tokens).
+inline constexpr int64_t kMaxSampleTokens = int64_t{1} << 20;
+
 // A load file of any format `eplb plan` reads, turned into a trace of `tokens` tokens: each
 // token draws `top_k` distinct experts per layer with probability proportional to the layer's
 // load (summed over the file's steps), from a generator seeded with `seed`. Dense layers (no

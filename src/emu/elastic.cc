@@ -2,7 +2,10 @@
 // processes under fork_elastic, and the group each new membership builds.
 
 #include <fmt/core.h>
+#include <signal.h>
+#include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdlib>
@@ -61,7 +64,8 @@ std::vector<std::pair<int, int64_t>> test_kills_from_env(const RunOptions& optio
   if (value == nullptr || *value == '\0') return kills;
   const auto bad = [&] {
     fail("EPLB_RUN_TEST_KILL='", value, "' is not SEAT:STEP[,SEAT:STEP...] with a seat in [0, ",
-         options.ranks, ") and a step in [1, ", options.steps, ") (a test's kill from outside)");
+         options.ranks, ") and a step in [1, ", options.steps, ") or 'start' (a test's kill from "
+         "outside; start: while the ranks start, before the group connects)");
   };
   std::stringstream list(value);
   std::string item;
@@ -71,9 +75,12 @@ std::vector<std::pair<int, int64_t>> test_kills_from_env(const RunOptions& optio
     try {
       size_t used_seat = 0, used_step = 0;
       const int seat = std::stoi(item.substr(0, colon), &used_seat);
-      const int64_t step = std::stoll(item.substr(colon + 1), &used_step);
-      if (used_seat != colon || used_step != item.size() - colon - 1) bad();
-      if (seat < 0 || seat >= options.ranks || step < 1 || step >= options.steps) bad();
+      const bool start = item.substr(colon + 1) == "start";
+      const int64_t step = start ? kKillAtStart : std::stoll(item.substr(colon + 1), &used_step);
+      if (used_seat != colon || (!start && used_step != item.size() - colon - 1)) bad();
+      if (seat < 0 || seat >= options.ranks || (!start && (step < 1 || step >= options.steps))) {
+        bad();
+      }
       kills.emplace_back(seat, step);
     } catch (const std::logic_error&) {  // stoi's invalid_argument and out_of_range
       bad();
@@ -106,6 +113,12 @@ std::vector<control::RankExit> run_elastic_ranks(const RunOptions& options,
         ElasticContext elastic{.board = &board, .rendezvous = rendezvous, .seat = seat,
                                .joining = joining, .report_path = report,
                                .outside_kills = outside_kills};
+        // EPLB_RUN_TEST_KILL=SEAT:start: killed as from outside while the ranks start.
+        if (!joining && std::find(outside_kills.begin(), outside_kills.end(),
+                                  std::pair<int, int64_t>{seat, kKillAtStart}) !=
+                            outside_kills.end()) {
+          ::kill(::getpid(), SIGKILL);
+        }
         Group group;
         if (!joining) group = connect_group(options, rendezvous, board.view(), seat);
         write_report(report, serve(options, workload, std::move(group), &elastic, stop));

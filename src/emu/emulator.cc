@@ -1,6 +1,7 @@
 #include "emu/emulator.h"
 
 #include <fmt/core.h>
+#include <fmt/format.h>
 #include <prometheus/metric_family.h>
 #include <prometheus/registry.h>
 #include <signal.h>
@@ -711,15 +712,24 @@ std::string serve(const RunOptions& options, const Workload& workload, Group gro
     step_max[0] = stop != nullptr && stop->load() != 0 ? 1 : 0;
     try {
       group.lockstep->all_reduce(step_max, control::ReduceOp::kMax);
-    } catch (const Error&) {
+    } catch (const Error& e) {
       // A rank is gone (elastic runs): this step served nobody. The survivors form the group the
-      // board names next, reconfigure, and serve the step again.
+      // board names next, reconfigure, and serve the step again. No new group: no rank was lost,
+      // the collective itself failed (its peers too slow under load): say which, and whom.
       if (elastic == nullptr) throw;
       ++no_service_steps;
-      if (!regroup(elastic->board->wait_newer(group.epoch,
-                                              std::chrono::milliseconds(options.timeout_ms)))) {
-        break;
+      const auto timeout = std::chrono::milliseconds(options.timeout_ms);
+      control::MembershipBoard::View next;
+      try {
+        next = elastic->board->wait_newer(group.epoch, timeout);
+      } catch (const Timeout&) {
+        fail<Timeout>("the lockstep all-reduce ending step ", step, " (group of epoch ",
+                      group.epoch, ", whose ranks are seats ",
+                      fmt::format("{}", fmt::join(group.seats, ", ")), ") failed: ", e.what(),
+                      "; no rank was lost (no new group within --timeout-ms ", options.timeout_ms,
+                      "): raise --timeout-ms under load");
       }
+      if (!regroup(next)) break;
       continue;
     }
     for (int64_t l = 0; l < L; ++l) {

@@ -234,8 +234,28 @@ RunResult run_local(const RunOptions& options, const Workload& workload) {
     all.insert(all.end(), failed.begin(), failed.end());
     fail<IoError>(describe_failures(all), stopped ? " (after an interrupt)" : "");
   };
+  // An elastic run whose ranks served no step (a rank lost or failed while they started: in
+  // connect(), filling the weights or the backup) still has a summary, like any elastic run
+  // that stops: no step, the ranks lost named, and why.
+  const auto nothing_served = [&] {
+    RunResult r;
+    r.mode = options.mode;
+    for (const control::RankExit& e : lost) {
+      r.lost.push_back({.rank = e.rank, .step = 0, .planned = false, .how = e.describe()});
+    }
+    r.kills = static_cast<int64_t>(r.lost.size());
+    std::vector<control::RankExit> all = lost;
+    all.insert(all.end(), failed.begin(), failed.end());
+    r.stopped = describe_failures(all) + (stopped ? " (after an interrupt)" : "") +
+                ", while the ranks were starting: no step was served (an elastic run survives "
+                "only the ranks lost while serving)";
+    r.wall_s = std::chrono::duration<double>(Clock::now() - start).count();
+    return r;
+  };
+  const bool lost_or_failed = !lost.empty() || !failed.empty();
   if (!failure.empty() && !options.elastic()) fail<IoError>(failure);
   if (reports.empty()) {
+    if (options.elastic() && lost_or_failed) return nothing_served();
     if (!failure.empty()) fail_without_figures();
     fail<IoError>("eplb run: no rank left a report");
   }
@@ -243,7 +263,9 @@ RunResult run_local(const RunOptions& options, const Workload& workload) {
   try {
     result = merge_reports(options, workload, reports);
   } catch (const Error&) {
-    if (!failure.empty()) fail_without_figures();  // no rank served from the first step on
+    // No rank served from the first step on.
+    if (options.elastic() && lost_or_failed) return nothing_served();
+    if (!failure.empty()) fail_without_figures();
     throw;
   }
   // Name each lost process at the step its group went on without it (the reference's record,

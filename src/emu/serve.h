@@ -41,15 +41,19 @@ struct ElasticContext {
   std::string report_path;
   // Testing (EPLB_RUN_TEST_KILL, docs/elastic.md): (seat, step) pairs at which a seat's first
   // process kills itself with SIGKILL without leaving a report, as a kill from outside eplb
-  // does, at a step of the test's choosing.
+  // does, at a step of the test's choosing (kKillAtStart: before the group connects).
   std::vector<std::pair<int, int64_t>> outside_kills;
 };
+
+// The step of an EPLB_RUN_TEST_KILL "SEAT:start": while the ranks start.
+inline constexpr int64_t kKillAtStart = -1;
 
 // Writes a rank process's report whole or not at all (a temporary file renamed into place): a
 // process killed while it writes leaves no half report for the launcher to read.
 void write_report(const std::string& path, const std::string& text);
 
-// EPLB_RUN_TEST_KILL="SEAT:STEP[,SEAT:STEP...]" read for `options`; empty when unset.
+// EPLB_RUN_TEST_KILL="SEAT:STEP[,SEAT:STEP...]" (STEP may be "start") read for `options`;
+// empty when unset.
 // InvalidArgument naming the variable for a malformed value or a seat or step out of the run.
 std::vector<std::pair<int, int64_t>> test_kills_from_env(const RunOptions& options);
 

@@ -122,7 +122,48 @@ else
   fail "--steps 2 --json exited $?: $(tail -c 300 "$tmp/short.err")"
 fi
 
-# 7. A malformed test kill is refused before any rank starts.
+# 7. A rank lost while the ranks start (before its group connects): no step served, exit 1,
+#    and still the summary and a --json object naming the rank and saying so.
+EPLB_RUN_TEST_KILL=2:start timeout 300 "$eplb" run "${run24[@]}" --kill-rank 1 --at-step 12 \
+  --timeout-ms 3000 --json >"$tmp/start.json" 2>"$tmp/start.err"
+rc=$?
+[ $rc -eq 1 ] || fail "a loss at start-up: exit $rc (want 1): $(tail -c 400 "$tmp/start.err")"
+grep -q "eplb: error: the run stopped after 0 of 24 steps: rank 2 .*no step was served" \
+  "$tmp/start.err" || fail "a loss at start-up: stderr says: $(tail -c 400 "$tmp/start.err")"
+msg=$(check "start-up loss" "$tmp/start.json" 'd["steps"] == 0 and d["kills"] == 1 and
+  [(l["rank"], l["step"], l["planned"]) for l in d["lost"]] == [(2, 0, False)] and
+  "no step was served" in d["stopped"] and d["mismatches"] == 0') || fail "$msg"
+EPLB_RUN_TEST_KILL=2:start timeout 300 "$eplb" run "${run24[@]}" --kill-rank 1 --at-step 12 \
+  --timeout-ms 3000 >"$tmp/start.txt" 2>"$tmp/start.err"
+grep -q "stopped after 0 of 24 steps" "$tmp/start.txt" && grep -q "rank 2 (pid [0-9]*)" \
+  "$tmp/start.txt" || fail "a loss at start-up: the summary says: $(cat "$tmp/start.txt")"
+
+# 8. A rank stopped (SIGSTOP) in an elastic run is not lost (it still lives): its peers' step
+#    collective times out with no new group, and the error names that collective, the step, the
+#    group's seats and the ranks it waited for, not only the membership board's wait. (Should
+#    the machine be so loaded that a step outlasts --timeout-ms before the stop, the message is
+#    the same: whichever rank was late is named.)
+scratch=$tmp/scratch
+mkdir -p "$scratch"
+TMPDIR=$scratch "$eplb" run "${small[@]}" --steps 100000 --kill-rank 1 --at-step 99999 \
+  --timeout-ms 5000 >/dev/null 2>"$tmp/slow.err" &
+launcher=$!
+for _ in $(seq 1 300); do
+  [ "$(pgrep -c -P $launcher)" -ge 4 ] && break
+  sleep 0.1
+done
+sleep 2
+rank=$(pgrep -P $launcher | tail -n 1)
+[ -n "$rank" ] && kill -STOP "$rank" 2>/dev/null
+wait $launcher
+rc=$?
+[ $rc -eq 1 ] || fail "a stopped rank in an elastic run: exit $rc: $(tail -c 400 "$tmp/slow.err")"
+grep -q "the lockstep all-reduce ending step [0-9]* (group of epoch 0, whose ranks are seats \
+0, 1, 2, 3) failed: control all_reduce (shm, rank [0-3] of 4): .*timed out waiting for rank.*; \
+no rank was lost" "$tmp/slow.err" \
+  || fail "a stopped rank in an elastic run: $(tail -c 600 "$tmp/slow.err")"
+
+# 9. A malformed test kill is refused before any rank starts.
 EPLB_RUN_TEST_KILL=9:4 "$eplb" run "${run24[@]}" --kill-rank 1 --at-step 12 >/dev/null \
   2>"$tmp/k.err"
 rc=$?

@@ -154,6 +154,49 @@ class Runtime {
     }
   }
 
+  // The order of calls an engine owes the runtime (build, connect(), serve, shutdown()), and the
+  // layers, tensors and experts it names, checked here: the C++ Rebalancer checks them too, but
+  // its messages are a C++ caller's, with the place of the check; a Python caller gets what was
+  // wrong and what to call instead.
+  void require_open(const char* what) const {
+    if (shut_down_) {
+      fail(what, ": this Rebalancer was shut down (shutdown() ends it for good; build a new one "
+           "to serve again)");
+    }
+  }
+  void require_connected(const char* what) const {
+    require_member(what);
+    require_open(what);
+    if (!connected_) {
+      fail(what, ": call connect() first, on every rank (it agrees on the placement and "
+           "allocates the weights)");
+    }
+  }
+  void check_layer(const char* what, int64_t layer) const {
+    const int64_t layers = rebalancer_->weight_spec().layers;
+    if (layer < 0 || layer >= layers) {
+      fail(what, ": layer ", layer, " is outside [0, ", layers, ") (this Rebalancer's MoE "
+           "layers)");
+    }
+  }
+  void check_tensor(const char* what, int64_t tensor) const {
+    const auto tensors = static_cast<int64_t>(rebalancer_->weight_spec().tensors.size());
+    if (tensor < 0 || tensor >= tensors) {
+      fail(what, ": tensor ", tensor, " is outside [0, ", tensors, ") (this Rebalancer's weight "
+           "tensors per layer)");
+    }
+  }
+  void connect_called() {
+    require_open("connect()");
+    if (connected_) {
+      fail("connect(): already called on this rank; call it once, after building the "
+           "Rebalancer, on every rank");
+    }
+  }
+  void set_connected() { connected_ = true; }
+  bool connected() const { return connected_; }
+  void set_shut_down() { shut_down_ = true; }
+
   // Every transport whose memory the Rebalancer may show now: the one in force, and those a
   // failed reconfigure() left it with. A view holds them, so its memory outlives the group.
   std::vector<std::shared_ptr<transport::Transport>> transports() const {
@@ -166,6 +209,11 @@ class Runtime {
   void reconfigure(const std::vector<int32_t>& seats, const std::string& control,
                    const control::Options& options, const std::string& transport,
                    py::object collectives) {
+    require_open("reconfigure()");
+    if (!connected_ && !joining_) {
+      fail("reconfigure(): call connect() first (a process that takes a lost seat is built "
+           "with Rebalancer.join() and enters through reconfigure())");
+    }
     runtime::Membership membership{seats};
     // What can be checked alone is checked before joining, as in the constructor.
     membership.validate(layout_);
@@ -197,6 +245,7 @@ class Runtime {
     pending_comms_.clear();
     old_comm.reset();
     joining_ = false;
+    connected_ = true;
   }
 
  private:
@@ -235,6 +284,8 @@ class Runtime {
   routing::AdaptiveShares shares_;
   uint64_t random_state_;
   bool joining_ = false;
+  bool connected_ = false;  // connect() (or, joining, reconfigure()) succeeded
+  bool shut_down_ = false;  // shutdown() was called
   std::unique_ptr<control::Communicator> comm_;
   std::vector<std::unique_ptr<control::Communicator>> pending_comms_;
   // Shared with the views of their memory (ViewOwner).
@@ -279,6 +330,10 @@ std::unique_ptr<Runtime> make_joining(const py::dict& config, int seat, int rank
                                       const std::vector<std::pair<uintptr_t, int64_t>>& engine,
                                       py::object keep) {
   if (ranks < 1) fail("world_size ", ranks, " must be at least 1");
+  if (seat < 0 || seat >= ranks) {
+    fail("join: seat ", seat, " is outside [0, ", ranks, ") (a seat of the layout's world_size ",
+         ranks, " ranks)");
+  }
   runtime::Config c = to_config(config, ranks);
   return std::make_unique<Runtime>(std::move(c), seat, weight_spec(tensors, layers, engine),
                                    std::move(keep));
@@ -340,11 +395,14 @@ py::capsule view_owner(py::object self) {
 py::array weights_view(py::object self, int64_t layer, int64_t tensor) {
   Runtime& r = self.cast<Runtime&>();
   r.require_member("weights()");
+  if (!r.connected()) {
+    fail("weights(): call connect() first, on every rank (it allocates the weights)");
+  }
+  r.check_layer("weights()", layer);
+  r.check_tensor("weights()", tensor);
   std::span<std::byte> bytes = r.rb().weights(layer, tensor);
   const runtime::WeightSpec& spec = r.rb().weight_spec();
   const py::ssize_t slots = r.layout().slots_per_rank();
-  EPLB_CHECK(tensor >= 0 && tensor < static_cast<int64_t>(spec.tensors.size()), "tensor ", tensor,
-             " is outside [0, ", spec.tensors.size(), ")");
   const auto per_slot = static_cast<py::ssize_t>(spec.tensors[tensor].expert_bytes);
   // The engine's tensors may have a stride between slots; the arena's slots are contiguous.
   const auto stride =
@@ -360,6 +418,7 @@ py::array bytes_view(py::object self, std::span<std::byte> bytes) {
 }
 
 py::dict dispatch_dict(Runtime& r, int64_t layer) {
+  r.check_layer("dispatch()", layer);
   const routing::DispatchTables& t = r.rb().dispatch(layer);
   py::dict d;
   d["log2phy"] = int32s(t.log2phy, {t.experts, t.max_replicas});
@@ -382,6 +441,10 @@ py::array_t<int32_t> route(Runtime& r, int64_t layer, const IdArray& experts, ui
     fail("route: topk_ids must be a 2-D [tokens, top_k] array, got ", experts.ndim(),
          " dimensions");
   }
+  if (experts.shape(1) < 1) {
+    fail("route: topk_ids has shape (", experts.shape(0), ", 0): top_k must be at least 1");
+  }
+  r.check_layer("route()", layer);
   const routing::DispatchTables& tables = r.rb().dispatch(layer);
   const int32_t* ids = experts.data();
   const py::ssize_t n = experts.size();
@@ -475,12 +538,19 @@ void bind_runtime(py::module_& m) {
                fail("connect(): this Rebalancer was built to join seat ", r.rb().rank(),
                     " of a running group: it enters through reconfigure(), not connect()");
              }
+             r.connect_called();
              runtime::Rebalancer& rb = r.rb();
-             py::gil_scoped_release release;
-             return rb.connect();
+             int64_t held = 0;
+             {
+               py::gil_scoped_release release;
+               held = rb.connect();
+             }
+             r.set_connected();
+             return held;
            })
       .def("record",
            [](Runtime& r, int64_t layer, const IdArray& ids) {
+             r.check_layer("record()", layer);
              r.rb().record(layer, {ids.data(), static_cast<size_t>(ids.size())});
            })
       .def("record_counts",
@@ -489,6 +559,7 @@ void bind_runtime(py::module_& m) {
                fail("record_counts: counts must be a 1-D [experts] array, got ", counts.ndim(),
                     " dimensions");
              }
+             r.check_layer("record_counts()", layer);
              r.rb().record_counts(layer, {counts.data(), static_cast<size_t>(counts.size())});
            })
       .def("dispatch", &dispatch_dict)
@@ -501,6 +572,7 @@ void bind_runtime(py::module_& m) {
       .def("weights", &weights_view)
       .def("phy2log",
            [](Runtime& r, int64_t layer) {
+             r.check_layer("phy2log()", layer);
              std::span<const int32_t> p = r.rb().phy2log(layer);
              return py::array_t<int32_t>(static_cast<py::ssize_t>(p.size()), p.data());
            })
@@ -511,24 +583,30 @@ void bind_runtime(py::module_& m) {
            })
       .def("step_end",
            [](Runtime& r) {
-             r.require_member("step_end()");
+             r.require_connected("step_end()");
              runtime::Rebalancer& rb = r.rb();
              py::gil_scoped_release release;
              rb.step_end();
            })
       .def("save_stats",
            [](Runtime& r, const std::string& path, const std::string& format) {
-             r.rb().save_stats(path, stats::parse_load_format(format));
+             r.rb().save_stats(path, stats::parse_load_format(format, "save_stats: format"));
            })
       .def("shutdown",
            [](Runtime& r) {
              runtime::Rebalancer& rb = r.rb();
-             py::gil_scoped_release release;
-             rb.shutdown();
+             {
+               py::gil_scoped_release release;
+               rb.shutdown();
+             }
+             r.set_shut_down();
            })
       .def("host_bytes",
            [](Runtime& r) {
              r.require_member("host_bytes()");
+             if (!r.connected()) {
+               fail("host_bytes(): call connect() first (it allocates what is counted)");
+             }
              return r.rb().host_bytes();
            },
            "The host memory eplb holds on this rank, in bytes: arena or staging (unless in device "
@@ -616,6 +694,7 @@ void bind_runtime(py::module_& m) {
       .def("members", [](Runtime& r) { return r.rb().members(); })
       .def("unavailable",
            [](Runtime& r, int64_t layer) {
+             r.check_layer("unavailable()", layer);
              const std::vector<int32_t> experts = r.rb().unavailable(layer);
              return int32s(experts, {static_cast<py::ssize_t>(experts.size())});
            })
@@ -630,6 +709,12 @@ void bind_runtime(py::module_& m) {
            [](py::object self, int64_t layer, int64_t tensor, int32_t expert) {
              Runtime& r = self.cast<Runtime&>();
              r.require_member("backup_weights()");
+             if (r.rb().backup_bytes() == 0) {
+               fail("backup_weights(): this rank keeps no backup copy (the config's backup "
+                    "copies are 0, or connect() has not run yet)");
+             }
+             r.check_layer("backup_weights()", layer);
+             r.check_tensor("backup_weights()", tensor);
              return bytes_view(std::move(self), r.rb().backup_weights(layer, tensor, expert));
            })
       // fill(layer, tensor index, expert, uint8 view) for each expert of this rank's share, on

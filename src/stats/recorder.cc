@@ -51,8 +51,9 @@ void LoadRecorder::refuse_step_count(const char* verb, int64_t layer, int64_t ex
 }
 
 void LoadRecorder::record(int64_t layer, std::span<const int32_t> expert_ids) {
-  EPLB_CHECK(layer >= 0 && layer < layers_, "record: layer ", layer, " is outside [0, ", layers_,
-             ")");
+  if (layer < 0 || layer >= layers_) {
+    fail("record: layer ", layer, " is outside [0, ", layers_, ")");
+  }
   for (size_t i = 0; i < expert_ids.size(); ++i) {
     if (expert_ids[i] < 0 || expert_ids[i] >= experts_) {
       fail("record: layer ", layer, " expert id ", expert_ids[i], " at position ", i,
@@ -75,8 +76,9 @@ void LoadRecorder::record(int64_t layer, std::span<const int32_t> expert_ids) {
 }
 
 void LoadRecorder::record_counts(int64_t layer, std::span<const int64_t> counts) {
-  EPLB_CHECK(layer >= 0 && layer < layers_, "record_counts: layer ", layer, " is outside [0, ",
-             layers_, ")");
+  if (layer < 0 || layer >= layers_) {
+    fail("record_counts: layer ", layer, " is outside [0, ", layers_, ")");
+  }
   if (static_cast<int64_t>(counts.size()) != experts_) {
     fail("record_counts: ", counts.size(), " counts for layer ", layer, ", expected one per expert (",
          experts_, ")");

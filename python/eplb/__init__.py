@@ -138,8 +138,8 @@ def _as_load(weight, name="weight"):
         except (TypeError, ValueError) as e:
             raise InvalidArgument(f"{name} must be a numeric [layers, experts] array: {e}") from e
         # Real numbers only: a complex load would lose its imaginary part (with a warning),
-        # strings and objects are no loads.
-        if a.dtype.kind not in "biuf" and not (a.dtype.kind == "O" and a.size == 0):
+        # strings, objects and booleans are no loads (a torch bool tensor is refused too).
+        if a.dtype.kind not in "iuf" and not (a.dtype.kind == "O" and a.size == 0):
             raise InvalidArgument(f"{name} must be a numeric [layers, experts] array of real "
                                   f"numbers (integers or floats), got dtype {a.dtype}")
         _check_exact(a, name)
@@ -178,6 +178,15 @@ def _as_int(value, name, lo=_INT64_MIN, hi=_INT64_MAX):
         raise InvalidArgument(f"{name} {v} is outside [{max(lo, _INT64_MIN)}, "
                               f"{min(hi, _INT64_MAX)}]")
     return v
+
+
+def _as_float(value, name):
+    """A real number: a Python or numpy float or integer (not a string, a bool or None);
+    InvalidArgument (a ValueError, as float() of a string raised) naming `name` otherwise."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer,
+                                                                     np.floating)):
+        raise InvalidArgument(f"{name} must be a number, got {value!r}")
+    return float(value)
 
 
 def rebalance_experts(weight, num_replicas, num_groups, num_nodes, num_gpus, *,
@@ -238,7 +247,8 @@ def rebalance_experts(weight, num_replicas, num_groups, num_nodes, num_gpus, *,
         # checks neither the groups' nor the nodes' divisibility: so do we.
         groups, nodes = 1, 1
     phy2log, log2phy, logcnt = _eplb.place(w, physical, ranks, nodes, groups, policy, prev,
-                                           float(tolerance), bool(hierarchical), bool(thorough),
+                                           _as_float(tolerance, "tolerance"), bool(hierarchical),
+                                           bool(thorough),
                                            live)
     if torch_in:
         import torch

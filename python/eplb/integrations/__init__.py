@@ -15,6 +15,7 @@ torch only when a torch tensor is passed in: every function also takes numpy arr
 lists, and returns numpy arrays for them. docs/integrations.md has the engines' side.
 """
 
+import contextlib
 import sys
 
 import numpy as np
@@ -28,6 +29,16 @@ def _is_torch(x):
     # A tensor can only exist if torch is already imported: never import it for other inputs.
     torch = sys.modules.get("torch")
     return torch is not None and isinstance(x, torch.Tensor)
+
+
+@contextlib.contextmanager
+def _file_errors(path, doing):
+    """Turns an OSError of the file `path` (missing, a folder, no permission) into eplb.IoError
+    naming the file and what was being done with it ("read", "write")."""
+    try:
+        yield
+    except OSError as e:
+        raise eplb.IoError(f"{path}: cannot {doing} it: {e.strerror or e}") from e
 
 
 def _numpy(x):

@@ -35,8 +35,8 @@ import threading
 import numpy as np
 
 import eplb
-from eplb.integrations import (_integers, _is_torch, _like, _loads, _logical_maps, _numpy,
-                               _policy_env)
+from eplb.integrations import (_file_errors, _integers, _is_torch, _like, _loads, _logical_maps,
+                               _numpy, _policy_env)
 
 __all__ = [
     "ALGORITHMS", "rebalance_experts", "rebalance_experts_elasticity_aware", "Algorithm",
@@ -304,7 +304,7 @@ class Algorithm:
         if policy not in ("sticky", "balanced", "deepseek"):
             raise eplb.InvalidArgument(f"policy {policy!r} is not one of sticky, balanced, "
                                        f"deepseek")
-        tolerance = float(tolerance)
+        tolerance = eplb._as_float(tolerance, "tolerance")
         if not 0 <= tolerance < 1:
             raise eplb.InvalidArgument(f"tolerance {tolerance} must be in [0, 1) (a loss of "
                                        f"balancedness)")
@@ -649,9 +649,10 @@ def write_init_expert_location(path, physical_to_logical_map):
     path = str(path)
     if path.endswith(".pt"):
         import torch
-        torch.save({"physical_to_logical_map": torch.from_numpy(phy2log)}, path)
+        with _file_errors(path, "write"):
+            torch.save({"physical_to_logical_map": torch.from_numpy(phy2log)}, path)
     elif path.endswith(".json"):
-        with open(path, "w") as f:
+        with _file_errors(path, "write"), open(path, "w") as f:
             json.dump({"physical_to_logical_map": phy2log.tolist()}, f, separators=(",", ":"))
             f.write("\n")
     else:
@@ -678,9 +679,10 @@ def read_expert_distribution(path):
     path = str(path)
     if path.endswith(".pt"):
         import torch
-        data = torch.load(path, weights_only=True, map_location="cpu")
+        with _file_errors(path, "read"):
+            data = torch.load(path, weights_only=True, map_location="cpu")
     elif path.endswith(".json"):
-        with open(path) as f:
+        with _file_errors(path, "read"), open(path) as f:
             data = json.load(f)
     else:
         raise eplb.InvalidArgument(f"{path}: expected an SGLang expert distribution file "
@@ -702,6 +704,6 @@ def write_expert_distribution(path, logical_count):
     value = a[0] if a.shape[0] == 1 else a
     if np.all(value == np.round(value)):
         value = value.astype(np.int64)
-    with open(path, "w") as f:
+    with _file_errors(path, "write"), open(path, "w") as f:
         json.dump({"logical_count": value.tolist()}, f, separators=(",", ":"))
         f.write("\n")

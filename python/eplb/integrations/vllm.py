@@ -40,8 +40,8 @@ import os
 import numpy as np
 
 import eplb
-from eplb.integrations import (_integers, _is_torch, _like, _loads, _logical_maps, _numpy,
-                               _policy_env)
+from eplb.integrations import (_file_errors, _integers, _is_torch, _like, _loads, _logical_maps,
+                               _numpy, _policy_env)
 from eplb.integrations.vllm_scheduler import (  # vLLM's migration scheduler, eplb's schedule
     ScheduleError, install as install_scheduler, install_from_env as _install_scheduler_from_env,
     schedule_migration_batches, schedule_migration_batches_for_layers)
@@ -242,7 +242,7 @@ def make_policy(policy=None, tolerance=0.01, hierarchical=False, name=None, lega
     if policy not in _POLICIES:
         raise eplb.InvalidArgument(f"policy {policy!r} is not one of {_POLICIES} (None: sticky "
                                    f"against the placement in force, balanced without)")
-    tolerance = float(tolerance)
+    tolerance = eplb._as_float(tolerance, "tolerance")
     if not 0 <= tolerance < 1:
         raise eplb.InvalidArgument(f"tolerance {tolerance} must be in [0, 1) (a loss of "
                                    f"balancedness)")
@@ -426,9 +426,17 @@ def _logical_steps(expert_load_window, physical_to_logical_map, num_logical_expe
     """The window as logical loads, numpy [steps, L, E] (int64 for integer counts, float64
     otherwise)."""
     window = _numpy(expert_load_window)
-    if window.dtype.kind not in "biuf":
+    if window.dtype.kind not in "iuf":
         raise eplb.InvalidArgument(f"expert_load_window must hold token counts, got dtype "
                                    f"{window.dtype}")
+    # A NaN would make every sum it enters NaN, a negative count would cancel real ones.
+    bad = ~np.isfinite(window) if window.dtype.kind == "f" else np.zeros(window.shape, bool)
+    if window.dtype.kind in "if":
+        bad |= window < 0
+    if bad.any():
+        at = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise eplb.InvalidArgument(f"expert_load_window{list(at)} is {window[at]}: token counts "
+                                   f"must be finite and non-negative")
     if window.ndim == 2:
         window = window[None]
     if window.ndim != 3:
@@ -495,7 +503,7 @@ def save_load_window(path, expert_load_window, physical_to_logical_map, num_logi
     steps = _logical_steps(expert_load_window, physical_to_logical_map, num_logical_experts)
     if window_step is not None:
         steps = np.roll(steps, -(int(window_step) % steps.shape[0]), axis=0)
-    with open(path, "w") as f:
+    with _file_errors(path, "write"), open(path, "w") as f:
         f.write('{"load_history": [')
         for s in range(steps.shape[0]):
             f.write(",\n" if s else "\n")

@@ -108,6 +108,28 @@ expect_error forward-nan "--forward-ms nan must be a number in \[0, 60000\]" \
 expect_error forward-inf "--forward-ms inf must be a number" \
   "$eplb" bench runtime --ranks 4 --forward-ms inf --steps 10
 
+# Options that size memory or time, estimated before any rank starts and refused naming the
+# option, the estimate and the limit (under a 12 GB address-space limit, so that a missing
+# check ends in the message, not in the machine's memory).
+limited=(bash -c 'ulimit -v 12000000; exec "$@"' limited)
+expect_error run-tokens-memory "--tokens-per-rank 100000000 .* needs at least [0-9.]+ GiB of memory, more than the [0-9.]+ GiB this process can have" \
+  "${limited[@]}" "$eplb" run --tokens-per-rank 100000000 --steps 2 --ranks 2
+expect_error run-tokens-time "--tokens-per-rank 10000000 makes a step of at least [0-9.e+]+ s: .* more than --timeout-ms 60000" \
+  "${limited[@]}" "$eplb" run --tokens-per-rank 10000000 --steps 2
+expect_error run-steps-memory "--steps 1000000000 \(the figures of every step, .*\) needs at least" \
+  "${limited[@]}" "$eplb" run --steps 1000000000
+expect_error run-hidden-memory "the weights of --hidden 65536 x --intermediate 65536 .* needs at least" \
+  "${limited[@]}" "$eplb" run --hidden 65536 --intermediate 65536 --steps 2
+expect_error run-sample-tokens "--sample-tokens 100000000 is outside \[1, 1048576\]" \
+  "${limited[@]}" "$eplb" run --sample-tokens 100000000 --steps 2
+expect_error transport-bytes-memory "--bytes 1099511627776 with --ranks 2 .* needs .* of memory" \
+  "${limited[@]}" "$eplb" bench transport --backend shm --ranks 2 --bytes 1099511627776
+expect_error migration-memory "--layers 65536 x --physical 1048576 .* needs .* of memory" \
+  "${limited[@]}" "$eplb" bench migration --layers 65536 --physical 1048576 --repeat 1
+# The same options at sizes that fit run (briefly).
+"$eplb" run --tokens-per-rank 64 --steps 2 --ranks 2 --hidden 16 --intermediate 16 >/dev/null \
+  2>"$tmp/err" || fail "run --tokens-per-rank 64: $(head -c 300 "$tmp/err")"
+
 # A rank stopped (SIGSTOP) mid-run: the message says it stopped answering, then was ended.
 scratch=$tmp/scratch
 mkdir -p "$scratch"

@@ -113,5 +113,63 @@ echo '{"load": [[9007199254740992,1,2,3]]}' >exact.json
 out=$("$eplb" convert exact.json --to csv 2>"$tmp/err") || fail "convert 2^53: $(head -c 300 "$tmp/err")"
 [ "$out" = "9007199254740992,1,2,3" ] || fail "convert 2^53 wrote '$out'"
 
+# Numbers that used to slip through, and options that named the wrong option: each verb names
+# the option it was given, its value and the range, the way every other verb does.
+expect_error changed-nan "--changed nan is not a number in \[0, 1\]" \
+  "$eplb" bench migration --changed nan --repeat 1
+expect_error changed-inf "--changed inf is outside \[0, 1\]" \
+  "$eplb" bench migration --changed inf --repeat 1
+expect_error token-us "--token-us 1e\+308 is outside \[0, 1e\+06\]" \
+  "$eplb" simulate --load-history steps.json --ranks 2 --redundant 2 --interval 4 --window 4 \
+  --token-us 1e308
+expect_error migration-layers "--layers 100000 is outside \[1, 65536\] \(MoE layers\)" \
+  "$eplb" bench migration --layers 100000 --repeat 1
+expect_error transport-bytes "--bytes -1 is outside \[2, [0-9]+\]" \
+  "$eplb" bench transport --backend shm --ranks 2 --bytes -1
+expect_error transport-bytes-0 "--bytes 0 is outside \[2, [0-9]+\]" \
+  "$eplb" bench transport --backend shm --ranks 2 --bytes 0
+expect_error transport-ranks "--ranks 100 is outside \[1, 64\]" \
+  "$eplb" bench transport --backend shm --ranks 100
+expect_error run-layers "--layers -1 must not be negative" "$eplb" run --layers -1 --steps 2
+expect_error run-verify "--verify 0 is not all, sample or a number N >= 1" \
+  "$eplb" run --verify 0 --steps 2
+expect_error run-trace-sample "--sample-tokens 10 is for sampled loads" \
+  "$eplb" run --trace "$2/data/flame-moe-290m/routing_top6.csv" --sample-tokens 10 --steps 2
+expect_error run-trace-top-k "--top-k 2 is for sampled loads" \
+  "$eplb" run --trace "$2/data/flame-moe-290m/routing_top6.csv" --top-k 2 --steps 2
+expect_error convert-to "--to 'bogus' is not a load format" "$eplb" convert steps.json --to bogus
+expect_error convert-from "--from 'bogus' is not a load format" \
+  "$eplb" convert steps.json --from bogus --to csv
+head -c 100 steps.json >truncated.json
+expect_error truncated "truncated.json: not valid JSON at byte" \
+  "$eplb" simulate --load-history truncated.json --ranks 2 --redundant 2 --interval 4 --window 4
+echo '{"load_history": [{"logical_expert_load": [[1,1,1,1,1,1,1,1]]}]}' >one-step.json
+expect_error one-step "the input has 1 step, and a replay needs at least 2" \
+  "$eplb" simulate --load-history one-step.json --ranks 2 --redundant 2 --interval 4 --window 4
+expect_error window-past "--window 12 leaves no step to score: .* --window must be at most 11" \
+  "$eplb" simulate --load-history steps.json --ranks 2 --redundant 2 --interval 4 --window 12
+expect_error cost-empty "--cost '' is empty" \
+  "$eplb" simulate --load-history steps.json --ranks 2 --redundant 2 --interval 4 --window 4 \
+  --cost ''
+expect_error trace-empty "--trace '' is empty" "$eplb" run --trace '' --steps 2
+echo '{}' >no-model.json
+expect_error cost-no-parameter "--cost no-model.json gives no cost model parameter" \
+  "$eplb" simulate --load-history steps.json --ranks 2 --redundant 2 --interval 4 --window 4 \
+  --cost no-model.json
+expect_error control-ranks-trailing "--ranks '2,' is not a list of integers: item 2 is empty" \
+  "$eplb" bench control --backend shm --ranks 2, --iters 10
+expect_error control-ranks-gap "--ranks '2,,3' is not a list of integers: item 2 is empty" \
+  "$eplb" bench control --backend shm --ranks 2,,3 --iters 10
+expect_error runtime-ranks-gap "--ranks '8,,32' is not a list of integers" \
+  "$eplb" bench runtime --threads --ranks 8,,32
+expect_error runtime-threads-lag "--lag 0 is outside \[1, 1024\]" \
+  "$eplb" bench runtime --threads --lag 0
+echo '{"load": [[1,2,3,4,5,6,7,8]], "load": [[1,1,1,1,1,1,1,1]]}' >duplicate.json
+expect_error duplicate-key "duplicate.json: the key 'load' appears twice in the top-level object" \
+  "$eplb" plan --load duplicate.json --ranks 2 --redundant 2
+echo '{"load": [[[1e308,1e308,1,1]],[[1e308,1e308,1,1]],[[1,1,1,1]]]}' >step-sum.json
+expect_error csv-step-sum "layer 0 expert 0 sum over 3 steps past the largest double" \
+  "$eplb" convert step-sum.json --to csv
+
 [ $failures -eq 0 ] && echo "user errors: all checks passed"
 exit $((failures > 0))

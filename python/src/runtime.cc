@@ -331,8 +331,8 @@ std::unique_ptr<Runtime> make_joining(const py::dict& config, int seat, int rank
                                       py::object keep) {
   if (ranks < 1) fail("world_size ", ranks, " must be at least 1");
   if (seat < 0 || seat >= ranks) {
-    fail("join: seat ", seat, " is outside [0, ", ranks, ") (a seat of the layout's world_size ",
-         ranks, " ranks)");
+    fail("joining seat ", seat, " is outside [0, ", ranks, ") (a seat of the layout's ",
+         "world_size ", ranks, " ranks)");
   }
   runtime::Config c = to_config(config, ranks);
   return std::make_unique<Runtime>(std::move(c), seat, weight_spec(tensors, layers, engine),

@@ -101,8 +101,8 @@ struct RunOptions {
   // InvalidArgument when `local_ranks` ranks' load windows would not fit in memory here.
   void check_window_fits(const Workload& workload, int64_t local_ranks) const;
   // Before any rank starts (resources.cc): InvalidArgument naming the option when what
-  // `local_ranks` ranks of this machine hold (weights, a step's tokens, the load windows, the
-  // figures of every step) would not fit in memory, or when one step's compute would take
+  // `local_ranks` ranks of this machine hold (weights, a step's tokens, the load windows) would
+  // not fit in memory, or when one step's compute would take
   // longer than --timeout-ms at any core's pace. Both estimates are lower bounds.
   void check_resources(const Workload& workload, int64_t local_ranks) const;
   // Redundant slots per layer, the -1 default resolved: one per rank; in an elastic run the

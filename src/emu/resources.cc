@@ -1,5 +1,6 @@
 // What a run will take before any rank process starts (RunOptions::check_resources): the
-// memory every rank and the launcher hold, and the compute of one step against --timeout-ms.
+// memory every rank holds from its first step, and the compute of one step against
+// --timeout-ms.
 // Both are lower bounds, so that only a run that cannot work is refused: a run that fits them
 // may still be slow, never refused for being close.
 
@@ -31,14 +32,6 @@ int64_t usable_cores() {
 // least that long.
 constexpr double kMaxMacsPerSecond = 1e10;
 
-// The numbers a rank reports per step (moe, wall, stall, balancedness, installs, dropped,
-// unavailable, and 4 per layer: the cost samples and active experts), and the bytes each takes
-// at least on its way to the summary: 8 in the rank's vectors, 16 as a JSON value, about 10 as
-// text, and the launcher's copy of the text.
-constexpr int64_t kStepNumbers = 7;
-constexpr int64_t kStepNumbersPerLayer = 4;
-constexpr int64_t kBytesPerReportedNumber = 8 + 16 + 10 + 10;
-
 }  // namespace
 
 void RunOptions::check_resources(const Workload& workload, int64_t local_ranks) const {
@@ -50,8 +43,9 @@ void RunOptions::check_resources(const Workload& workload, int64_t local_ranks) 
 
   // Step 1: memory. Per rank: the weights of its slots in every layer and one staging layer,
   // its share of the backup copies, every sender's routed experts and slots of a layer (int32
-  // each), and its own share of the tokens (an entry each, the outputs it verifies); per step,
-  // the numbers it reports.
+  // each), and its own share of the tokens (an entry each, the outputs it verifies). Not the
+  // figures of every step (about 1 KiB a step and rank at 6 layers): a run of many steps is
+  // meant to be stopped at any step (Ctrl-C), and its figures grow only as it serves them.
   const int64_t entries = checked_mul(checked_mul(G, T, "--ranks x --tokens-per-rank"), k,
                                       "the top-k choices of a step");
   const int64_t own = checked_mul(T, k, "--tokens-per-rank x top-k");
@@ -68,12 +62,8 @@ void RunOptions::check_resources(const Workload& workload, int64_t local_ranks) 
                   checked_mul(own / verify_every, checked_add(4 * shape.hidden, 24, "an output"),
                               "the outputs a rank verifies"),
                   "a rank's tokens");
-  const int64_t per_step = checked_mul(
-      checked_add(kStepNumbers, checked_mul(kStepNumbersPerLayer, L, "layers"), "numbers"),
-      kBytesPerReportedNumber, "a step's report");
-  const int64_t records = checked_mul(steps, per_step, "the per-step figures of a rank");
   int64_t rank_bytes = 0;
-  for (const int64_t part : {weight_bytes, backup, routing, tokens, records}) {
+  for (const int64_t part : {weight_bytes, backup, routing, tokens}) {
     rank_bytes = checked_add(rank_bytes, part, "a rank's memory");
   }
   const int64_t all = checked_mul(rank_bytes, local_ranks, "the memory of this machine's ranks");
@@ -102,10 +92,6 @@ void RunOptions::check_resources(const Workload& workload, int64_t local_ranks) 
         {tokens,
          fmt::format("--tokens-per-rank {} (the {} token-expert pairs a rank computes)", T, own),
          "--tokens-per-rank"},
-        {records,
-         fmt::format("--steps {} (the figures of every step, {} per step and rank)", steps,
-                     human_bytes(per_step)),
-         "--steps"},
     };
     const Part& most =
         *std::max_element(std::begin(parts), std::end(parts),

@@ -116,8 +116,6 @@ expect_error run-tokens-memory "--tokens-per-rank 100000000 .* needs at least [0
   "${limited[@]}" "$eplb" run --tokens-per-rank 100000000 --steps 2 --ranks 2
 expect_error run-tokens-time "--tokens-per-rank 10000000 makes a step of at least [0-9.e+]+ s: .* more than --timeout-ms 60000" \
   "${limited[@]}" "$eplb" run --tokens-per-rank 10000000 --steps 2
-expect_error run-steps-memory "--steps 1000000000 \(the figures of every step, .*\) needs at least" \
-  "${limited[@]}" "$eplb" run --steps 1000000000
 expect_error run-hidden-memory "the weights of --hidden 65536 x --intermediate 65536 .* needs at least" \
   "${limited[@]}" "$eplb" run --hidden 65536 --intermediate 65536 --steps 2
 expect_error run-sample-tokens "--sample-tokens 100000000 is outside \[1, 1048576\]" \

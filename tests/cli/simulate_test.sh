@@ -189,7 +189,7 @@ expect_error "--tokens-per-step 5000 exceeds the 2048 tokens" "${t[@]}" --interv
   --tokens-per-step 5000
 expect_error "--tokens-per-step 0 must be at least 1" "${t[@]}" --interval 1 --window 2 \
   --tokens-per-step 0
-expect_error "--token-us -1 must be a finite time >= 0" "${t[@]}" --interval 1 --window 2 \
+expect_error "--token-us -1 is outside \\[0, 1e+06\\]" "${t[@]}" --interval 1 --window 2 \
   --token-us -1
 expect_error "exactly one of --load-history" --ranks 4 --interval 1 --window 2
 expect_error "exactly one of --load-history" "${t[@]}" --load-history "$tmp/flip.json" \

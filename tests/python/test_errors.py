@@ -201,3 +201,14 @@ def test_cost_fit_of_huge_times_names_the_sample():
     fitted = eplb.cost.fit_cost_model(slots, tokens, [3 + 2 * s + 0.5 * t
                                                       for s, t in zip(slots, tokens)])
     assert abs(fitted.token_us - 0.5) < 1e-6
+
+
+def test_a_step_sum_past_a_double_is_named_as_such():
+    steps = np.full((3, 1, 4), 1e308)
+    raises_clearly(lambda: sglang.Algorithm("balanced").rebalance_experts(steps, 4, 2, 1, 1),
+                   "tokens_per_expert", "sum over the steps", "each step is finite")
+    phy2log = np.array([[0, 1, 2, 3]])
+    raises_clearly(lambda: vllm.logical_load(np.full((3, 1, 4), 1e308), phy2log, 4),
+                   "expert_load_window", "layer 0 expert 0 sum over the steps")
+    counts = np.full((3, 1, 4), 2**62, np.int64)
+    raises_clearly(lambda: vllm.logical_load(counts, phy2log, 4), "int64")

@@ -41,6 +41,21 @@ def _file_errors(path, doing):
         raise eplb.IoError(f"{path}: cannot {doing} it: {e.strerror or e}") from e
 
 
+def _check_step_sum(steps, total, name):
+    """Raises InvalidArgument where `total`, the sum over axis 0 of `steps` (finite,
+    non-negative loads, float64 or int64 [steps, layers, experts]), overflowed: each step is
+    fine, their sum is not."""
+    if total.dtype.kind == "f":
+        bad = ~np.isfinite(total)
+    else:  # int64 wraps silently: the same sum in float64 tells
+        bad = np.add.reduce(steps, axis=0, dtype=np.float64) >= 2.0**63
+    if bad.any():
+        layer, expert = (int(i) for i in np.argwhere(bad)[0])
+        raise eplb.InvalidArgument(f"{name}: the loads of layer {layer} expert {expert} sum over "
+                                   f"the steps past what a {total.dtype} holds (each step is "
+                                   f"finite): scale the counts down")
+
+
 def _numpy(x):
     """A numpy array of `x` (a torch tensor on any device is copied to host memory)."""
     if _is_torch(x):

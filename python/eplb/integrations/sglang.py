@@ -35,8 +35,8 @@ import threading
 import numpy as np
 
 import eplb
-from eplb.integrations import (_file_errors, _integers, _is_torch, _like, _loads, _logical_maps,
-                               _numpy, _policy_env)
+from eplb.integrations import (_check_step_sum, _file_errors, _integers, _is_torch, _like,
+                               _loads, _logical_maps, _numpy, _policy_env)
 
 __all__ = [
     "ALGORITHMS", "rebalance_experts", "rebalance_experts_elasticity_aware", "Algorithm",
@@ -84,7 +84,10 @@ def _steps_load(tokens_per_expert):
             raise eplb.InvalidArgument(
                 f"tokens_per_expert[{s}][{l}][{e}] is {load[s, l, e]}: loads must be finite and "
                 f"non-negative token counts")
-        load = load.sum(axis=0)
+        with np.errstate(over="ignore"):
+            total = load.sum(axis=0)
+        _check_step_sum(load, total, "tokens_per_expert")
+        load = total
     return load
 
 

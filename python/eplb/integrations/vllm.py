@@ -40,8 +40,8 @@ import os
 import numpy as np
 
 import eplb
-from eplb.integrations import (_file_errors, _integers, _is_torch, _like, _loads, _logical_maps,
-                               _numpy, _policy_env)
+from eplb.integrations import (_check_step_sum, _file_errors, _integers, _is_torch, _like,
+                               _loads, _logical_maps, _numpy, _policy_env)
 from eplb.integrations.vllm_scheduler import (  # vLLM's migration scheduler, eplb's schedule
     ScheduleError, install as install_scheduler, install_from_env as _install_scheduler_from_env,
     schedule_migration_batches, schedule_migration_batches_for_layers)
@@ -486,7 +486,10 @@ def logical_load(expert_load_window, physical_to_logical_map, num_logical_expert
     holds every rank's counts (or sum the results).
     """
     steps = _logical_steps(expert_load_window, physical_to_logical_map, num_logical_experts)
-    return _like(steps.sum(axis=0), expert_load_window)
+    with np.errstate(over="ignore"):
+        total = steps.sum(axis=0)
+    _check_step_sum(steps, total, "expert_load_window")
+    return _like(total, expert_load_window)
 
 
 def save_load_window(path, expert_load_window, physical_to_logical_map, num_logical_experts,

@@ -479,11 +479,12 @@ void run(RunArgs a) {
   // The default workload: tokens sampled from DeepSeek-V3's real, skewed expert loads, whose
   // imbalance rebalancing removes (docs/run.md).
   const bool bundled = a.trace.empty() && a.load.empty();
+  const int64_t layers = a.layers_given ? a.layers : (bundled ? 6 : 0);
   emu::Workload workload =
       !a.trace.empty() ? emu::workload_from_trace(a.trace)
                        : emu::workload_from_load(bundled ? emu::default_load_path() : a.load,
-                                                 a.top_k, a.sample_tokens, o.seed);
-  emu::keep_layers(workload, a.layers_given ? a.layers : (bundled ? 6 : 0));
+                                                 a.top_k, a.sample_tokens, o.seed, layers);
+  emu::keep_layers(workload, layers);  // a trace's; a load's are sampled as many already
 
   const bool launched = control::launched_by_mpirun() || std::getenv("RANK") != nullptr;
   if (launched) {

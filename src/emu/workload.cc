@@ -82,7 +82,8 @@ Workload workload_from_trace(const std::string& path) {
   return w;
 }
 
-Workload workload_from_load(const std::string& path, int64_t top_k, int64_t tokens, uint64_t seed) {
+Workload workload_from_load(const std::string& path, int64_t top_k, int64_t tokens, uint64_t seed,
+                            int64_t layers) {
   if (top_k < 1) fail("--top-k ", top_k, " must be at least 1");
   // Each token's draw scans the experts of every layer: past a million tokens, minutes.
   if (tokens < 1 || tokens > kMaxSampleTokens) {
@@ -112,6 +113,12 @@ Workload workload_from_load(const std::string& path, int64_t top_k, int64_t toke
              (load.layers < file.layers
                   ? ", " + std::to_string(file.layers - load.layers) + " dense layers left out)"
                   : ")");
+  // Only the layers kept are sampled (the draws run layer by layer, so theirs are the same as
+  // when every layer is): `eplb run` keeps 6 of DeepSeek-V3's 58 by default, and sampling all
+  // of them was most of what it did before its ranks started.
+  if (layers != 0 && layers != w.layers) {
+    keep_layers(w, layers);  // refuses a count outside [0, MoE layers], naming the range
+  }
   check_fits_in_memory(checked_mul(checked_mul(w.layers * top_k, tokens, "the sampled tokens"),
                                    4, "the sampled tokens"),
                        fmt::format("--sample-tokens {} ({} layers x top-{} expert ids)", tokens,

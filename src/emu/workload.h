@@ -49,7 +49,10 @@ inline constexpr int64_t kMaxSampleTokens = int64_t{1} << 20;
 // A load file of any format `eplb plan` reads, turned into a trace of `tokens` tokens: each
 // token draws `top_k` distinct experts per layer with probability proportional to the layer's
 // load (summed over the file's steps), from a generator seeded with `seed`. Dense layers (no
-// load anywhere) are left out: they route no tokens.
-Workload workload_from_load(const std::string& path, int64_t top_k, int64_t tokens, uint64_t seed);
+// load anywhere) are left out: they route no tokens. `layers` > 0 samples only the first that
+// many MoE layers (their tokens the same as with every layer; keep_layers' refusals past the
+// input's); 0: every layer.
+Workload workload_from_load(const std::string& path, int64_t top_k, int64_t tokens, uint64_t seed,
+                            int64_t layers = 0);
 
 }  // namespace eplb::emu

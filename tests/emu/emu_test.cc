@@ -121,6 +121,21 @@ TEST(Workload, DenseLayersOfALoadFileAreLeftOutAndLayersCanBeCut) {
   std::remove(path.c_str());
 }
 
+// Sampling only the layers a run keeps gives the tokens sampling every layer and cutting does.
+TEST(Workload, SamplingTheKeptLayersOnlyGivesTheSameTokens) {
+  const std::string path = testing::TempDir() + "/emu_kept.json";
+  std::ofstream(path) << R"({"load": [[0, 0, 0, 0], [1, 2, 3, 4], [4, 3, 2, 1], [2, 2, 9, 1]]})";
+  Workload all = workload_from_load(path, 2, 100, 3);
+  keep_layers(all, 2);
+  const Workload kept = workload_from_load(path, 2, 100, 3, 2);
+  EXPECT_EQ(kept.layers, 2);
+  EXPECT_EQ(kept.routes, all.routes);
+  EXPECT_EQ(kept.source, all.source);
+  EXPECT_THROW(workload_from_load(path, 2, 100, 3, 4), InvalidArgument);  // 3 MoE layers
+  EXPECT_THROW(workload_from_load(path, 2, 100, 3, -1), InvalidArgument);
+  std::remove(path.c_str());
+}
+
 // More layers than the input has are refused, not clamped: the run would serve fewer layers
 // than asked without a word.
 TEST(Workload, MoreLayersThanTheInputHasAreRefused) {

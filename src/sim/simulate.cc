@@ -113,6 +113,14 @@ void check_sum(const stats::LoadHistory& history, int64_t begin, int64_t end, co
       }
     }
   }
+  // Every load finite and non-negative: some (layer, expert)'s sum over the steps overflowed.
+  for (size_t i = 0; i < sum.values.size(); ++i) {
+    if (sum.values[i] <= std::numeric_limits<double>::max()) continue;
+    const auto at = static_cast<int64_t>(i);
+    fail("the loads of layer ", at / history.experts, " expert ", at % history.experts,
+         ", each finite, sum over steps [", begin, ", ", end,
+         ") past the largest double (1.8e308): scale the loads down");
+  }
   fail("the loads of steps [", begin, ", ", end, ") overflow when summed");
 }
 

@@ -170,6 +170,8 @@ expect_error duplicate-key "duplicate.json: the key 'load' appears twice in the 
 echo '{"load": [[[1e308,1e308,1,1]],[[1e308,1e308,1,1]],[[1,1,1,1]]]}' >step-sum.json
 expect_error csv-step-sum "layer 0 expert 0 sum over 3 steps past the largest double" \
   "$eplb" convert step-sum.json --to csv
+expect_error simulate-step-sum "the loads of layer 0 expert 0, each finite, sum over steps \[0, 2\) past the largest double" \
+  "$eplb" simulate --load-history step-sum.json --ranks 2 --redundant 2 --interval 1 --window 2
 
 [ $failures -eq 0 ] && echo "user errors: all checks passed"
 exit $((failures > 0))

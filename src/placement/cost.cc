@@ -8,7 +8,11 @@
 #include <array>
 #include <cmath>
 #include <limits>
+#include <map>
+#include <numbers>
 #include <nlohmann/json.hpp>
+#include <utility>
+#include <vector>
 
 #include "eplb/core/error.h"
 
@@ -89,7 +93,123 @@ void check_fields(const nlohmann::json& j, std::initializer_list<const char*> al
   }
 }
 
+// The noise's quadrature: the standard normal cut into kNoiseNodes bins of width 0.25 over
+// [-4, 4] (the first and last reaching out to infinity), each bin taken at its conditional mean
+// with its probability. The nodes' mean is exactly 0 and the tails reach past 4 standard
+// deviations, which the expected largest of hundreds of ranks needs. Closed forms, computed once.
+constexpr int kNoiseNodes = 32;
+struct NoiseNodes {
+  std::array<double, kNoiseNodes> z{};       // the bins' conditional means
+  std::array<double, kNoiseNodes> weight{};  // their probabilities
+};
+const NoiseNodes& noise_nodes() {
+  static const NoiseNodes nodes = [] {
+    const double inf = std::numeric_limits<double>::infinity();
+    const auto cdf = [](double x) { return 0.5 * std::erfc(-x / std::sqrt(2.0)); };
+    const auto pdf = [](double x) {
+      return std::isfinite(x) ? std::exp(-0.5 * x * x) / std::sqrt(2 * std::numbers::pi) : 0.0;
+    };
+    NoiseNodes n;
+    for (int k = 0; k < kNoiseNodes; ++k) {
+      const double lo = k == 0 ? -inf : -4 + 0.25 * k;
+      const double hi = k == kNoiseNodes - 1 ? inf : -4 + 0.25 * (k + 1);
+      const double p = (k == 0 ? cdf(hi) : k == kNoiseNodes - 1 ? cdf(-lo) : cdf(hi) - cdf(lo));
+      n.weight[static_cast<size_t>(k)] = p;
+      n.z[static_cast<size_t>(k)] = (pdf(lo) - pdf(hi)) / p;
+    }
+    return n;
+  }();
+  return nodes;
+}
+
 }  // namespace
+
+double expected_max_us(std::span<const double> times, double noise) {
+  if (times.empty()) return 0;
+  double most = 0;
+  for (const double t : times) most = std::max(most, t);
+  if (!(noise > 0)) return most;
+  // Each rank's time takes the values t_r * f_k (f_k = max(0, 1 + noise z_k)) with the nodes'
+  // probabilities w_k. Sweeping every (rank, k) value in ascending order, P(max <= x) is the
+  // product over the ranks of their cumulative probability at x; the expectation is the sum of
+  // x times the jumps of that product. The product is kept in logs (hundreds of ranks take it
+  // far below the smallest double).
+  const NoiseNodes& nodes = noise_nodes();
+  std::array<double, kNoiseNodes> f{};
+  std::array<double, kNoiseNodes + 1> log_cumulative{};  // [c]: log of w_0 + ... + w_{c-1}
+  double cumulative = 0;
+  for (int k = 0; k < kNoiseNodes; ++k) {
+    f[k] = std::max(0.0, 1 + noise * nodes.z[k]);
+    cumulative += nodes.weight[k];
+    log_cumulative[k + 1] = std::log(cumulative);
+  }
+  std::vector<std::pair<double, uint32_t>> values;
+  values.reserve(times.size() * kNoiseNodes);
+  for (size_t r = 0; r < times.size(); ++r) {
+    for (int k = 0; k < kNoiseNodes; ++k) {
+      values.emplace_back(std::max(0.0, times[r]) * f[k], static_cast<uint32_t>(r));
+    }
+  }
+  // f is nondecreasing in k, so a rank's values come in the order of its nodes.
+  std::sort(values.begin(), values.end());
+  std::vector<int> count(times.size(), 0);
+  size_t empty = times.size();  // ranks with no value at most x yet
+  double log_p = 0;             // over the ranks with one
+  double previous = 0, sum = 0;
+  for (const auto& [x, r] : values) {
+    int& c = count[r];
+    if (c == 0) --empty;
+    log_p += log_cumulative[c + 1] - (c == 0 ? 0.0 : log_cumulative[c]);
+    ++c;
+    const double p = empty > 0 ? 0.0 : std::exp(log_p);
+    sum += x * (p - previous);
+    previous = p;
+  }
+  // The last jump takes the product to 1 (rounding may leave it a hair off).
+  sum += values.back().first * (1 - previous);
+  return sum;
+}
+
+namespace {
+
+// The relative residuals' standard deviation of `m` on `samples`, within each step where the
+// samples name one (see CostSample), with the degrees of freedom the within-step means take.
+double fit_noise(const CostModel& m, std::span<const CostSample> samples) {
+  std::map<int64_t, std::pair<double, int64_t>> by_step;  // sum and count of residuals
+  std::vector<double> residual(samples.size(), 0);
+  std::vector<uint8_t> used(samples.size(), 0);
+  for (size_t i = 0; i < samples.size(); ++i) {
+    const CostSample& s = samples[i];
+    const double modeled = m.linear_rank_time_us(s.slots, s.tokens);
+    if (!(modeled > 0)) continue;
+    residual[i] = s.time_us / modeled - 1;
+    used[i] = 1;
+    auto& [sum, n] = by_step[s.step];
+    sum += residual[i];
+    ++n;
+  }
+  double squares = 0;
+  int64_t n = 0, groups = 0;
+  for (size_t i = 0; i < samples.size(); ++i) {
+    if (!used[i]) continue;
+    const int64_t step = samples[i].step;
+    const auto& [sum, count] = by_step[step];
+    // Samples without a step are one group, around the fit (whose residuals are centred).
+    const double centre = step >= 0 ? sum / static_cast<double>(count) : 0.0;
+    squares += (residual[i] - centre) * (residual[i] - centre);
+    ++n;
+  }
+  for (const auto& [step, g] : by_step) groups += step >= 0 ? 1 : 0;
+  const int64_t dof = n - groups - 3;
+  if (dof < 1) return 0;
+  return std::min(1.0, std::sqrt(squares / static_cast<double>(dof)));
+}
+
+}  // namespace
+
+double CostModel::layer_time_us(std::span<const double> rank_times_us) const {
+  return expected_max_us(rank_times_us, noise);
+}
 
 double CostModel::rank_time_us(std::span<const int64_t> slot_tokens) const {
   double t = rank_us;
@@ -103,6 +223,16 @@ void CostModel::validate() const {
   check_parameter("token_us", token_us);
   check_parameter("knee_tokens", knee_tokens);
   check_parameter("token_us_above", token_us_above);
+  if (!(noise >= 0 && noise <= 1)) {
+    fail("cost model: noise is ", noise,
+         " (must be in [0, 1]: the relative standard deviation of a rank's time)");
+  }
+  if (heldout_error && !std::isfinite(*heldout_error)) {
+    fail("cost model: heldout_error is ", *heldout_error, " (must be a finite number)");
+  }
+  if (heldout_steps < 0) {
+    fail("cost model: heldout_steps is ", heldout_steps, " (must be >= 0)");
+  }
   if (slot_us == 0 && token_us == 0 && (!has_knee() || token_us_above == 0)) {
     fail("cost model: slot_us, token_us", has_knee() ? " and token_us_above" : "",
          " are all 0: nothing would cost anything (give a time per slot or per token)");
@@ -115,7 +245,14 @@ std::string CostModel::describe() const {
   if (has_knee()) {
     s += fmt::format(" up to {:.4g} tokens, {:.4g} us above", knee_tokens, token_us_above);
   }
+  if (noise > 0) s += fmt::format(", rank noise {:.1f}%", noise * 100);
   return s;
+}
+
+std::string CostModel::describe_heldout() const {
+  if (!heldout_error) return "none (not a fit, or a fit not checked on held-back steps)";
+  return fmt::format("{:+.1f}% on {} held-back steps (each predicted by a fit of the others)",
+                     *heldout_error * 100, heldout_steps);
 }
 
 CostModel fit_cost_model(std::span<const CostSample> samples) {
@@ -183,9 +320,22 @@ CostModel fit_cost_model(std::span<const CostSample> samples) {
   m.rank_us = best[0];
   m.slot_us = best[1];
   m.token_us = best[2];
+  m.noise = fit_noise(m, samples);
   m.source = fmt::format("fit of {} samples", n);
   m.validate();
   return m;
+}
+
+CostModel fit_cost_model_or_tokens(std::span<const CostSample> samples, std::string* why) {
+  if (why != nullptr) why->clear();
+  try {
+    return fit_cost_model(samples);
+  } catch (const InvalidArgument& e) {
+    if (why != nullptr) *why = e.what();
+    CostModel m = cost_model_preset("tokens");
+    m.source = fmt::format("preset tokens (the fit failed: {})", e.what());
+    return m;
+  }
 }
 
 CostModel fit_slot_table(std::span<const SlotTiming> table) {
@@ -356,7 +506,9 @@ CostModel cost_model_from_json(std::string_view text, std::string_view where) {
     m.source = std::string(where) + " (roofline)";
     return m;
   }
-  check_fields(j, {"rank_us", "slot_us", "token_us", "knee_tokens", "token_us_above", "source"},
+  check_fields(j,
+               {"rank_us", "slot_us", "token_us", "knee_tokens", "token_us_above", "noise",
+                "heldout_error", "heldout_steps", "source"},
                where, "the model");
   // An object without a parameter ({}) would be the defaults' model, which nobody measured.
   bool any = false;
@@ -373,6 +525,20 @@ CostModel cost_model_from_json(std::string_view text, std::string_view where) {
   read_number(j, "token_us", where, m.token_us);
   read_number(j, "knee_tokens", where, m.knee_tokens);
   read_number(j, "token_us_above", where, m.token_us_above);
+  read_number(j, "noise", where, m.noise);
+  if (j.contains("heldout_error") && !j["heldout_error"].is_null()) {
+    double e = 0;
+    read_number(j, "heldout_error", where, e);
+    m.heldout_error = e;
+  }
+  if (j.contains("heldout_steps")) {
+    double steps = 0;
+    read_number(j, "heldout_steps", where, steps);
+    if (!(steps >= 0 && steps <= 1e15) || steps != std::floor(steps)) {
+      fail(where, ": \"heldout_steps\" is ", steps, " (expected a whole number of steps >= 0)");
+    }
+    m.heldout_steps = static_cast<int64_t>(steps);
+  }
   m.source = j.contains("source") && j["source"].is_string() ? j["source"].get<std::string>()
                                                              : std::string(where);
   m.validate();
@@ -384,7 +550,12 @@ std::string cost_model_to_json(const CostModel& m) {
                       {"slot_us", m.slot_us},
                       {"token_us", m.token_us},
                       {"knee_tokens", m.knee_tokens},
-                      {"token_us_above", m.token_us_above}};
+                      {"token_us_above", m.token_us_above},
+                      {"noise", m.noise}};
+  if (m.heldout_error) {
+    j["heldout_error"] = *m.heldout_error;
+    j["heldout_steps"] = m.heldout_steps;
+  }
   if (!m.source.empty()) j["source"] = m.source;
   return j.dump();
 }

@@ -7,7 +7,10 @@
 
 #include <cmath>
 #include <limits>
+#include <algorithm>
 #include <random>
+#include <string>
+#include <vector>
 
 #include "eplb/core/error.h"
 #include "placement/balanced.h"
@@ -62,6 +65,11 @@ TEST(CostModel, BadParametersAreNamed) {
   EXPECT_THAT(error_of([] { model({.rank_us = 2e6}).validate(); }), HasSubstr("rank_us is"));
   EXPECT_THAT(error_of([] { model({.slot_us = 0, .token_us = 0}).validate(); }),
               HasSubstr("are all 0"));
+  for (const double noise : {-0.1, 1.5, std::nan("")}) {
+    CostModel m = model({.slot_us = 1});
+    m.noise = noise;
+    EXPECT_THAT(error_of([&] { m.validate(); }), HasSubstr("noise is")) << noise;
+  }
 }
 
 TEST(CostModel, FitRecoversKnownParametersFromNoisySamples) {
@@ -102,6 +110,90 @@ TEST(CostModel, FitRefusesTooFewOrDegenerateSamples) {
   std::vector<CostSample> bad(10, {1, 2, 3});
   bad[4] = {1, -2, 3};
   EXPECT_THAT(error_of([&] { fit_cost_model(bad); }), HasSubstr("sample 4 is"));
+}
+
+// The noise a fit finds is the spread of one rank's time against the others' at the same step:
+// a slowdown of the whole step (every rank at once) is left out when the samples name their step.
+TEST(CostModel, FitMeasuresTheNoiseWithinSteps) {
+  std::mt19937 rng(11);
+  std::normal_distribution<double> rank_noise(0, 0.08), step_noise(0, 0.15);
+  std::vector<CostSample> samples, unnamed;
+  for (int64_t step = 0; step < 40; ++step) {
+    const double common = 1 + step_noise(rng);
+    for (int rank = 0; rank < 8; ++rank) {
+      const double slots = 20 + static_cast<double>(rng() % 14);
+      const double tokens = 100 + static_cast<double>(rng() % 300);
+      const double t = (48 * slots + 14 * tokens) * common * (1 + rank_noise(rng));
+      samples.push_back({slots, tokens, t, step});
+      unnamed.push_back({slots, tokens, t});
+    }
+  }
+  const CostModel m = fit_cost_model(samples);
+  EXPECT_NEAR(m.noise, 0.08, 0.015);
+  // Without steps every deviation counts: the step's share too.
+  EXPECT_GT(fit_cost_model(unnamed).noise, 0.12);
+  // A noiseless fit has none.
+  std::vector<CostSample> exact;
+  for (int i = 0; i < 20; ++i) {
+    exact.push_back({1.0 + i % 4, 10.0 + 3 * i, 5 * (1.0 + i % 4) + 2 * (10.0 + 3 * i), i % 3});
+  }
+  EXPECT_NEAR(fit_cost_model(exact).noise, 0, 1e-9);
+}
+
+// Too few samples: fit_cost_model names them; the fallback says so and prices tokens.
+TEST(CostModel, AFitWithTooFewSamplesFallsBackToTokens) {
+  std::vector<CostSample> few(3, {1, 2, 3});
+  std::string why;
+  const CostModel m = fit_cost_model_or_tokens(few, &why);
+  EXPECT_THAT(why, HasSubstr("3 samples (need at least 8"));
+  EXPECT_EQ(m.token_us, 1);
+  EXPECT_EQ(m.slot_us, 0);
+  EXPECT_THAT(m.source, HasSubstr("preset tokens (the fit failed: "));
+  std::vector<CostSample> good;
+  for (int i = 0; i < 20; ++i) good.push_back({1.0 + i % 4, 10.0 + 3 * i, 40.0 + i});
+  fit_cost_model_or_tokens(good, &why);
+  EXPECT_EQ(why, "");
+}
+
+// The expected largest of noisy rank times: the largest without noise, at least the largest
+// with it, more for more ranks alike, symmetric, and never raised by evening the ranks out.
+TEST(CostModel, ExpectedMaxOfNoisyRanks) {
+  const std::vector<double> times{10, 40, 30, 35};
+  EXPECT_EQ(expected_max_us(times, 0), 40);
+  EXPECT_EQ(expected_max_us({}, 0.1), 0);
+  // One rank: its mean (the quantiles are symmetric).
+  EXPECT_NEAR(expected_max_us(std::vector<double>{50}, 0.1), 50, 1e-9);
+  const double noisy = expected_max_us(times, 0.1);
+  EXPECT_GT(noisy, 40);
+  EXPECT_LT(noisy, 40 * 1.3);
+  // Eight equal ranks: about 1.42 standard deviations above the mean (the expected largest of
+  // eight standard normals is 1.4236; the 32-point quadrature is close to it).
+  const std::vector<double> equal(8, 100);
+  EXPECT_NEAR(expected_max_us(equal, 0.1), 100 * (1 + 0.1 * 1.4236), 0.1);
+  std::vector<double> more(64, 100);
+  EXPECT_GT(expected_max_us(more, 0.1), expected_max_us(equal, 0.1));
+  // Symmetric, and spreading the same total evenly never raises it.
+  std::mt19937 rng(3);
+  std::uniform_real_distribution<double> u(0, 100);
+  for (int trial = 0; trial < 50; ++trial) {
+    std::vector<double> t(static_cast<size_t>(2 + trial % 9));
+    double total = 0;
+    for (double& x : t) total += x = u(rng);
+    const double e = expected_max_us(t, 0.2);
+    std::vector<double> shuffled = t;
+    std::shuffle(shuffled.begin(), shuffled.end(), rng);
+    EXPECT_NEAR(expected_max_us(shuffled, 0.2), e, 1e-9 * e);
+    const std::vector<double> even(t.size(), total / static_cast<double>(t.size()));
+    EXPECT_LE(expected_max_us(even, 0.2), e * (1 + 1e-12));
+    EXPECT_GE(e, *std::max_element(t.begin(), t.end()) * (1 - 1e-12));
+  }
+  // Many ranks: the product of their probabilities does not underflow, and the tails reach the
+  // expected largest of 1024 standard normals (3.24).
+  const std::vector<double> wide(1024, 10);
+  EXPECT_NEAR(expected_max_us(wide, 0.1), 10 * (1 + 0.1 * 3.24), 0.05);
+  CostModel m = model({.slot_us = 1});
+  m.noise = 0.1;
+  EXPECT_EQ(m.layer_time_us(times), noisy);
 }
 
 TEST(CostModel, KernelTableFitFindsTheKnee) {
@@ -149,6 +241,19 @@ TEST(CostModel, JsonRoundTripAndErrors) {
   EXPECT_EQ(back.knee_tokens, 30);
   EXPECT_EQ(back.token_us_above, 20);
   EXPECT_EQ(back.source, "test");
+  EXPECT_EQ(back.noise, 0);
+  EXPECT_FALSE(back.heldout_error.has_value());
+  m.noise = 0.07;
+  m.heldout_error = -0.021;
+  m.heldout_steps = 16;
+  const CostModel fitted = cost_model_from_json(cost_model_to_json(m));
+  EXPECT_EQ(fitted.noise, 0.07);
+  EXPECT_EQ(fitted.heldout_error, -0.021);
+  EXPECT_EQ(fitted.heldout_steps, 16);
+  EXPECT_THAT(error_of([] { cost_model_from_json(R"({"slot_us": 1, "noise": 3})"); }),
+              HasSubstr("noise is 3"));
+  EXPECT_THAT(error_of([] { cost_model_from_json(R"({"slot_us": 1, "heldout_steps": 1.5})"); }),
+              HasSubstr("\"heldout_steps\" is 1.5"));
   EXPECT_EQ(cost_model_from_json(R"({"preset": "tokens"})").token_us, 1);
   const CostModel roof = cost_model_from_json(
       R"({"roofline": {"hbm_bytes_per_s": 1e12, "peak_flops": 1e15, "expert_bytes": 1e6,

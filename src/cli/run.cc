@@ -207,6 +207,7 @@ void print_prediction(const emu::RunResult& r) {
     return;
   }
   fmt::print("  {:<14}{} ({})\n", "cost model", r.cost_model->describe(), r.cost_model->source);
+  fmt::print("  {:<14}{}\n", "fit error", r.cost_model->describe_heldout());
   const auto side = [](bool has, double predicted, double measured) {
     return has ? fmt::format("{:.2f} ms (measured {:.2f}, {:+.1f}%)", predicted, measured,
                              (predicted / measured - 1) * 100)

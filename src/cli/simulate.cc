@@ -569,7 +569,10 @@ void run_simulate(const SimulateArgs& args) {
   } else {
     print_table(args, history, options.layout, result, seconds, cpu_seconds);
     if (steps) print_per_step(args, input, *steps, step_cpu_seconds);
-    if (cost) fmt::print("cost model: {} ({})\n", cost->describe(), cost->source);
+    if (cost) {
+      fmt::print("cost model: {} ({})\n", cost->describe(), cost->source);
+      fmt::print("its error on held-back steps: {}\n", cost->describe_heldout());
+    }
     if (!args.plot_path.empty()) fmt::print("wrote {}\n", args.plot_path);
   }
 }

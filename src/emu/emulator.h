@@ -118,13 +118,13 @@ struct StepFigures {
   // ranks than cores, mostly waiting).
   double moe_ms = 0;
   double moe_wall_ms = 0;
-  // What the cost model fitted on the "before" steps predicts for moe_ms: the sum over the
-  // layers of the largest modeled rank time (each rank's activated slots and tokens); 0 without
-  // a model.
+  // What the run's cost model (RunResult::cost_model) predicts for moe_ms: the sum over the
+  // layers of the layer time of the ranks' modeled times (each rank's activated slots and
+  // tokens; the expected largest under the model's noise); 0 without a model.
   double moe_ms_predicted = 0;
   // What no placement or dispatch of the step's tokens beats under that model: per layer, every
   // rank at the mean tokens and at the fewest activated slots (one per expert with a token)
-  // spread evenly; 0 without a model.
+  // spread evenly; at most moe_ms_predicted; 0 without a model.
   double moe_ms_floor = 0;
   // The sum over the layers of the mean rank CPU time over the sum of the largest: how much of
   // the step's MoE time is waiting for the busiest rank (1: none).
@@ -181,9 +181,10 @@ struct RunResult {
   double moe_wall_ms_before = 0;  // the same in wall time
   double moe_wall_ms_after = 0;
   // The cost model (placement/cost.h) fitted by least squares on every rank's (activated slots,
-  // tokens, CPU time) of every layer of the "before" steps, and its prediction of moe_ms over
-  // each range (in sample before, out of sample after). No model (cost_fit_error says why) when
-  // the "before" range is too short or cannot tell slots from tokens.
+  // tokens, CPU time) of every layer of the steps before the "after" range (the "before" steps
+  // and those of the first rebalance), with its noise and its error on held-back steps, and its
+  // prediction of moe_ms over each range (out of sample after). No model (cost_fit_error says
+  // why) when those steps are too few or cannot tell slots from tokens.
   std::optional<placement::CostModel> cost_model;
   std::string cost_fit_error;
   int64_t cost_samples = 0;

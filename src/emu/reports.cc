@@ -23,6 +23,8 @@
 #include <optional>
 #include <sstream>
 #include <tuple>
+#include <utility>
+#include <vector>
 #include "emu/live_metrics.h"
 #include "emu/serve.h"
 #include "eplb/control/communicator.h"
@@ -107,59 +109,117 @@ void time_balancedness(const std::vector<json>& reports, int64_t layers, RunResu
                                            &StepFigures::time_balancedness);
 }
 
-// The cost model of the run: fitted on every rank's (activated slots, tokens, CPU time) of every
-// layer of the "before" steps, then each step's predicted MoE time, the sum over the layers of
-// the largest modeled rank time, and its means over both ranges. A range too short for a fit
-// leaves no model, and says why.
-//
-// Then each step's floor under the model: the largest rank time of a layer is at least the mean,
-// and the mean is least with the fewest activated slots, one per expert that had a token
-// (`active_experts`), so no placement or dispatch of the same tokens beats
-// rank_us + slot_us * active / ranks + token_us * tokens / ranks, summed over the layers.
-void fit_and_predict(const std::vector<json>& reports, int64_t layers, RunResult& result) {
+// Every rank's (activated slots, tokens, CPU time) of every layer of the steps in [first, last)
+// that `take` accepts, each with its step (the fit measures the noise within steps).
+template <typename Take>
+std::vector<placement::CostSample> cost_samples(const std::vector<json>& reports, int64_t layers,
+                                                int64_t first, int64_t last, Take take) {
   std::vector<placement::CostSample> samples;
-  for (int64_t s = result.before_first; s < result.before_last; ++s) {
+  for (int64_t s = first; s < last; ++s) {
+    if (!take(s)) continue;
     for (const json& rank : reports) {
       for (int64_t l = 0; l < layers; ++l) {
         const std::optional<RankLayer> x = rank_layer(rank, s, l, layers);
         if (!x || x->tokens == 0) continue;  // idle in that layer: nothing to fit
         samples.push_back({.slots = static_cast<double>(x->slots),
                            .tokens = static_cast<double>(x->tokens),
-                           .time_us = static_cast<double>(x->cpu_ns) / 1e3});
+                           .time_us = static_cast<double>(x->cpu_ns) / 1e3,
+                           .step = s});
       }
     }
   }
+  return samples;
+}
+
+// What model `m` says of step `s`: its MoE time, the sum over the layers of the layer time of
+// the ranks' modeled times (the expected largest under the model's noise), and its floor, the
+// same with every rank at the mean tokens and at the fewest activated slots (one per expert
+// that had a token). The layer time never rises when the ranks' times are evened out, and the
+// mean of the ranks' activated slots is at least the fewest, so the floor is at most the
+// prediction, layer by layer (a floor above it by a rounding is taken down to it).
+std::pair<double, double> predict_step(const placement::CostModel& m,
+                                       const std::vector<json>& reports, int64_t s,
+                                       int64_t layers) {
+  double predicted = 0, floor = 0;
+  std::vector<double> times, even;
+  for (int64_t l = 0; l < layers; ++l) {
+    double tokens = 0;
+    int64_t active = -1;
+    times.clear();
+    for (const json& rank : reports) {
+      const std::optional<RankLayer> x = rank_layer(rank, s, l, layers);
+      if (!x) continue;
+      times.push_back(m.linear_rank_time_us(static_cast<double>(x->slots),
+                                            static_cast<double>(x->tokens)));
+      tokens += static_cast<double>(x->tokens);
+      if (active < 0) active = x->active;  // the same on every rank
+    }
+    const double layer = m.layer_time_us(times);
+    predicted += layer;
+    if (!times.empty() && active >= 0) {
+      const auto n = static_cast<double>(times.size());
+      even.assign(times.size(),
+                  m.linear_rank_time_us(static_cast<double>(active) / n, tokens / n));
+      floor += std::min(layer, m.layer_time_us(even));
+    }
+  }
+  return {predicted, floor};
+}
+
+// The fit's error on steps it did not see: the steps [first, last) it was fitted on cut into
+// kFolds sets by step (step i in set i mod kFolds), each predicted by a fit of the others; the
+// error is the mean predicted MoE time over the mean measured one, less 1. Left unset where a
+// set's fit fails.
+void cross_validate(const std::vector<json>& reports, int64_t layers, int64_t first, int64_t last,
+                    RunResult& result) {
+  constexpr int64_t kFolds = 4;
+  if (last - first < kFolds) return;
+  double predicted = 0, measured = 0;
+  for (int64_t fold = 0; fold < kFolds; ++fold) {
+    const auto held = [&](int64_t s) { return (s - first) % kFolds == fold; };
+    const std::vector<placement::CostSample> samples =
+        cost_samples(reports, layers, first, last, [&](int64_t s) { return !held(s); });
+    placement::CostModel m;
+    try {
+      m = placement::fit_cost_model(samples);
+    } catch (const InvalidArgument&) {
+      return;
+    }
+    for (int64_t s = first; s < last; ++s) {
+      if (!held(s)) continue;
+      predicted += predict_step(m, reports, s, layers).first / 1e3;
+      measured += result.per_step[s].moe_ms;
+    }
+  }
+  if (!(measured > 0)) return;
+  result.cost_model->heldout_error = predicted / measured - 1;
+  result.cost_model->heldout_steps = last - first;
+}
+
+// The cost model of the run: fitted on every rank's (activated slots, tokens, CPU time) of every
+// layer of every step before the "after" range (the "before" steps and those the first
+// rebalance took; all of the "before" steps when there is no "after"), its noise measured within
+// each step (placement/cost.h), its error on held-back steps (cross_validate), then each step's
+// predicted MoE time and floor (predict_step) and their means over both ranges: the "after"
+// steps out of sample. Too few steps for a fit leave no model, and say why.
+void fit_and_predict(const std::vector<json>& reports, int64_t layers, RunResult& result) {
+  const int64_t first = result.before_first;
+  const int64_t last = result.has_after() ? result.after_first : result.before_last;
+  const std::vector<placement::CostSample> samples =
+      cost_samples(reports, layers, first, last, [](int64_t) { return true; });
   result.cost_samples = static_cast<int64_t>(samples.size());
   try {
     result.cost_model = placement::fit_cost_model(samples);
     result.cost_model->source = fmt::format("fit of {} (rank, layer) samples of steps {}-{}",
-                                            samples.size(), result.before_first,
-                                            result.before_last - 1);
+                                            samples.size(), first, last - 1);
   } catch (const InvalidArgument& e) {
     result.cost_fit_error = e.what();
     return;
   }
+  cross_validate(reports, layers, first, last, result);
   const placement::CostModel& m = *result.cost_model;
   for (int64_t s = 0; s < static_cast<int64_t>(result.per_step.size()); ++s) {
-    double predicted = 0, floor = 0;
-    for (int64_t l = 0; l < layers; ++l) {
-      double most = 0, tokens = 0;
-      int64_t ranks = 0, active = -1;
-      for (const json& rank : reports) {
-        const std::optional<RankLayer> x = rank_layer(rank, s, l, layers);
-        if (!x) continue;
-        most = std::max(most, m.linear_rank_time_us(static_cast<double>(x->slots),
-                                                    static_cast<double>(x->tokens)));
-        tokens += static_cast<double>(x->tokens);
-        ++ranks;
-        if (active < 0) active = x->active;  // the same on every rank
-      }
-      predicted += most;
-      if (ranks > 0 && active >= 0) {
-        const auto n = static_cast<double>(ranks);
-        floor += m.linear_rank_time_us(static_cast<double>(active) / n, tokens / n);
-      }
-    }
+    const auto [predicted, floor] = predict_step(m, reports, s, layers);
     result.per_step[s].moe_ms_predicted = predicted / 1e3;
     result.per_step[s].moe_ms_floor = floor / 1e3;
   }

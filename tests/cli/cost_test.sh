@@ -45,7 +45,16 @@ done
 "$eplb" simulate --trace "$trace" --ranks 8 --redundant 8 --interval 4 --window 4 \
   --policy balanced --cost h100-v3-decode >"$tmp/table.txt" 2>&1 || fail "table: $(cat "$tmp/table.txt")"
 grep -q "model ms" "$tmp/table.txt" && grep -q "cost model: rank 0 us" "$tmp/table.txt" \
+  && grep -q "its error on held-back steps: none (not a fit" "$tmp/table.txt" \
   || fail "simulate --cost table: $(cat "$tmp/table.txt")"
+# A fitted model's held-back error travels with it into simulate.
+printf '{"slot_us": 40, "token_us": 2, "noise": 0.05, "heldout_error": -0.012, "heldout_steps": 16}' \
+  >"$tmp/fitted.json"
+"$eplb" simulate --trace "$trace" --ranks 8 --redundant 8 --interval 4 --window 4 \
+  --policy balanced --cost "$tmp/fitted.json" >"$tmp/table.txt" 2>&1 \
+  || fail "fitted table: $(cat "$tmp/table.txt")"
+grep -q "its error on held-back steps: -1.2% on 16 held-back steps" "$tmp/table.txt" \
+  && grep -q "rank noise 5.0%" "$tmp/table.txt" || fail "fitted model table: $(cat "$tmp/table.txt")"
 
 # 2. Bad models and options.
 t=(simulate --trace "$trace" --ranks 8 --redundant 8 --interval 4 --window 4)
@@ -76,6 +85,11 @@ assert d["mismatches"] == 0 and d["verified"] > 0
 assert d["cost_samples"] > 0
 if d["cost_model"] is not None:
     assert d["moe_ms_predicted_after"] is not None and d["moe_ms_predicted_after"] > 0
+    # The model's noise, and its error on the steps held back from it (4 sets of the fitted
+    # steps, each predicted by a fit of the others).
+    m = d["cost_model"]
+    assert 0 <= m["noise"] <= 1, m
+    assert m["heldout_steps"] >= 4 and abs(m["heldout_error"]) < 10, m
     assert d["moe_ms_predicted_before"] > 0
     assert len(d["per_step"]["moe_ms_predicted"]) == d["steps"]
     # The floor: no placement or dispatch beats it under the model, so every step's

@@ -115,7 +115,7 @@ int run_rank(const BenchRuntimeArgs& args, runtime::Mode mode, const std::string
   config.lag = args.lag;
   config.mode = mode;
   config.placement.policy = placement::parse_policy(args.policy);
-  config.min_gain = -1;  // forced: every trigger rebalances
+  config.min_balancedness_gain = -1;  // forced: every trigger rebalances
   config.timeout = std::chrono::milliseconds(args.timeout_ms);
   std::vector<std::vector<std::byte>> own;  // --weights engine: [layers], this rank's slots
   const runtime::WeightSpec spec = weight_spec(args, own);

@@ -282,7 +282,7 @@ void run_rank(RunState& run, int rank) {
   config.lag = args.lag;
   config.mode = run.mode;
   config.placement.policy = placement::parse_policy(args.policy);
-  config.min_gain = -1;  // forced: every trigger rebalances
+  config.min_balancedness_gain = -1;  // forced: every trigger rebalances
   config.timeout = std::chrono::milliseconds(args.timeout_ms);
   config.balancedness_period = -1;  // not measured here: one collective less per interval
   // The runtime's own threads are late at random too; each point draws from its own sequence.

@@ -16,8 +16,8 @@ namespace eplb::placement {
 void check_min_gain(double min_gain, std::string_view what) {
   if (!std::isfinite(min_gain) || min_gain < 0) {
     fail(what, " is ", min_gain,
-         " (must be a finite number >= 0: the factor on a rebalance's price its predicted gain "
-         "must reach; 0 rebalances at every trigger)");
+         " (must be a finite number >= 0: a rebalance must be predicted to save at least "
+         "min_gain times its price; 0 skips none)");
   }
 }
 
@@ -100,12 +100,14 @@ GainDecision decide_rebalance(double current_us, double proposed_us, int64_t ste
   if (min_gain == 0 || !d.priced) return d;
   if (d.gain_us < min_gain * d.price_us) {
     d.rebalance = false;
+    const std::string moves =
+        price.bytes > 0 ? fmt::format("{:.4g} MB to move at {:.4g} GB/s", price.bytes / 1e6,
+                                      price.bytes_per_s / 1e9)
+                        : std::string("no bytes to move");
     d.reason = fmt::format(
         "predicted gain {:.4g} us over the next {} steps (modeled MoE time per step {:.4g} -> "
-        "{:.4g} us) is below min_gain {:.4g} x the price {:.4g} us ({:.4g} MB to move at {:.4g} "
-        "GB/s, stall {:.4g} us)",
-        d.gain_us, steps, current_us, proposed_us, min_gain, d.price_us, price.bytes / 1e6,
-        price.bytes_per_s / 1e9, price.stall_us);
+        "{:.4g} us) is below min_gain {:.4g} x the price {:.4g} us ({}, stall {:.4g} us)",
+        d.gain_us, steps, current_us, proposed_us, min_gain, d.price_us, moves, price.stall_us);
   }
   return d;
 }

@@ -166,6 +166,8 @@ void Rebalancer::Impl::advance_async() {
     a.cv.notify_one();
   }
   if (a.installed_fwd == moved) {
+    records_.open->bytes_read = a.bytes_read.load(std::memory_order_relaxed);
+    records_.open->read_ms = static_cast<double>(a.read_ns.load(std::memory_order_relaxed)) / 1e6;
     records_.open->outcome = Outcome::kCompleted;
     close_open(std::nullopt);
     finish_active();

@@ -41,7 +41,8 @@ double served_balancedness(const LoadMatrix& load, const Placement& p, const Lay
 
 RebalancePlan make_plan(std::span<const int64_t> window, std::span<const int32_t> current,
                         const Config& config, int64_t expert_bytes,
-                        const ElasticInputs& elastic, const Placement* proposed) {
+                        const ElasticInputs& elastic, const GainFigures& gain_figures,
+                        const Placement* proposed) {
   const Layout& layout = config.layout;
   const int64_t layers = static_cast<int64_t>(current.size()) / layout.physical;
   const int64_t spr = layout.slots_per_rank();
@@ -89,11 +90,12 @@ RebalancePlan make_plan(std::span<const int64_t> window, std::span<const int32_t
       served_balancedness(load, before, layout, elastic.members, elastic.usable);
   plan.balancedness_after = served_balancedness(load, after, layout, elastic.members, {});
   const double gain = plan.balancedness_after - plan.balancedness_before;
-  if (gain < config.min_gain && !elastic.repair && proposed == nullptr) {
+  if (gain < config.min_balancedness_gain && !elastic.repair && proposed == nullptr) {
     plan.skipped = true;
     plan.skip_reason = detail::concat("predicted balancedness gain ", gain, " (",
                                       plan.balancedness_before, " -> ", plan.balancedness_after,
-                                      ") is below min_gain ", config.min_gain);
+                                      ") is below min_balancedness_gain ",
+                                      config.min_balancedness_gain);
   }
 
   // Step 3: plan and schedule every layer whose slots change or that has a member slot without
@@ -134,6 +136,31 @@ RebalancePlan make_plan(std::span<const int64_t> window, std::span<const int32_t
       usable_after.resize(static_cast<size_t>(layout.physical));
       for (int64_t p = 0; p < layout.physical; ++p) usable_after[p] = member[p / spr];
     }
+    // Step 4: does it pay (Config::min_gain, gain.h)? A repair, or a proposed placement, always
+    // goes ahead.
+    if (!elastic.repair && proposed == nullptr && !plan.moved_layers.empty()) {
+      int64_t bytes = 0;
+      for (const int64_t l : plan.moved_layers) bytes += migration.layers[l].plan.bytes_total;
+      std::vector<uint8_t> serves_before, serves_after;  // [layers][physical]; empty: all
+      if (elastic.any()) {
+        serves_before.resize(static_cast<size_t>(layers * layout.physical));
+        serves_after.resize(serves_before.size());
+        for (int64_t l = 0; l < layers; ++l) {
+          for (int64_t p = 0; p < layout.physical; ++p) {
+            const auto i = static_cast<size_t>(l * layout.physical + p);
+            serves_after[i] = member[static_cast<size_t>(p / spr)];
+            serves_before[i] = serves_after[i] != 0 && usable(l, p) ? 1 : 0;
+          }
+        }
+      }
+      plan.gain = check_gain(load, before, after, serves_before, serves_after, bytes, gain_figures,
+                             config);
+      if (plan.gain && !plan.gain->rebalance) {
+        plan.skipped = true;
+        plan.skip_reason = plan.gain->reason;
+        plan.moved_layers.clear();
+      }
+    }
     for (const int64_t l : plan.moved_layers) {
       const auto new_row = after.layer_phy2log(l);
       plan.phy2log.emplace_back(new_row.begin(), new_row.end());
@@ -148,7 +175,7 @@ RebalancePlan make_plan(std::span<const int64_t> window, std::span<const int32_t
       plan.rounds += migration.layers[l].schedule.rounds;
       plan.migrations.push_back(std::move(migration.layers[l]));
     }
-    if (plan.moved_layers.empty()) {
+    if (plan.moved_layers.empty() && !plan.skipped) {
       plan.skipped = true;
       plan.skip_reason = proposed != nullptr ? "the proposed placement equals the one in force"
                                              : "the new placement equals the current one";

@@ -5,6 +5,7 @@
 // (the forward thread in sync mode).
 
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -12,6 +13,8 @@
 #include "eplb/migration/migration.h"
 #include "eplb/routing/dispatch.h"
 #include "eplb/runtime/config.h"
+#include "eplb/placement/gain.h"
+#include "runtime/gain.h"
 
 namespace eplb::runtime {
 
@@ -30,6 +33,9 @@ struct ElasticInputs {
 struct RebalancePlan {
   bool skipped = false;
   std::string skip_reason;
+  // Config::min_gain's check, where it was made (min_gain > 0, not a repair, slots to move); a
+  // plan it skips keeps its figures and moves nothing.
+  std::optional<placement::GainDecision> gain;
   // The install order: layers with an unavailable expert first, then ascending.
   std::vector<int64_t> moved_layers;
   std::vector<migration::LayerMigration> migrations;  // [moved]
@@ -47,11 +53,14 @@ struct RebalancePlan {
   int64_t bytes_restored = 0;  // all ranks
 };
 
-// window: summed loads of all ranks [layers][experts]; current: phy2log in force [layers][physical].
+// window: summed loads of all ranks [layers][experts]; current: phy2log in force [layers][physical];
+// gain: what the window all-reduce's tail says for Config::min_gain's check (gain.h).
 // proposed: a placement computed elsewhere (Rebalancer::propose), planned instead of placing
-// with the configured policy; it is never skipped for min_gain (the engine's policy decided).
+// with the configured policy; it is never skipped for either gain check (the engine's policy
+// decided).
 RebalancePlan make_plan(std::span<const int64_t> window, std::span<const int32_t> current,
                         const Config& config, int64_t expert_bytes,
-                        const ElasticInputs& elastic = {}, const Placement* proposed = nullptr);
+                        const ElasticInputs& elastic = {}, const GainFigures& gain = {},
+                        const Placement* proposed = nullptr);
 
 }  // namespace eplb::runtime

@@ -9,6 +9,7 @@
 
 #include "eplb/core/error.h"
 #include "eplb/core/memory.h"
+#include "eplb/placement/gain.h"
 #include "eplb/runtime/rebalancer.h"
 #include "runtime/config.h"
 
@@ -30,9 +31,11 @@ uint64_t config_fingerprint(const Config& c, const WeightSpec& w) {
   // With kSwap the buffer map changes at installs and peers compute offsets from it; with
   // kCopy it never does: every rank must do the same.
   mix(static_cast<int64_t>(c.install));
-  // The placement's options decide the plan (a rank that skips by min_gain while another
-  // installs would diverge): compared bit for bit.
+  // The placement's options decide the plan (a rank that skips by a min_gain while another
+  // installs would diverge): compared bit for bit. (The cost model needs not be the same: the
+  // ranks decide with the mean of theirs, gain.h.)
   mix(std::bit_cast<int64_t>(c.placement.tolerance)), mix(std::bit_cast<int64_t>(c.min_gain));
+  mix(std::bit_cast<int64_t>(c.min_balancedness_gain));
   mix(c.placement.thorough);
   // Where lost experts come from decides the plans of a repair.
   mix(c.backup.copies), mix(c.backup.loader ? 1 : 0);
@@ -207,7 +210,12 @@ void Config::validate() const {
     fail("thorough applies to the balanced and sticky policies, not deepseek (whose replica "
          "counts are the reference's own)");
   }
-  if (!(min_gain >= -1 && min_gain <= 1)) fail("min_gain ", min_gain, " must be in [-1, 1]");
+  if (!(min_balancedness_gain >= -1 && min_balancedness_gain <= 1)) {
+    fail("min_balancedness_gain ", min_balancedness_gain,
+         " must be in [-1, 1] (a balancedness gain; -1 never skips for it)");
+  }
+  placement::check_min_gain(min_gain);
+  if (cost) cost->validate();
   if (agreement == Agreement::kExternal && mode != Mode::kAsync) {
     fail("agreement external needs mode async (mode ", mode_name(mode),
          " runs its agreements inside one step_end, where no engine collective can carry them)");

@@ -37,6 +37,7 @@
 #include "runtime/engine_maps.h"
 #include "runtime/external_agreement.h"
 #include "runtime/failure.h"
+#include "runtime/gain.h"
 #include "runtime/in_flight.h"
 #include "runtime/runtime_metrics.h"
 #include "runtime/monitor.h"
@@ -72,6 +73,7 @@ class Rebalancer::Impl {
   std::span<const int32_t> phy2log(int64_t layer) const;
   Placement placement() const;
   void step_end();
+  void set_cost_model(const placement::CostModel& model);
   void save_stats(const std::string& path, stats::LoadFormat format) const;
   void shutdown();
   void reconfigure(control::Communicator& communicator, transport::Transport& transport,
@@ -205,6 +207,7 @@ class Rebalancer::Impl {
   std::shared_ptr<Active> active_;           // the rebalance in flight (in_flight.h)
   std::deque<PendingAgreement> agreements_;  // by step
   RecordBook records_;                       // its record, and the history (any thread)
+  GainBook gain_book_;  // what this rank adds to a trigger's window for min_gain's check
   std::optional<std::vector<int64_t>> sync_window_;  // sync: this step's window, to measure
 
   // Any thread.

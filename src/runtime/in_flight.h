@@ -43,6 +43,12 @@ struct Active {
   RebalancePlan plan;
   Failure failure;
 
+  // This rank's remote reads and the time they took: added by the worker after each layer it
+  // stages, before the progress that publishes the layer; read by the forward thread when the
+  // rebalance completes (every layer's progress seen by then).
+  std::atomic<int64_t> read_ns{0};
+  std::atomic<int64_t> bytes_read{0};
+
   std::mutex mu;
   std::condition_variable cv;
   int64_t installed = 0;            // guarded by mu

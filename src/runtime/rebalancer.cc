@@ -58,6 +58,7 @@ Rebalancer::Impl::Impl(Config config, WeightSpec spec, int seat, const Placement
       layers_(spec_.layers),
       recorder_(spec_.layers, config_.layout.experts, std::max<int64_t>(config_.window, 1)),
       map_(spec_.layers),
+      gain_book_(config_.cost),
       external_(config_.lag) {
   const Layout& layout = config_.layout;
   // 0: every interval (never with interval 0, no rebalance of the runtime's own).
@@ -198,6 +199,11 @@ Placement Rebalancer::Impl::placement() const {
   p.phy2log = phy2log_;
   p.derive_from_phy2log();
   return p;
+}
+
+void Rebalancer::Impl::set_cost_model(const placement::CostModel& model) {
+  model.validate();
+  gain_book_.set_model(model);
 }
 
 void Rebalancer::Impl::step_end() {
@@ -462,6 +468,9 @@ std::span<const int32_t> Rebalancer::phy2log(int64_t layer) const {
 }
 Placement Rebalancer::placement() const { return impl_->placement(); }
 void Rebalancer::step_end() { impl_->step_end(); }
+void Rebalancer::set_cost_model(const placement::CostModel& model) {
+  impl_->set_cost_model(model);
+}
 void Rebalancer::save_stats(const std::string& path, stats::LoadFormat format) const {
   impl_->save_stats(path, format);
 }

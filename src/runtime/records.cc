@@ -38,6 +38,16 @@ void Rebalancer::Impl::close_open(std::optional<Failure> raise) {
 }
 
 void Rebalancer::Impl::fill_plan_figures(const RebalancePlan& plan) {
+  if (plan.gain) {
+    RebalanceRecord& r = *records_.open;
+    r.gain_checked = true;
+    r.below_min_gain = !plan.gain->rebalance;
+    r.moe_us_before = plan.gain->current_us;
+    r.moe_us_after = plan.gain->proposed_us;
+    r.gain_us = plan.gain->gain_us;
+    r.price_us = plan.gain->price_us;
+    r.priced = plan.gain->priced;
+  }
   records_.open->placement_ms = plan.placement_ms;
   records_.open->balancedness_before = plan.balancedness_before;
   records_.open->balancedness_after = plan.balancedness_after;
@@ -53,6 +63,7 @@ void Rebalancer::Impl::fill_plan_figures(const RebalancePlan& plan) {
 void Rebalancer::Impl::publish_open() {
   std::optional<Failure> raise;
   const RebalanceRecord record = records_.publish(raise);
+  gain_book_.on_record(record, config_.mode);
   const auto level = record.outcome == Outcome::kFailed      ? spdlog::level::warn
                      : record.outcome == Outcome::kCompleted ? spdlog::level::info
                                                              : spdlog::level::debug;

@@ -120,6 +120,15 @@ RuntimeMetrics::RuntimeMetrics(std::shared_ptr<prometheus::Registry> registry, i
   bytes_local_ = &add(bytes, {{"path", "local_copy"}});
   bytes_installed_ = counter("eplb_bytes_installed_total",
                              "Bytes installs wrote into this rank's live weights");
+  below_min_gain_ = counter("eplb_rebalances_below_min_gain_total",
+                            "Rebalances skipped because the MoE time they were predicted to save "
+                            "over the next interval was below min_gain times their price");
+  predicted_gain_ = gauge("eplb_rebalance_predicted_gain_seconds",
+                          "The MoE time the last rebalance min_gain checked was predicted to "
+                          "save over the next interval (negative: to lose)");
+  price_ = gauge("eplb_rebalance_price_seconds",
+                 "The price of the last rebalance min_gain checked: its bytes at the measured "
+                 "pull bandwidth, plus the last rebalance's stall (0: not priced yet)");
   duration_steps_ = histogram("eplb_rebalance_duration_steps",
                               "Steps from a rebalance's trigger to its end",
                               exponential(1, 2, 11));
@@ -220,6 +229,11 @@ void RuntimeMetrics::on_record(const RebalanceRecord& record) {
   duration_seconds_->Observe(record.seconds);
   bytes_installed_->Increment(static_cast<double>(record.bytes_installed));
   bytes_restored_->Increment(static_cast<double>(record.bytes_restored));
+  if (record.gain_checked) {
+    if (record.below_min_gain) below_min_gain_->Increment();
+    predicted_gain_->Set(record.gain_us / 1e6);
+    price_->Set(record.price_us / 1e6);
+  }
   if (record.balancedness_before > 0) {
     balancedness("predicted_before").Set(record.balancedness_before);
   }

@@ -121,6 +121,9 @@ class RuntimeMetrics {
   prometheus::Gauge* members_ = nullptr;
   prometheus::Gauge* unavailable_ = nullptr;
   prometheus::Counter* bytes_restored_ = nullptr;
+  prometheus::Counter* below_min_gain_ = nullptr;
+  prometheus::Gauge* predicted_gain_ = nullptr;
+  prometheus::Gauge* price_ = nullptr;
 };
 
 }  // namespace eplb::runtime

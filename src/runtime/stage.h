@@ -65,4 +65,10 @@ struct StageContext {
 bool stage_layer(const StageContext& context, const BufferMap& map, int64_t layer,
                  const migration::LayerMigration& migration);
 
+// The bytes seat `seat` reads from peers in `migration` (its remote reads; restores apart).
+inline int64_t bytes_read_by(const migration::LayerMigration& migration, int seat) {
+  const std::vector<int64_t>& in = migration.plan.rank_bytes_in;
+  return seat >= 0 && static_cast<size_t>(seat) < in.size() ? in[static_cast<size_t>(seat)] : 0;
+}
+
 }  // namespace eplb::runtime

@@ -20,8 +20,11 @@ namespace eplb::runtime {
 void Rebalancer::Impl::step_end_sync() {
   if (!should_trigger()) return;
   open_record();
-  std::vector<int64_t> window(static_cast<size_t>(layers_ * config_.layout.experts));
+  const int64_t loads = layers_ * config_.layout.experts;
+  std::vector<int64_t> window(static_cast<size_t>(loads));
   recorder_.snapshot_window(window);
+  gain_book_.append(window, recorder_.steps_in_window());
+  GainFigures gain;
   std::optional<Proposals::Queued> proposed = proposals_.take();
   std::vector<int64_t> check;
   try {
@@ -33,6 +36,7 @@ void Rebalancer::Impl::step_end_sync() {
                                  control::ReduceOp::kMax, config_.timeout);
     }
     window = await(std::move(sum));
+    gain = take_gain_figures(window, loads);
     if (proposed) check = await(std::move(max));
     sync_window_ = window;
   } catch (...) {
@@ -49,7 +53,7 @@ void Rebalancer::Impl::step_end_sync() {
   try {
     if (proposed) check_agreed(check, proposed->placement);
     if (delay_hook_) delay_hook_(DelayPoint::kPlacement);
-    plan = make_plan(window, phy2log_, config_, spec_.expert_bytes(), elastic_inputs(),
+    plan = make_plan(window, phy2log_, config_, spec_.expert_bytes(), elastic_inputs(), gain,
                      proposed ? &proposed->placement : nullptr);
   } catch (...) {
     local = Failure::current();
@@ -66,11 +70,14 @@ void Rebalancer::Impl::step_end_sync() {
   const StageContext context = stage_context(nullptr, records_.open->index);
   for (size_t k = 0; k < plan.moved_layers.size(); ++k) {
     progress_.note(records_.open->index, Phase::kReading, plan.moved_layers[k]);
+    const auto read_start = Clock::now();
     try {
       stage_layer(context, map_, plan.moved_layers[k], plan.migrations[k]);
     } catch (...) {
       local = Failure::current();
     }
+    records_.open->read_ms += ms_between(read_start, Clock::now());
+    records_.open->bytes_read += bytes_read_by(plan.migrations[k], seat_);
     progress_.note(records_.open->index, Phase::kAgreeing, plan.moved_layers[k]);
     if (!agree_sync(local)) return;
     install(plan, static_cast<int64_t>(k));

@@ -117,7 +117,8 @@ void Rebalancer::Impl::run_job(Active& a) {
       if (cancelled()) return;
     }
     CollectiveResult result = a.window.get();  // a copy: the monitor may read it too
-    const std::vector<int64_t> window = std::move(result).take();
+    std::vector<int64_t> window = std::move(result).take();
+    const GainFigures gain = take_gain_figures(window, layers_ * config_.layout.experts);
     if (cancelled()) return;
     progress_.note(a.index, Phase::kPlacement);
     if (a.proposed) {  // every rank proposed this very placement, or every rank fails here
@@ -129,7 +130,7 @@ void Rebalancer::Impl::run_job(Active& a) {
       check_agreed(std::move(check).take(), *a.proposed);
     }
     if (delay_hook_) delay_hook_(DelayPoint::kPlacement);
-    a.plan = make_plan(window, a.current_phy2log, config_, spec_.expert_bytes(), a.elastic,
+    a.plan = make_plan(window, a.current_phy2log, config_, spec_.expert_bytes(), a.elastic, gain,
                        a.proposed ? &*a.proposed : nullptr);
     progress_.note(a.index, Phase::kAgreeing);
     a.progress.store(1, std::memory_order_release);
@@ -139,7 +140,14 @@ void Rebalancer::Impl::run_job(Active& a) {
     for (size_t k = 0; k < a.plan.moved_layers.size(); ++k) {
       const int64_t layer = a.plan.moved_layers[k];
       progress_.note(a.index, Phase::kReading, layer);
+      const auto read_start = Clock::now();
       if (!stage_layer(context, map, layer, a.plan.migrations[k])) return;
+      // Before the progress that publishes the layer: the forward thread reads them at the end.
+      a.read_ns.fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                              Clock::now() - read_start).count(),
+                          std::memory_order_relaxed);
+      a.bytes_read.fetch_add(bytes_read_by(a.plan.migrations[k], seat_),
+                             std::memory_order_relaxed);
       progress_.note(a.index, Phase::kAgreeing, layer);
       a.progress.store(2 + static_cast<int64_t>(k), std::memory_order_release);
       // One layer of staging: the next layer waits until this one is installed everywhere.

@@ -330,6 +330,11 @@ std::string summary(const std::vector<RebalanceRecord>& history) {
     const RebalanceRecord& r = history.back();
     out << " last " << outcome_name(r.outcome) << " " << r.trigger_step << "-" << r.end_step
         << " installed " << r.layers_installed << "/" << r.layers_moved;
+    // min_gain's check decides from figures every rank shares: they match bit for bit.
+    if (r.gain_checked) {
+      out << " gain " << r.below_min_gain << r.priced << " " << std::hexfloat << r.moe_us_before
+          << " " << r.moe_us_after << " " << r.gain_us << " " << r.price_us << std::defaultfloat;
+    }
   }
   return out.str();
 }

@@ -4,6 +4,9 @@
 // agreement driven by hand). The multi-rank protocol is in runtime_test.cc.
 
 #include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
 #include <spdlog/spdlog.h>
 
 #include <cstdlib>
@@ -132,6 +135,19 @@ TEST(RuntimeConfig, RejectsBadValuesWithTheRule) {
   c = one_rank_config();
   c.peers_per_round = 0;
   EXPECT_NE(message(c).find("peers_per_round 0"), std::string::npos);
+  // min_gain: a finite factor >= 0; min_balancedness_gain in [-1, 1]; the model valid.
+  for (const double g : {-1.0, std::nan(""), std::numeric_limits<double>::infinity()}) {
+    c = one_rank_config();
+    c.min_gain = g;
+    EXPECT_NE(message(c).find("min_gain is "), std::string::npos) << g << ": " << message(c);
+  }
+  c = one_rank_config();
+  c.min_balancedness_gain = 2;
+  EXPECT_NE(message(c).find("min_balancedness_gain 2 must be in [-1, 1]"), std::string::npos);
+  c = one_rank_config();
+  c.cost = placement::cost_model_preset("tokens");
+  c.cost->slot_us = -1;
+  EXPECT_NE(message(c).find("slot_us is -1"), std::string::npos) << message(c);
   EXPECT_EQ(parse_mode("sync"), Mode::kSync);
   EXPECT_THROW(parse_mode("fast"), InvalidArgument);
   EXPECT_THROW(parse_on_error("ignore"), InvalidArgument);
@@ -151,6 +167,16 @@ TEST(RuntimeConfig, RejectsBadValuesWithTheRule) {
   WeightSpec empty{.layers = 2, .tensors = {}};
   EXPECT_THROW(Rebalancer(one_rank_config(), *comm, *transport, empty, trivial_placement(2, 4, 4)),
                InvalidArgument);
+  // A model handed over while serving is checked too.
+  Rebalancer rb(one_rank_config(), *comm, *transport, spec, trivial_placement(2, 4, 4));
+  placement::CostModel bad;
+  bad.token_us = -2;
+  try {
+    rb.set_cost_model(bad);
+    ADD_FAILURE() << "set_cost_model took a negative token_us";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("token_us is -2"), std::string::npos) << e.what();
+  }
 }
 
 // A transport whose arena is device memory (inproc underneath, claiming device_memory).
@@ -235,7 +261,8 @@ TEST(RuntimeConfig, ConnectRefusesRanksThatDifferInPlanOptions) {
     return errors;
   };
   for (const auto& change : std::vector<std::function<void(Config&)>>{
-           [](Config& c) { c.min_gain = 0.01; }, [](Config& c) { c.placement.tolerance = 0.02; },
+           [](Config& c) { c.min_gain = 0.01; }, [](Config& c) { c.min_balancedness_gain = 0.01; },
+           [](Config& c) { c.placement.tolerance = 0.02; },
            [](Config& c) { c.placement.thorough = true; },
            [](Config& c) { c.agreement = Agreement::kExternal; }}) {
     for (const std::string& e : differ(change)) {
@@ -311,7 +338,7 @@ TEST(RuntimeConfig, ExternalAgreementByHand) {
     config.interval = 4;
     config.window = 4;
     config.lag = 1;
-    config.min_gain = -1;
+    config.min_balancedness_gain = -1;
     config.timeout = std::chrono::milliseconds(20'000);
     config.agreement = Agreement::kExternal;
     Rebalancer rb(config, *comm, *transport, WeightSpec{.layers = 2, .tensors = {{"w", 8}}},

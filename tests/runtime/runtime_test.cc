@@ -261,12 +261,12 @@ TEST(RuntimeThreads, FailureWhileAPeerIsPlacingRecordsTheSameEverywhere) {
   }
 }
 
-// A predicted gain below min_gain skips the rebalance on every rank at the same step, and
-// nothing moves.
-TEST(RuntimeThreads, MinGainSkipsEverywhere) {
+// A predicted balancedness gain below min_balancedness_gain skips the rebalance on every rank at
+// the same step, and nothing moves.
+TEST(RuntimeThreads, MinBalancednessGainSkipsEverywhere) {
   for (const Mode mode : {Mode::kAsync, Mode::kSync}) {
     Scenario s = skewed(std::string("min-gain-") + std::string(mode_name(mode)), mode);
-    s.config.min_gain = 1;  // no placement gains a whole unit of balancedness
+    s.config.min_balancedness_gain = 1;  // no placement gains a whole unit of balancedness
     s.completed = 1'000'000;
     s.max_steps = 60;
     s.delays = true;
@@ -278,8 +278,53 @@ TEST(RuntimeThreads, MinGainSkipsEverywhere) {
     EXPECT_EQ(count(results[0], Outcome::kCompleted), 0);
     for (const auto& h : results[0].history) {
       if (h.outcome == Outcome::kCancelled) continue;  // the loop may end mid-rebalance
-      EXPECT_NE(h.error.find("below min_gain"), std::string::npos) << h.error;
+      EXPECT_NE(h.error.find("below min_balancedness_gain"), std::string::npos) << h.error;
     }
+  }
+}
+
+// A rebalance only when it pays (Config::min_gain): the first one, with no pull bandwidth
+// measured yet, is not priced and goes ahead; the ones after it are priced from its reads, and
+// under a factor no gain reaches every priced one is skipped, on every rank at the same step
+// with the same figures (expect_consistent compares them bit for bit), and counted.
+TEST(RuntimeThreads, MinGainSkipsWhatDoesNotPay) {
+  for (const Mode mode : {Mode::kAsync, Mode::kSync}) {
+    Scenario s = skewed(std::string("min-gain-price-") + std::string(mode_name(mode)), mode);
+    s.config.min_gain = 1e12;
+    placement::CostModel model;
+    model.slot_us = 10;
+    model.token_us = 1;
+    s.config.cost = model;
+    s.completed = 1'000'000;
+    s.max_steps = 80;
+    s.delays = true;
+    const auto results = testing::run_scenario(s);
+    expect_consistent(s, results);
+    const std::vector<RebalanceRecord>& history = results[0].history;
+    ASSERT_FALSE(history.empty());
+    const RebalanceRecord& first = history.front();
+    EXPECT_EQ(first.outcome, Outcome::kCompleted) << first.error;
+    EXPECT_TRUE(first.gain_checked);
+    EXPECT_FALSE(first.priced);
+    EXPECT_GT(first.moe_us_before, 0);
+    int64_t below = 0;
+    for (size_t i = 1; i < history.size(); ++i) {
+      const RebalanceRecord& h = history[i];
+      if (h.outcome == Outcome::kCancelled || !h.gain_checked) continue;
+      EXPECT_TRUE(h.priced) << "rebalance " << i;
+      if (h.price_us > 0) {
+        EXPECT_TRUE(h.below_min_gain) << "rebalance " << i;
+        EXPECT_EQ(h.outcome, Outcome::kSkipped);
+        EXPECT_NE(h.error.find("is below min_gain"), std::string::npos) << h.error;
+        EXPECT_EQ(h.slots_moved, 0);
+      }
+      below += h.below_min_gain ? 1 : 0;
+    }
+    EXPECT_GE(below, 1);
+    EXPECT_NE(results[0].metrics.find("eplb_rebalances_below_min_gain_total{rank=\"0\"} " +
+                                      std::to_string(below)),
+              std::string::npos)
+        << results[0].metrics;
   }
 }
 

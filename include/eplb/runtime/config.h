@@ -11,12 +11,14 @@
 #include <limits>
 #include <map>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
 #include <vector>
 
 #include "eplb/core/types.h"
+#include "eplb/placement/cost.h"
 #include "eplb/placement/policy.h"
 #include "eplb/routing/dispatch.h"
 #include "eplb/runtime/installer.h"
@@ -149,7 +151,19 @@ struct Config {
   // in force), hierarchical, tolerance, thorough. `previous` and `live_ranks` are left empty:
   // the runtime gives them at each rebalance.
   placement::PolicyOptions placement{.policy = placement::Policy::kSticky};
-  double min_gain = 0;         // skip when predicted balancedness gain is smaller than this
+  // Skip a rebalance whose new placement's predicted balancedness on the window's load gains
+  // less than this over the placement in force, in [-1, 1]; -1 never skips for it.
+  double min_balancedness_gain = 0;
+  // A rebalance only when it pays (placement/gain.h; docs/runtime.md, "A rebalance only when it
+  // pays"): skip it when the MoE time it saves over the next `interval` steps, predicted by
+  // `cost` on the window's load, is below min_gain times its price (the bytes it moves at the
+  // group's pull bandwidth measured on the last rebalance, plus that rebalance's stall). 0: no
+  // such check (every trigger that passes min_balancedness_gain rebalances). Finite, >= 0.
+  double min_gain = 0;
+  // The model of what a step's MoE layers cost (placement/cost.h) that min_gain's check predicts
+  // with; none: the `tokens` preset (1 us per token). Rebalancer::set_cost_model() replaces it
+  // while serving (a model the engine fits from its own timings).
+  std::optional<placement::CostModel> cost;
   int64_t lag = 2;             // agreement of step s is acted on at step s + lag, in [1, kMaxLag]
   std::chrono::milliseconds timeout{30'000};  // every collective and every batch of reads
   Mode mode = Mode::kAsync;

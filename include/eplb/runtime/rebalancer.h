@@ -182,6 +182,13 @@ class Rebalancer {
   void save_stats(const std::string& path, stats::LoadFormat format = stats::LoadFormat::kEplb)
       const;
 
+  // The cost model Config::min_gain's check predicts with from the next trigger on (a model
+  // the engine fits from its own timings while serving; it replaces Config::cost). Give every
+  // rank the same one at the same step: the ranks decide with the mean of their models, so
+  // different ones cannot make them disagree, but only the same one means what was fitted.
+  // Forward thread. InvalidArgument for a bad model (CostModel::validate).
+  void set_cost_model(const placement::CostModel& model);
+
   // ---- external agreement (Config::agreement = kExternal) ----
   // The value this rank contributes to the agreement of step(): read it after step_end(),
   // min-reduce it over the ranks on a collective the engine runs anyway, and hand the minimum

@@ -9,7 +9,7 @@ namespace eplb::runtime {
 
 enum class Outcome {
   kCompleted,  // every moved layer installed on every rank
-  kSkipped,    // predicted gain below min_gain, or nothing to move
+  kSkipped,    // predicted gain below min_balancedness_gain or min_gain's price, or nothing to move
   kFailed,     // abandoned on every rank at the same step (see RebalanceRecord::error)
   kCancelled,  // shutdown() came while it ran
 };
@@ -34,10 +34,24 @@ struct RebalanceRecord {
   int64_t bytes_inter_node = 0;
   int64_t bytes_local_copy = 0;
   int64_t rounds = 0;              // read rounds, summed over moved layers
+  int64_t bytes_read = 0;          // this rank's remote reads of the rebalance, and the time
+  double read_ms = 0;              //   they took: its pull bandwidth (async: when completed)
   int64_t bytes_installed = 0;     // bytes this rank's installs wrote into live weights
   int64_t bytes_restored = 0;      // bytes this rank restored from a backup (host copy or loader)
   bool repair = false;             // triggered by reconfigure(): lost or empty slots to fill
   bool proposed = false;           // installs a placement proposed from outside (propose())
+  // Config::min_gain's check (placement/gain.h), when it was made (gain_checked: min_gain > 0,
+  // not a repair, slots to move): the modeled MoE time per step on the window's load with the
+  // placement in force and with the new one, the gain over the next interval and the price, in
+  // us (price 0 and priced false before any rebalance measured the pull bandwidth: not priced,
+  // it goes ahead); below_min_gain: skipped for it. The same on every rank.
+  bool gain_checked = false;
+  bool below_min_gain = false;
+  bool priced = false;
+  double moe_us_before = 0;
+  double moe_us_after = 0;
+  double gain_us = 0;
+  double price_us = 0;
   int64_t steps = 0;               // end_step - trigger_step
   double seconds = 0;              // wall time from trigger to end on this rank
   double stall_total_ms = 0;       // this rank's forward thread in step_end, steps of this

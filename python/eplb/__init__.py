@@ -78,7 +78,7 @@ control_backends = _eplb.control_backends
 transport_backends = _eplb.transport_backends
 
 __all__ = [
-    "Rebalancer", "empty", "NO_AGREEMENT", "control_backends", "transport_backends", "rebalance_experts", "balancedness", "lower_bound", "plan_migration", "Balancedness",
+    "Rebalancer", "empty", "NO_AGREEMENT", "control_backends", "transport_backends", "rebalance_experts", "balancedness", "lower_bound", "plan_migration", "should_rebalance", "Balancedness",
     "LowerBound", "ACTIONS", "Error", "InvalidArgument", "NotSupported", "IoError", "Timeout",
 ]
 
@@ -394,6 +394,69 @@ def plan_migration(old_phy2log, new_phy2log, num_gpus, num_nodes, expert_bytes,
         _as_int(num_gpus, "num_gpus"), _as_int(num_nodes, "num_nodes"),
         _as_int(expert_bytes, "expert_bytes"), _as_int(peers_per_round, "peers_per_round"),
         bool(half_duplex))
+
+
+def _as_float(value, name):
+    """A Python float from a real number (not a bool)."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be a number, got {value!r}")
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be a number, got {value!r}") from None
+
+
+def should_rebalance(load, current, proposed, num_gpus, *, interval, pull_bytes_per_s,
+                     min_gain=1.0, cost=None, window_steps=1, stall_s=0.0, expert_bytes=None,
+                     bytes_to_move=None, num_nodes=1):
+    """Whether moving from the placement in force to a new one pays: the same decision as the
+    runtime's config "min_gain" (docs/runtime.md, "A rebalance only when it pays"), for engines
+    that keep their own runtime.
+
+    The MoE time of one step under `cost` is modeled for both placements on the window's load
+    (each expert's tokens split evenly over its replicas; per layer the expected slowest
+    rank), and the gain over the next `interval` steps, (current - proposed) * interval, is
+    set against the price: the bytes to move at the pull bandwidth, plus the stall. The move
+    pays unless gain < min_gain * price.
+
+    Parameters:
+        load: [layers, experts] tokens per expert over the window (torch, numpy or lists),
+            summed over `window_steps` steps (1: the load of one step)
+        current, proposed: [layers, physical] phy2log of the placement in force and the new one
+        num_gpus: ranks; num_nodes: nodes (for the moves' accounting)
+        interval: the steps until the next chance to rebalance, >= 1
+        pull_bytes_per_s: the group's pull bandwidth (all ranks' reads together), as measured
+            on the engine's last rebalance; 0 or None: not known, and the move goes ahead
+        min_gain: the factor on the price the gain must reach, finite and >= 0 (0: always)
+        cost: an eplb.cost.CostModel (default: the "tokens" preset, 1 us per token)
+        stall_s: the serving loop's stall a rebalance costs, in seconds
+        bytes_to_move: the bytes the move reads from other ranks; default: planned from
+            `expert_bytes` (the bytes of one expert's weights in one layer) by plan_migration
+
+    Returns a dict: "rebalance" (bool), "current_us" and "proposed_us" (modeled MoE time per
+    step), "steps", "gain_us", "price_us", "priced" (False when the bandwidth is not known),
+    "bytes", "min_gain", "reason" (why it does not pay; empty when it does). Raises
+    eplb.InvalidArgument naming a bad value (a min_gain that is negative, NaN or inf, shapes
+    that do not match, an expert without a slot).
+    """
+    pull = 0.0 if pull_bytes_per_s is None else _as_float(pull_bytes_per_s, "pull_bytes_per_s")
+    stall = _as_float(stall_s, "stall_s")
+    if not (stall >= 0 and stall < float("inf")):
+        raise InvalidArgument(f"stall_s is {stall} (a finite number of seconds >= 0)")
+    if bytes_to_move is None and expert_bytes is None:
+        raise InvalidArgument("should_rebalance needs bytes_to_move, or expert_bytes to plan "
+                              "the moves from")
+    moved = -1.0
+    if bytes_to_move is not None:
+        moved = _as_float(bytes_to_move, "bytes_to_move")
+        if not (moved >= 0 and moved < float("inf")):
+            raise InvalidArgument(f"bytes_to_move is {moved} (a finite number of bytes >= 0)")
+    return _eplb.should_rebalance(
+        _as_load(load, "load"), _as_phy2log(current, "current"),
+        _as_phy2log(proposed, "proposed"), _as_int(num_gpus, "num_gpus"),
+        _as_int(interval, "interval"), _as_float(window_steps, "window_steps"), pull,
+        stall * 1e6, _as_float(min_gain, "min_gain"), cost, _as_int(num_nodes, "num_nodes"),
+        -1 if expert_bytes is None else _as_int(expert_bytes, "expert_bytes"), moved)
 
 
 # Last: the runtime module imports names defined above.

@@ -2,6 +2,7 @@
 
     rank time  = rank_us + sum over the rank's activated slots of slot_time(n)
     slot_time(n) = slot_us + token_us * min(n, knee) + token_us_above * max(0, n - knee)
+    layer time = the expected largest of the ranks' times, each times max(0, 1 + noise * Z)
 
 (no knee: ``knee_tokens`` 0, every token costs ``token_us``). The same type as the C++
 library's ``eplb::placement::CostModel`` (docs/dispatch.md), used by ``eplb simulate --cost``
@@ -31,11 +32,16 @@ cost_model_presets = _eplb.cost_model_presets
 cost_model_from_json = _eplb.cost_model_from_json
 
 
-def fit_cost_model(slots, tokens, time_us):
+def fit_cost_model(slots, tokens, time_us, steps=None):
     """Fits rank_us, slot_us and token_us (>= 0) to samples of (activated slots, tokens,
     microseconds), one per rank and layer and step; at least 8 samples, with tokens per slot
-    that vary (else the slots' cost cannot be told from the tokens')."""
-    return _eplb.fit_cost_model(slots, tokens, time_us)
+    that vary (else the slots' cost cannot be told from the tokens'). Also the model's
+    ``noise``: the relative standard deviation of a rank's time around the model, measured
+    within each step when ``steps`` (the step of each sample) is given, so that a step slower
+    on every rank at once (the machine busier) does not count as one rank being slower than the
+    others. A layer waits for its slowest rank: ``model.layer_time_us(rank_times)`` is the
+    expected slowest under that noise."""
+    return _eplb.fit_cost_model(slots, tokens, time_us, steps)
 
 
 __all__ = [

@@ -91,7 +91,13 @@ class Rebalancer:
               ``policy`` ("sticky", "balanced", "deepseek"), ``hierarchical``, ``tolerance``,
                 ``thorough`` (balanced / sticky at two slots per rank: see
                 eplb.rebalance_experts): Config::placement;
-              ``min_gain``, ``lag``, ``peers_per_round``;
+              ``min_gain`` (a rebalance only when the MoE time it is predicted to save over
+                the next interval reaches min_gain times its price; 0, the default,
+                rebalances at every trigger: see set_cost_model() and
+                eplb.should_rebalance), ``cost`` (the eplb.cost.CostModel min_gain predicts
+                with; default the "tokens" preset), ``min_balancedness_gain`` (skip a
+                placement whose predicted balancedness gains less than this, in [-1, 1];
+                default 0), ``lag``, ``peers_per_round``;
               ``timeout_ms``: Config::timeout, in milliseconds;
               ``mode`` ("async", "sync"); ``agreement`` ("internal", or "external": see
                 agreement_result());
@@ -682,6 +688,13 @@ class Rebalancer:
         consistently; later calls go on serving). Invalidates weights() views."""
         self._rt.step_end()
 
+    def set_cost_model(self, model):
+        """The eplb.cost.CostModel that config "min_gain"'s check predicts the MoE time with,
+        from the next trigger on (one the engine fits from its own per-layer timings while
+        serving: eplb.cost.fit_cost_model). Give every rank the same model at the same step
+        (the ranks decide with the mean of theirs). Forward thread."""
+        self._rt.set_cost_model(model)
+
     # ------------------------------------------------------------------ external agreement
     def agreement_contribution(self):
         """With config agreement="external": this rank's value for the agreement of step
@@ -712,7 +725,11 @@ class Rebalancer:
         from a backup copy), repair (True for the rebalance a reconfigure() started),
         proposed (True for one that installs a placement given to propose()), steps,
         seconds, stall_total_ms, stall_max_ms (the forward thread's time in step_end less
-        the time it waited for a core), stall_preempted_ms (that wait)."""
+        the time it waited for a core), stall_preempted_ms (that wait), bytes_read and
+        read_ms (this rank's remote reads and their time: its pull bandwidth), and config
+        "min_gain"'s check: gain_checked, below_min_gain (skipped for it), priced,
+        moe_us_before / moe_us_after (the modeled MoE time per step with the placement in
+        force and the new one), gain_us (over the next interval) and price_us."""
         return self._rt.history()
 
     def stats(self):

@@ -588,6 +588,9 @@ void bind_runtime(py::module_& m) {
              py::gil_scoped_release release;
              rb.step_end();
            })
+      .def("set_cost_model",
+           [](Runtime& r, const placement::CostModel& model) { r.rb().set_cost_model(model); },
+           py::arg("model"))
       .def("save_stats",
            [](Runtime& r, const std::string& path, const std::string& format) {
              r.rb().save_stats(path, stats::parse_load_format(format, "save_stats: format"));

@@ -63,7 +63,8 @@ bool bool_of(const py::handle& value, const std::string& key) {
 
 constexpr const char* kConfigKeys =
     "experts, physical, ranks, nodes, groups, interval, window, policy, hierarchical, "
-    "tolerance, thorough, min_gain, lag, timeout_ms, mode, agreement, install, peers_per_round, "
+    "tolerance, thorough, min_gain, min_balancedness_gain, cost, lag, timeout_ms, mode, agreement, "
+    "install, peers_per_round, "
     "dispatch, on_error, stall_warn_ms, balancedness_period, backup_copies, metric_labels";
 
 }  // namespace
@@ -103,6 +104,14 @@ runtime::Config to_config(const py::dict& d, int world_size) {
       c.placement.thorough = bool_of(v, key);
     } else if (key == "min_gain") {
       c.min_gain = float_of(v, key);
+    } else if (key == "min_balancedness_gain") {
+      c.min_balancedness_gain = float_of(v, key);
+    } else if (key == "cost") {
+      if (!py::isinstance<placement::CostModel>(v)) {
+        fail("config['cost'] must be an eplb.cost.CostModel (a preset, a fit or JSON: "
+             "eplb.cost), got ", py::str(py::repr(v)).cast<std::string>());
+      }
+      c.cost = v.cast<placement::CostModel>();
     } else if (key == "lag") {
       c.lag = int_of(v, key);
     } else if (key == "timeout_ms") {
@@ -167,6 +176,8 @@ py::dict config_dict(const runtime::Config& c) {
   d["tolerance"] = c.placement.tolerance;
   d["thorough"] = c.placement.thorough;
   d["min_gain"] = c.min_gain;
+  d["min_balancedness_gain"] = c.min_balancedness_gain;
+  d["cost"] = c.cost ? py::cast(*c.cost) : py::none();
   d["lag"] = c.lag;
   d["timeout_ms"] = static_cast<int64_t>(c.timeout.count());
   d["mode"] = std::string(runtime::mode_name(c.mode));
@@ -210,6 +221,15 @@ py::dict record_dict(const runtime::RebalanceRecord& r) {
   d["stall_total_ms"] = r.stall_total_ms;
   d["stall_max_ms"] = r.stall_max_ms;
   d["stall_preempted_ms"] = r.stall_preempted_ms;
+  d["bytes_read"] = r.bytes_read;
+  d["read_ms"] = r.read_ms;
+  d["gain_checked"] = r.gain_checked;
+  d["below_min_gain"] = r.below_min_gain;
+  d["priced"] = r.priced;
+  d["moe_us_before"] = r.moe_us_before;
+  d["moe_us_after"] = r.moe_us_after;
+  d["gain_us"] = r.gain_us;
+  d["price_us"] = r.price_us;
   return d;
 }
 

@@ -217,6 +217,11 @@ def test_initial_placement_forms(tmp_path):
     ({"thorough": 1}, r"config\['thorough'\] must be True or False"),
     ({"thorough": True}, "thorough applies to the balanced and sticky policies, not deepseek"),
     ({"physical": 6}, "physical"),
+    ({"min_gain": -1.0}, "min_gain is -1"),
+    ({"min_gain": float("nan")}, "min_gain is nan"),
+    ({"min_gain": float("inf")}, "min_gain is inf"),
+    ({"min_balancedness_gain": 2.0}, r"min_balancedness_gain 2 must be in \[-1, 1\]"),
+    ({"cost": "h100"}, r"config\['cost'\] must be an eplb.cost.CostModel"),
 ])
 def test_config_errors(changes, message):
     with pytest.raises(ValueError, match=message):
@@ -654,3 +659,28 @@ def test_argument_bounds():
     # Bytes that fit an int64 but not the arena's arithmetic.
     with pytest.raises(ValueError, match="does not fit a 64-bit count"):
         eplb.Rebalancer(one_config(), 0, 1, weights={"w": 2**60}, layers=LAYERS, **ok)
+
+
+def test_min_gain_config_and_cost_model():
+    # A rebalance only when it pays: min_gain and its model in the config, the model replaced
+    # while serving, and every rebalance's check in the history.
+    model = eplb.cost.CostModel(slot_us=10.0, token_us=1.0)
+    with eplb.Rebalancer(one_config(min_gain=0.5, cost=model, interval=2, window=2), 0, 1,
+                         control="inproc",
+                         transport="inproc", weights=WEIGHTS, layers=LAYERS) as rb:
+        assert rb.config["min_gain"] == 0.5 and rb.config["cost"].slot_us == 10.0
+        rb.connect()
+        rb.set_cost_model(eplb.cost.CostModel(slot_us=20.0, token_us=1.0, noise=0.05))
+        with pytest.raises(eplb.InvalidArgument, match="slot_us is -1"):
+            m = eplb.cost.CostModel(slot_us=1.0)
+            m.slot_us = -1.0
+            rb.set_cost_model(m)
+        ids = np.zeros((16, 2), dtype=np.int64)  # every token to expert 0: worth spreading
+        for _ in range(12):
+            for layer in range(LAYERS):
+                rb.record(layer, ids)
+            rb.step_end()
+        checked = [h for h in rb.history() if h["gain_checked"]]
+        assert checked, rb.history()
+        for h in checked:
+            assert h["moe_us_before"] > 0 and "gain_us" in h and "price_us" in h

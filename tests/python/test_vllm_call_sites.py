@@ -277,3 +277,33 @@ def test_bad_input_names_the_value(bad, message):
     with pytest.raises((AssertionError, ValueError), match=message):
         vllm.EplbPolicy.rebalance_experts(args["weight"], args["num_replicas"], GROUPS, 2, 8,
                                           args["old"])
+
+
+def test_min_gain_keeps_the_placement_in_force_when_the_gain_is_too_small():
+    # vLLM #47206: skip a rearrangement whose imbalance gain is small. Placed once on a load,
+    # the next window's nearly equal load is not worth the moves (a second of stall here): the
+    # map in force comes back, and vLLM moves nothing. From the trivial map, over a long
+    # interval, the gain pays.
+    physical, ranks, nodes = 80, 8, 2
+    model = eplb.cost.CostModel(slot_us=20.0, token_us=1.0)
+    settings = dict(cost=model, window_steps=100, expert_bytes=44_040_192,
+                    pull_bytes_per_s=50e9, stall_s=1.0)
+    policy = vllm.make_policy(policy="sticky", min_gain=1.0, interval=100, **settings)
+    old = initial_map(LAYERS, EXPERTS, physical)
+    weight = distinct_load(0) * 100
+    placed = call_policy(vllm.make_policy(policy="sticky"), weight, physical, GROUPS, nodes,
+                         ranks, old)
+    drifted = weight + distinct_load(1)
+    kept = call_policy(policy, drifted, physical, GROUPS, nodes, ranks, placed)
+    check_vllm_output(kept, LAYERS, EXPERTS, physical)
+    assert torch.equal(kept, placed), policy.last_decision
+    assert not policy.last_decision["rebalance"]
+    assert "below min_gain" in policy.last_decision["reason"]
+    long = vllm.make_policy(policy="sticky", min_gain=1.0, interval=10**9, **settings)
+    new = call_policy(long, weight, physical, GROUPS, nodes, ranks, old)
+    assert long.last_decision["rebalance"] and long.last_decision["gain_us"] > 0
+    assert not torch.equal(new, old)
+    with pytest.raises(eplb.InvalidArgument, match="min_gain is -1"):
+        vllm.make_policy(min_gain=-1)
+    with pytest.raises(eplb.InvalidArgument, match="needs expert_bytes"):
+        vllm.make_policy(min_gain=1.0)

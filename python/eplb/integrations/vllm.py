@@ -118,14 +118,36 @@ class EplbPolicy:
         thorough: "balanced" / "sticky" at two slots per rank (wide decode): also build the
             replica counts level by level, several times slower, better balanced (see
             eplb.rebalance_experts); not with "deepseek"
+        min_gain: 0 (default) always returns the new placement. Above 0, with a placement in
+            force of the same width, the new placement is returned only when the MoE time it
+            is predicted to save over the next `interval` steps reaches min_gain times its price
+            (eplb.should_rebalance: its bytes at `pull_bytes_per_s`, plus `stall_s`); else the
+            placement in force, so vLLM moves nothing (vLLM #47206: a rearrangement of 16-21 s
+            on ROCm for a small imbalance gain). The last decision is in `last_decision`.
+        cost: the eplb.cost.CostModel the check predicts with (None: the "tokens" preset)
+        interval: the steps between vLLM's rearrangements (its eplb_config.step_interval)
+        window_steps: the steps vLLM's load window sums (its eplb_config.window_size)
+        expert_bytes: the bytes of one expert's weights in one layer (all its tensors)
+        pull_bytes_per_s: the group's bandwidth moving experts (all ranks together), measured
+            on a past rearrangement; 0: not known (the new placement is returned)
+        stall_s: what a rearrangement stalls serving, in seconds
 
-    Stateless: any thread may call it. The placement is computed on the CPU.
+    Stateless but for `last_decision`: any thread may call it. The placement is computed on
+    the CPU.
     """
 
     policy = None
     tolerance = 0.01
     hierarchical = False
     thorough = False
+    min_gain = 0.0
+    cost = None
+    interval = 3000
+    window_steps = 1000
+    expert_bytes = None
+    pull_bytes_per_s = 0.0
+    stall_s = 0.0
+    last_decision = None
 
     @classmethod
     def rebalance_experts(cls, weight, num_replicas, num_groups, num_nodes, num_ranks,
@@ -231,14 +253,29 @@ class EplbPolicy:
         if previous is not None:
             # Same experts on every GPU, each kept where it was: free, and never worse.
             phy2log = cls.preserve_intragpu_slots(phy2log, ranks, previous)
+        if cls.min_gain and previous is not None and old is not None \
+                and _integers(old, "old_global_expert_indices").shape[1] == physical \
+                and (previous >= 0).all():
+            # A rebalance only when it pays: else the placement in force, and nothing moves.
+            decision = eplb.should_rebalance(
+                w, previous, phy2log, ranks, interval=cls.interval,
+                pull_bytes_per_s=cls.pull_bytes_per_s, min_gain=float(cls.min_gain),
+                cost=cls.cost, window_steps=cls.window_steps, stall_s=cls.stall_s,
+                expert_bytes=cls.expert_bytes, num_nodes=nodes)
+            cls.last_decision = decision
+            if not decision["rebalance"]:
+                _log.info("eplb: keeping the placement in force: %s", decision["reason"])
+                return np.array(previous, dtype=np.int64), experts
         return phy2log, experts
 
 
 def make_policy(policy=None, tolerance=0.01, hierarchical=False, name=None, legacy=False,
-                thorough=False):
+                thorough=False, min_gain=0.0, cost=None, interval=3000, window_steps=1000,
+                expert_bytes=None, pull_bytes_per_s=0.0, stall_s=0.0):
     """A subclass of EplbPolicy with these class attributes (see EplbPolicy), named `name`
     (default: from the policy). legacy=True: its rebalance_experts returns older vLLM's triple
-    (rebalance_experts_with_maps)."""
+    (rebalance_experts_with_maps). With min_gain > 0 it returns the placement in force when
+    the new one does not pay (see EplbPolicy's min_gain): expert_bytes is then required."""
     if policy not in _POLICIES:
         raise eplb.InvalidArgument(f"policy {policy!r} is not one of {_POLICIES} (None: sticky "
                                    f"against the placement in force, balanced without)")
@@ -250,10 +287,21 @@ def make_policy(policy=None, tolerance=0.01, hierarchical=False, name=None, lega
         raise eplb.InvalidArgument("thorough applies to the balanced and sticky policies (and "
                                    "None), not deepseek, whose replica counts are the "
                                    "reference's own")
+    min_gain = float(min_gain)
+    if not 0 <= min_gain < float("inf"):
+        raise eplb.InvalidArgument(f"min_gain is {min_gain} (must be a finite number >= 0: the "
+                                   f"factor on a rearrangement's price its predicted gain must "
+                                   f"reach; 0 always rearranges)")
+    if min_gain > 0 and expert_bytes is None:
+        raise eplb.InvalidArgument("min_gain > 0 needs expert_bytes (the bytes of one expert's "
+                                   "weights in one layer) to price the moves")
     if name is None:
         name = "EplbPolicy" + (policy or "auto").capitalize() + ("Legacy" if legacy else "")
     attrs = {"policy": policy, "tolerance": tolerance, "hierarchical": bool(hierarchical),
-             "thorough": bool(thorough), "__module__": __name__, "__doc__": EplbPolicy.__doc__}
+             "thorough": bool(thorough), "min_gain": min_gain, "cost": cost,
+             "interval": interval, "window_steps": window_steps, "expert_bytes": expert_bytes,
+             "pull_bytes_per_s": pull_bytes_per_s, "stall_s": stall_s,
+             "__module__": __name__, "__doc__": EplbPolicy.__doc__}
     if legacy:
         attrs["rebalance_experts"] = classmethod(EplbPolicy.rebalance_experts_with_maps.__func__)
     return type(name, (EplbPolicy,), attrs)

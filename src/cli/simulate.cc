@@ -25,6 +25,7 @@
 #include "eplb/core/error.h"
 #include "emu/workload.h"
 #include "eplb/placement/cost.h"
+#include "eplb/placement/gain.h"
 #include "eplb/sim/per_step.h"
 #include "eplb/stats/load_file.h"
 
@@ -65,6 +66,9 @@ struct SimulateArgs {
   int64_t sample_tokens = 0;    // --sample-tokens: a load file drawn into a trace of this many
   int64_t top_k = 8;
   uint64_t seed = 1;
+  double min_gain = 0;      // --min-gain: a rebalance only when it pays (placement/gain.h)
+  double pull_gbps = 100;   // --pull-gbps: what each rank reads a rebalance's bytes at
+  double stall_ms = 0;      // --stall-ms: a rebalance's stall of the serving loop
 };
 
 // --cost SPEC: a preset, else a JSON file of parameters (placement/cost.h).
@@ -319,10 +323,20 @@ nlohmann::json result_json(const SimulateArgs& args, const sim::SimResult& r,
                            const sim::PolicyResult& p) {
   nlohmann::json moved = nlohmann::json::array(), bytes = nlohmann::json::array(),
                  rounds = nlohmann::json::array();
+  nlohmann::json checks = nlohmann::json::array();  // --min-gain's, one per rebalance
   for (const sim::Rebalance& b : p.rebalances) {
     moved.push_back(b.moved_slots);
     bytes.push_back(b.bytes);
     rounds.push_back(b.rounds);
+    if (b.checked) {
+      checks.push_back({{"step", b.step},
+                        {"rebalanced", !b.skipped},
+                        {"modeled_ms_before", b.modeled_us_before / 1e3},
+                        {"modeled_ms_after", b.modeled_us_after / 1e3},
+                        {"gain_ms", b.gain_us / 1e3},
+                        {"price_ms", b.price_us / 1e3},
+                        {"bytes", b.bytes_planned}});
+    }
   }
   return {
       {"balancedness", p.balancedness},
@@ -338,6 +352,10 @@ nlohmann::json result_json(const SimulateArgs& args, const sim::SimResult& r,
       {"rounds_per_rebalance", p.rounds_per_rebalance},
       {"lower_bound_balancedness", r.lower_bound_balancedness},
       {"rebalances", p.rebalances.size()},
+      {"rebalances_done", p.rebalances_done},
+      {"rebalances_skipped", static_cast<int64_t>(p.rebalances.size()) - p.rebalances_done},
+      {"bytes_moved", p.bytes_moved},
+      {"gain_checks", std::move(checks)},
       {"moved_slots", std::move(moved)},
       {"bytes", std::move(bytes)},
       {"rounds", std::move(rounds)},
@@ -389,6 +407,33 @@ void print_per_step(const SimulateArgs& args, const Input& in, const sim::PerSte
       "token-experts per second)\n",
       cpu_seconds, static_cast<double>(ps.layer_steps) / cpu_seconds / 1e6,
       static_cast<double>(ps.tokens) * static_cast<double>(ps.policies.size()) / cpu_seconds / 1e6);
+}
+
+// --min-gain: per policy, the rebalances done and skipped, the bytes moved, and the modeled
+// MoE time per step (adaptive's, or the first dispatch scored).
+void print_gain(const SimulateArgs& args, const sim::SimResult& r, const sim::PerStepResult* ps) {
+  fmt::print("\nmin_gain {}: a rebalance only when its modeled gain over the next {} steps "
+             "reaches {} x its price (its bytes at {} GB/s per rank, stall {} ms)\n",
+             args.min_gain, args.interval, args.min_gain, args.pull_gbps, args.stall_ms);
+  std::string dispatch;
+  fmt::print("{:>13}  {:>10}  {:>8}  {:>12}  {:>16}\n", "policy", "rebalanced", "skipped",
+             "bytes moved", "model ms/step");
+  for (size_t i = 0; i < r.policies.size(); ++i) {
+    const sim::PolicyResult& p = r.policies[i];
+    std::string modeled = "-";
+    if (ps != nullptr && !ps->policies[i].dispatches.empty()) {
+      const std::vector<sim::StepScore>& d = ps->policies[i].dispatches;
+      const auto it = std::find_if(d.begin(), d.end(),
+                                   [](const sim::StepScore& s) { return s.name == "adaptive"; });
+      const sim::StepScore& shown = it != d.end() ? *it : d.front();
+      dispatch = shown.name;
+      modeled = fmt::format("{:.4f}", shown.modeled_ms);
+    }
+    fmt::print("{:>13}  {:>10}  {:>8}  {:>12}  {:>16}\n", p.policy, p.rebalances_done,
+               static_cast<int64_t>(p.rebalances.size()) - p.rebalances_done,
+               fmt::format("{:.2f} GB", static_cast<double>(p.bytes_moved) / 1e9), modeled);
+  }
+  if (!dispatch.empty()) fmt::print("model ms/step: the {} dispatch's\n", dispatch);
 }
 
 void print_table(const SimulateArgs& args, const stats::LoadHistory& history, const Layout& layout,
@@ -458,6 +503,20 @@ void run_simulate(const SimulateArgs& args) {
   options.spread = args.spread;
   options.migration.expert_bytes = args.expert_bytes;
   options.migration.schedule.peers_per_round = args.peers_per_round;
+  placement::check_min_gain(args.min_gain, "--min-gain");
+  if (args.min_gain > 0 && !cost) {
+    fail("--min-gain ", args.min_gain, " weighs a rebalance's gain in modeled time: give --cost "
+         "MODEL (a preset such as h100-v3-decode, or a JSON file of its parameters)");
+  }
+  if (!std::isfinite(args.pull_gbps) || !(args.pull_gbps > 0) || args.pull_gbps > 1e6) {
+    fail("--pull-gbps ", args.pull_gbps, " must be a number of GB/s in (0, 1e6] (what each "
+         "rank reads a rebalance's bytes at)");
+  }
+  if (!std::isfinite(args.stall_ms) || args.stall_ms < 0 || args.stall_ms > 1e9) {
+    fail("--stall-ms ", args.stall_ms, " must be a number of ms in [0, 1e9] (what a rebalance "
+         "stalls the serving loop)");
+  }
+  options.min_gain = args.min_gain;
   if (!args.plot_path.empty() && !have_gnuplot()) {
     fail<NotSupported>(
         "--plot needs gnuplot, which is not installed (apt-get install "
@@ -470,6 +529,9 @@ void run_simulate(const SimulateArgs& args) {
   const Input input = read_input(args);
   const stats::LoadHistory& history = input.history;
   options.layout = make_layout(args, history.experts);
+  // Every rank reads its share of a rebalance's bytes at --pull-gbps, all at once.
+  options.pull_bytes_per_s = args.pull_gbps * 1e9 * static_cast<double>(options.layout.ranks);
+  options.stall_us = args.stall_ms * 1e3;
   if (args.window >= history.steps) {
     const std::string steps = fmt::format(
         "{} step{}{}", history.steps, history.steps == 1 ? "" : "s",
@@ -538,6 +600,9 @@ void run_simulate(const SimulateArgs& args) {
         {"expert_bytes", args.expert_bytes},
         {"peers_per_round", args.peers_per_round},
         {"thorough", args.thorough},
+        {"min_gain", args.min_gain},
+        {"pull_gbps", args.pull_gbps},
+        {"stall_ms", args.stall_ms},
         {"first_scored_step", result.first_scored_step},
         {"rebalance_steps", result.rebalance_steps},
         {"lower_bound_balancedness", result.lower_bound_balancedness},
@@ -569,6 +634,7 @@ void run_simulate(const SimulateArgs& args) {
   } else {
     print_table(args, history, options.layout, result, seconds, cpu_seconds);
     if (steps) print_per_step(args, input, *steps, step_cpu_seconds);
+    if (args.min_gain > 0) print_gain(args, result, steps ? &*steps : nullptr);
     if (cost) {
       fmt::print("cost model: {} ({})\n", cost->describe(), cost->source);
       fmt::print("its error on held-back steps: {}\n", cost->describe_heldout());
@@ -646,6 +712,18 @@ void add_simulate(CLI::App& app) {
                   "(h100-v3-decode, h200-v3-decode, tokens) or a JSON file of its parameters "
                   "(docs/dispatch.md); adds the adaptive_cost dispatch and the balanced_cost "
                   "policy");
+  cmd->add_option("--min-gain", args->min_gain,
+                  "A rebalance only when it pays: skip one whose modeled MoE time gain over the "
+                  "next --interval steps is below this times its price (its bytes at --pull-gbps, "
+                  "plus --stall-ms); needs --cost; 0: every rebalance happens (docs/dispatch.md)")
+      ->capture_default_str();
+  cmd->add_option("--pull-gbps", args->pull_gbps,
+                  "With --min-gain: the GB/s each rank reads a rebalance's bytes at (measure it: "
+                  "eplb bench transport)")
+      ->capture_default_str();
+  cmd->add_option("--stall-ms", args->stall_ms,
+                  "With --min-gain: what a rebalance stalls the serving loop, in ms")
+      ->capture_default_str();
   cmd->add_option("--sample-tokens", args->sample_tokens,
                   "With --load-history: draw this many tokens from the file's loads (top-k "
                   "experts each, as `eplb run` does) and group them into steps of "

@@ -18,6 +18,7 @@
 #include <utility>
 
 #include "eplb/core/error.h"
+#include "eplb/placement/gain.h"
 #include "eplb/placement/metrics.h"
 #include "sim/names.h"
 
@@ -68,6 +69,20 @@ void check_options(const stats::LoadHistory& history, const SimOptions& options)
     }
   }
   if (options.cost) options.cost->validate();
+  placement::check_min_gain(options.min_gain);
+  if (options.min_gain > 0) {
+    if (!options.cost) {
+      fail("min_gain ", options.min_gain, " prices a rebalance's gain in modeled time: it needs "
+           "a cost model (--cost MODEL: a preset such as h100-v3-decode, or a JSON file)");
+    }
+    if (!std::isfinite(options.pull_bytes_per_s) || !(options.pull_bytes_per_s > 0)) {
+      fail("pull bandwidth ", options.pull_bytes_per_s,
+           " bytes/s must be a finite number > 0 (what a rebalance's bytes move at)");
+    }
+    if (!std::isfinite(options.stall_us) || options.stall_us < 0) {
+      fail("stall ", options.stall_us, " us must be a finite number >= 0");
+    }
+  }
   if (options.migration.expert_bytes < 1) {
     fail("expert bytes ", options.migration.expert_bytes,
          " must be at least 1 (the bytes of one expert's weights in one layer)");
@@ -404,10 +419,39 @@ SimResult simulate(const stats::LoadHistory& history, const SimOptions& options)
       Placement next = placement::place(window, layout, po);
       const migration::MigrationPlan plan =
           migration::plan_migration(run.current, next, layout, options.migration);
-      run.result.rebalances.push_back({.step = t,
-                                       .moved_slots = placement::moved_slots(run.current, next),
-                                       .bytes = plan.totals.bytes_total,
-                                       .rounds = plan.totals.rounds});
+      Rebalance done{.step = t,
+                     .moved_slots = placement::moved_slots(run.current, next),
+                     .bytes = plan.totals.bytes_total,
+                     .rounds = plan.totals.rounds};
+      if (options.min_gain > 0) {
+        // Does it pay? On the window's mean step (its sums, not a spread of them).
+        LoadMatrix mean_step = window_sums;
+        for (double& v : mean_step.values) v /= static_cast<double>(options.window);
+        const placement::GainDecision d = placement::decide_rebalance(
+            placement::modeled_step_us(*options.cost, mean_step, run.current, layout),
+            placement::modeled_step_us(*options.cost, mean_step, next, layout),
+            std::min(options.interval, steps - t),
+            {.bytes = static_cast<double>(plan.totals.bytes_total),
+             .bytes_per_s = options.pull_bytes_per_s,
+             .stall_us = options.stall_us},
+            options.min_gain);
+        done.checked = true;
+        done.modeled_us_before = d.current_us;
+        done.modeled_us_after = d.proposed_us;
+        done.gain_us = d.gain_us;
+        done.price_us = d.price_us;
+        done.bytes_planned = plan.totals.bytes_total;
+        if (!d.rebalance) {
+          done.skipped = true;
+          done.moved_slots = done.bytes = done.rounds = 0;
+        }
+      }
+      run.result.rebalances.push_back(done);
+      if (done.skipped) {
+        // The placement in force serves on: kept again as the one serving from t.
+        if (options.keep_placements && k > 0) run.result.placements.push_back(run.current);
+        continue;
+      }
       // The placement that served until now is done: kept (moved, not copied) when asked.
       if (options.keep_placements && k > 0) {
         run.result.placements.push_back(std::move(run.current));
@@ -461,21 +505,22 @@ SimResult simulate(const stats::LoadHistory& history, const SimOptions& options)
                          : 1.0;
     r.balancedness_step = ratio_or_one(run.score.sum_mean, run.score.sum_max);
     r.max_rank_load_per_step = run.score.sum_max / static_cast<double>(steps - options.window);
-    if (!r.rebalances.empty()) {
-      double moved = 0, bytes = 0, rounds = 0;
-      for (const Rebalance& b : r.rebalances) {
-        moved += static_cast<double>(b.moved_slots);
-        bytes += static_cast<double>(b.bytes);
-        rounds += static_cast<double>(b.rounds);
-      }
-      const auto n = static_cast<double>(r.rebalances.size());
+    double moved = 0, bytes = 0, rounds = 0, first_moved = -1;
+    for (const Rebalance& b : r.rebalances) {
+      if (b.skipped) continue;
+      ++r.rebalances_done;
+      r.bytes_moved += b.bytes;
+      moved += static_cast<double>(b.moved_slots);
+      bytes += static_cast<double>(b.bytes);
+      rounds += static_cast<double>(b.rounds);
+      if (first_moved < 0) first_moved = static_cast<double>(b.moved_slots);
+    }
+    if (r.rebalances_done > 0) {
+      const auto n = static_cast<double>(r.rebalances_done);
       r.moved_slots_per_rebalance = moved / n;
       r.bytes_per_rebalance = bytes / n;
       r.rounds_per_rebalance = rounds / n;
-      if (r.rebalances.size() > 1) {
-        r.steady_moved_slots_per_rebalance =
-            (moved - static_cast<double>(r.rebalances.front().moved_slots)) / (n - 1);
-      }
+      if (r.rebalances_done > 1) r.steady_moved_slots_per_rebalance = (moved - first_moved) / (n - 1);
     }
     out.policies.push_back(std::move(r));
   }

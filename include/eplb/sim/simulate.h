@@ -64,8 +64,17 @@ struct SimOptions {
   // scoring of sim/per_step.h.
   bool keep_placements = false;
   // The cost model of balanced_cost (required by it; per-step scoring takes its own,
-  // PerStepOptions::cost).
+  // PerStepOptions::cost), and of min_gain's check.
   std::optional<placement::CostModel> cost;
+  // A rebalance only when it pays (placement/gain.h): with min_gain > 0 each rebalance is
+  // checked first, its modeled MoE time per step on the window's mean step with the placement
+  // in force and with the new one (under `cost`, required), its gain over the next interval
+  // against its price (the bytes it reads at pull_bytes_per_s, the group's bandwidth, plus
+  // stall_us); one that does not pay min_gain times its price is skipped and the placement in
+  // force serves on. 0: every rebalance happens.
+  double min_gain = 0;
+  double pull_bytes_per_s = 0;  // > 0 with min_gain
+  double stall_us = 0;
 };
 
 // One rebalance of one policy: the moves from the placement in force to the new one.
@@ -74,6 +83,15 @@ struct Rebalance {
   int64_t moved_slots = 0;  // slots whose expert changed, all layers
   int64_t bytes = 0;        // bytes read from other ranks (migration totals' bytes_total)
   int64_t rounds = 0;       // rounds of reads, summed over the layers (layers move in turn)
+  // min_gain's check, where made (checked): skipped (nothing moved: the figures above are 0),
+  // and the decision's figures (placement::GainDecision).
+  bool checked = false;
+  bool skipped = false;
+  double modeled_us_before = 0;  // per step, the placement in force
+  double modeled_us_after = 0;   // per step, the new one
+  double gain_us = 0;            // over the next interval
+  double price_us = 0;
+  int64_t bytes_planned = 0;     // the bytes it would have read
 };
 
 struct PolicyResult {
@@ -87,12 +105,15 @@ struct PolicyResult {
   // over the scored steps. Multiply by the time of one token-expert to get a time.
   double max_rank_load_per_step = 0;
   std::vector<double> step_balancedness;  // [scored steps]: mean over layers, step by step
-  std::vector<Rebalance> rebalances;      // [rebalances]; empty for `none`
+  std::vector<Rebalance> rebalances;      // [rebalances]; empty for `none`; skipped ones too
+  int64_t rebalances_done = 0;            // not skipped by min_gain
+  int64_t bytes_moved = 0;                // over the rebalances done
   // With SimOptions::keep_placements: [rebalances], the placement that served from each
   // rebalance step on; for `none`, one: the trivial placement that served throughout.
   std::vector<Placement> placements;
-  // Means over `rebalances` (0 when there are none), the first one counted from the trivial
-  // placement; steady_moved_slots_per_rebalance leaves the first one out (-1 with fewer than two).
+  // Means over the rebalances done (0 when there are none), the first one counted from the
+  // trivial placement; steady_moved_slots_per_rebalance leaves the first one out (-1 with fewer
+  // than two).
   double moved_slots_per_rebalance = 0;
   double bytes_per_rebalance = 0;
   double rounds_per_rebalance = 0;

@@ -85,3 +85,59 @@ TEST(PerStepCost, NeedsAModel) {
 
 }  // namespace
 }  // namespace eplb::sim
+
+namespace eplb::sim {
+namespace {
+
+// A rebalance only when it pays: a price no gain reaches skips every rebalance, the placement in
+// force (the trivial one) serves on, nothing moves, and per-step scoring sees the same steps as
+// under `none`; a free one never skips a rebalance that gains; bad options are named.
+TEST(SimMinGain, SkippedRebalancesMoveNothingAndKeepThePlacement) {
+  std::mt19937 rng(41);
+  const stats::LoadHistory h = random_history(rng, 24, 2, 16, 3);
+  const Layout layout{.experts = 16, .physical = 24, .ranks = 8, .nodes = 1, .groups = 1};
+  SimOptions o = options_for(layout, "none,balanced", placement::cost_model_preset("tokens"));
+  o.min_gain = 1;
+  o.pull_bytes_per_s = 1e9;
+  o.stall_us = 1e12;  // no gain pays this
+  const SimResult skipped = simulate(h, o);
+  const PolicyResult& none = skipped.policies[0];
+  const PolicyResult& balanced = skipped.policies[1];
+  EXPECT_EQ(balanced.rebalances_done, 0);
+  EXPECT_EQ(balanced.bytes_moved, 0);
+  ASSERT_EQ(balanced.rebalances.size(), skipped.rebalance_steps.size());
+  for (const Rebalance& b : balanced.rebalances) {
+    EXPECT_TRUE(b.checked && b.skipped);
+    EXPECT_EQ(b.bytes, 0);
+    EXPECT_LT(b.gain_us, b.price_us);
+  }
+  EXPECT_EQ(balanced.step_balancedness, none.step_balancedness);
+  ASSERT_EQ(balanced.placements.size(), skipped.rebalance_steps.size());
+  for (const Placement& p : balanced.placements) EXPECT_EQ(p.phy2log, none.placements[0].phy2log);
+  PerStepOptions po;
+  po.dispatches = parse_dispatches("adaptive", true);
+  po.cost = o.cost;
+  const PerStepResult scored = score_per_step(h, o, skipped, po);
+  EXPECT_EQ(scored.policies[1].dispatches[0].modeled_ms, scored.policies[0].dispatches[0].modeled_ms);
+
+  o.stall_us = 0;
+  o.pull_bytes_per_s = 1e300;  // moving is free: every rebalance that gains goes ahead
+  const SimResult free = simulate(h, o);
+  for (const Rebalance& b : free.policies[1].rebalances) {
+    EXPECT_EQ(b.skipped, b.gain_us < 0) << b.step;
+  }
+
+  SimOptions bad = o;
+  bad.min_gain = -1;
+  EXPECT_THROW(simulate(h, bad), InvalidArgument);
+  bad = o;
+  bad.cost.reset();
+  bad.policies = parse_policies("balanced");
+  EXPECT_THROW(simulate(h, bad), InvalidArgument);
+  bad = o;
+  bad.pull_bytes_per_s = 0;
+  EXPECT_THROW(simulate(h, bad), InvalidArgument);
+}
+
+}  // namespace
+}  // namespace eplb::sim

@@ -40,7 +40,7 @@ struct RunArgs {
   std::string plot;
   std::string metrics;
   bool verbose = false;
-  std::string cost;  // --cost: adaptive_cost's model, a preset or a JSON file
+  std::string cost;  // --cost: adaptive_cost's and --min-gain's model, a preset or a JSON file
   // Given on the command line (not the defaults): --layers (whose default, -1, is no value a
   // user may give), and the options of sampled loads, which a --trace has no use for.
   bool layers_given = false;
@@ -88,7 +88,14 @@ nlohmann::json to_json(const emu::RunOptions& o, const emu::RunResult& r) {
                           {"stall_max_ms", f.stall_max_ms},
                           {"stall_preempted_ms", f.stall_preempted_ms},
                           {"predicted_balancedness_before", f.predicted_before},
-                          {"predicted_balancedness_after", f.predicted_after}});
+                          {"predicted_balancedness_after", f.predicted_after},
+                          {"gain_checked", f.gain_checked},
+                          {"below_min_gain", f.below_min_gain},
+                          {"priced", f.priced},
+                          {"modeled_moe_ms_before", figure(f.gain_checked, f.moe_ms_modeled_before)},
+                          {"modeled_moe_ms_after", figure(f.gain_checked, f.moe_ms_modeled_after)},
+                          {"predicted_gain_ms", figure(f.gain_checked, f.predicted_gain_ms)},
+                          {"price_ms", figure(f.gain_checked && f.priced, f.price_ms)}});
   }
   std::vector<double> balancedness, stall_ms, moe_ms, moe_wall_ms, moe_ms_predicted, moe_ms_floor,
       time_balancedness;
@@ -110,6 +117,8 @@ nlohmann::json to_json(const emu::RunOptions& o, const emu::RunResult& r) {
           {"interrupted", r.interrupted},
           {"rebalances", r.rebalances},
           {"rebalances_triggered", r.rebalances_triggered},
+          {"rebalances_below_min_gain", r.rebalances_below_min_gain},
+          {"min_gain", o.min_gain},
           {"stopped", r.stopped.empty() ? nullptr : nlohmann::json(r.stopped)},
           {"balancedness_before", figure(r.has_before(), r.balancedness_before)},
           {"balancedness_after", figure(r.has_after(), r.balancedness_after)},
@@ -227,6 +236,21 @@ void print_prediction(const emu::RunResult& r) {
              floor(r.has_after(), r.moe_ms_floor_after, r.moe_ms_after));
 }
 
+// --min-gain: how many rebalances did not pay, and each check's predicted gain and price.
+void print_gain_checks(const emu::RunOptions& o, const emu::RunResult& r) {
+  if (!(o.min_gain > 0) || r.mode == "off") return;
+  fmt::print("  {:<14}{} skipped: the MoE time predicted saved over the next {} steps below {} "
+             "x the price\n", "min_gain", r.rebalances_below_min_gain, o.interval, o.min_gain);
+  for (const emu::RebalanceFigures& f : r.per_rebalance) {
+    if (!f.gain_checked) continue;
+    fmt::print("  {:<14}step {}: {}, gain {:.3f} ms ({:.2f} -> {:.2f} ms modeled per step), "
+               "price {}\n", "", f.trigger_step, f.below_min_gain ? "skipped" : f.outcome,
+               f.predicted_gain_ms, f.moe_ms_modeled_before, f.moe_ms_modeled_after,
+               f.priced ? fmt::format("{:.3f} ms", f.price_ms)
+                        : std::string("none yet (no pull bandwidth measured)"));
+  }
+}
+
 void print_result(const emu::RunOptions& o, const emu::RunResult& r) {
   fmt::print("  {:<14}{}{}\n", "mode", r.mode == "off" ? "off (no rebalancing)" : r.mode,
              r.interrupted ? fmt::format("  (interrupted at step {})", r.steps)
@@ -279,6 +303,7 @@ void print_result(const emu::RunOptions& o, const emu::RunResult& r) {
   fmt::print("  {:<14}{} completed ({} triggered), {} moved, {} copied locally\n", "rebalances",
              r.rebalances, r.rebalances_triggered, human_bytes(r.bytes_moved),
              human_bytes(r.bytes_local_copy));
+  print_gain_checks(o, r);
   fmt::print("  {:<14}max step {:.3f} ms, total {:.3f} ms (forward thread, in step_end; {:.3f} "
              "ms more waiting for a core)\n", "stall", r.stall_max_ms, r.stall_total_ms,
              r.stall_preempted_ms);
@@ -351,6 +376,11 @@ void print_compare(const emu::RunOptions& o, const std::vector<emu::RunResult>& 
     return cell(r.has_after(), "{:.0f}", tokens_per_s(o, r.moe_ms_after));
   });
   row("rebalances", [](const emu::RunResult& r) { return fmt::format("{}", r.rebalances); });
+  if (o.min_gain > 0) {
+    row("below min_gain", [](const emu::RunResult& r) {
+      return r.mode == "off" ? std::string("-") : fmt::format("{}", r.rebalances_below_min_gain);
+    });
+  }
   row("bytes moved",
       [](const emu::RunResult& r) { return human_bytes(r.bytes_moved); });
   row("stall max step (ms)",
@@ -460,9 +490,9 @@ void run(RunArgs a) {
     fail("--layers ", a.layers, " must not be negative (N: the first N MoE layers; 0: all)");
   }
   if (!a.cost.empty()) {
-    if (o.dispatch != "adaptive_cost") {
-      fail("--cost ", a.cost, " is adaptive_cost's model: it needs --dispatch adaptive_cost (not ",
-           o.dispatch, ")");
+    if (o.dispatch != "adaptive_cost" && !(o.min_gain > 0)) {
+      fail("--cost ", a.cost, " is the model of adaptive_cost and of --min-gain: it needs "
+           "--dispatch adaptive_cost (not ", o.dispatch, ") or a --min-gain above 0");
     }
     if (placement::is_cost_model_preset(a.cost)) {
       o.cost = placement::cost_model_preset(a.cost);
@@ -619,9 +649,16 @@ void add_run(CLI::App& app) {
                   "its global counts) or adaptive_cost (the split of least modeled time)")
       ->capture_default_str();
   cmd->add_option("--cost", a->cost,
-                  "adaptive_cost's cost model: a preset (h100-v3-decode, h200-v3-decode, tokens) "
-                  "or a JSON file of its parameters; default: fitted by the ranks at step "
-                  "--interval from the steps before it (docs/dispatch.md)");
+                  "The cost model of adaptive_cost and --min-gain: a preset (h100-v3-decode, "
+                  "h200-v3-decode, tokens) or a JSON file of its parameters; default: fitted by "
+                  "the ranks from their own times, for adaptive_cost at step --interval, for "
+                  "--min-gain before every trigger (docs/dispatch.md)");
+  cmd->add_option("--min-gain", o.min_gain,
+                  "Skip a rebalance whose MoE time gain over the next --interval steps, "
+                  "predicted by the cost model, is below this times its price (its bytes at the "
+                  "pull bandwidth of the last rebalance, plus its stall); 0: never skip "
+                  "(docs/runtime.md)")
+      ->capture_default_str();
   cmd->add_option("--lag", o.lag, "Steps between an agreement and its action")
       ->capture_default_str();
   cmd->add_option("--verify", a->verify, "all, sample, or N: check the outputs of 1 token in N")

@@ -37,6 +37,7 @@
 #include "eplb/core/memory.h"
 #include "eplb/core/types.h"
 #include "eplb/placement/cost.h"
+#include "eplb/placement/gain.h"
 #include "eplb/placement/policy.h"
 #include "eplb/routing/dispatch.h"
 #include "eplb/runtime/metric_families.h"
@@ -88,6 +89,8 @@ runtime::Config make_config(const RunOptions& options, const Workload& workload)
   config.lag = options.lag;
   config.dispatch = routing::parse_dispatch_policy(options.dispatch);
   config.timeout = std::chrono::milliseconds(options.timeout_ms);
+  config.min_gain = options.min_gain;
+  config.cost = options.cost;
   // The recorded window's balancedness every interval, with EPLB off too; the mode tells the
   // runs of --compare apart in one exposition.
   config.balancedness_period = std::max<int64_t>(options.interval, 1);
@@ -110,32 +113,31 @@ struct Pending {
   size_t output = 0;  // offset in the outputs buffer
 };
 
-// adaptive_cost's model when none is given: every rank's own (activated slots, tokens, CPU ns)
-// of every layer of the steps so far, gathered from all ranks, and fitted (placement/cost.h).
-// Every rank fits the same samples in the same order, so every rank has the same model and
-// computes the same shares. Samples that cannot be fitted leave the token model (adaptive's
-// split).
-routing::CostTicks fit_dispatch_cost(control::Communicator& lockstep,
-                                     const std::vector<int64_t>& own) {
+// The run's cost model when none is given (RunOptions::cost): every rank's own (activated
+// slots, tokens, CPU ns) of every layer of the steps so far (`own`: [steps][layers][3] from
+// step `first_step`), gathered from all ranks, and fitted (placement/cost.h), each sample with
+// its step. Every rank fits the same samples in the same order, so every rank has the same
+// model. Samples that cannot be fitted give the tokens preset, and `why` says why.
+placement::CostModel fit_run_cost(control::Communicator& lockstep, const std::vector<int64_t>& own,
+                                  int64_t first_step, int64_t layers, std::string& why) {
+  std::vector<int64_t> mine{first_step};
+  mine.insert(mine.end(), own.begin(), own.end());
   const std::vector<control::Bytes> all = lockstep.all_gather(
-      {reinterpret_cast<const std::byte*>(own.data()), own.size() * sizeof(int64_t)});
+      {reinterpret_cast<const std::byte*>(mine.data()), mine.size() * sizeof(int64_t)});
   std::vector<placement::CostSample> samples;
   for (const control::Bytes& rank : all) {
     std::vector<int64_t> v(rank.size() / sizeof(int64_t));
     std::memcpy(v.data(), rank.data(), v.size() * sizeof(int64_t));
-    for (size_t i = 0; i + 3 <= v.size(); i += 3) {
+    for (size_t i = 1; i + 3 <= v.size(); i += 3) {
       if (v[i + 1] > 0) {
         samples.push_back({.slots = static_cast<double>(v[i]),
                            .tokens = static_cast<double>(v[i + 1]),
-                           .time_us = static_cast<double>(v[i + 2]) / 1e3});
+                           .time_us = static_cast<double>(v[i + 2]) / 1e3,
+                           .step = v[0] + static_cast<int64_t>((i - 1) / 3) / layers});
       }
     }
   }
-  try {
-    return routing::cost_ticks(placement::fit_cost_model(samples));
-  } catch (const InvalidArgument&) {
-    return routing::cost_ticks(placement::cost_model_preset("tokens"));
-  }
+  return placement::fit_cost_model_or_tokens(samples, &why);
 }
 
 }  // namespace
@@ -188,6 +190,11 @@ void RunOptions::validate(const Workload& workload) const {
       elastic() && !cost) {
     fail("--dispatch adaptive_cost with --kill-rank needs --cost MODEL: the model fitted at step "
          "--interval is gathered from every rank, which a lost rank cannot give");
+  }
+  placement::check_min_gain(min_gain, "--min-gain");
+  if (min_gain > 0 && elastic() && !cost) {
+    fail("--min-gain with --kill-rank needs --cost MODEL: the model fitted before each trigger "
+         "is gathered from every rank, which a lost rank cannot give");
   }
   if (cost) cost->validate();
   const int64_t physical = workload.experts + redundant_slots(workload.experts);
@@ -358,7 +365,7 @@ std::string serve(const RunOptions& options, const Workload& workload, Group gro
 
   std::vector<int32_t> experts(static_cast<size_t>(G * T * k));  // every sender's, this layer
   const bool adaptive = routing::routes_by_shares(dispatch);
-  // adaptive_cost's model in ticks: the given one, or fitted at step `interval` (fit_dispatch_cost).
+  // adaptive_cost's model in ticks: the given one, or fitted before step `interval` (fit_run_cost).
   const bool by_cost = dispatch == routing::DispatchPolicy::kAdaptiveCost;
   std::optional<routing::CostTicks> ticks;
   if (by_cost && options.cost) ticks = routing::cost_ticks(*options.cost);
@@ -395,6 +402,7 @@ std::string serve(const RunOptions& options, const Workload& workload, Group gro
   int64_t mark = 0;
   std::vector<int64_t> own_counts(static_cast<size_t>(L * workload.experts));  // this step's
 
+  bool fit_failure_said = false;  // a failed fit of the ranks' cost model, said once
   std::vector<double> moe_ms, moe_wall_ms, stall_ms, balancedness;
   std::vector<int64_t> installs, dropped;
   int64_t mismatches = 0, verified = 0, computed = 0;
@@ -481,7 +489,14 @@ std::string serve(const RunOptions& options, const Workload& workload, Group gro
                          {"stall_max_ms", r.stall_max_ms},
                          {"stall_preempted_ms", r.stall_preempted_ms},
                          {"balancedness_before", r.balancedness_before},
-                         {"balancedness_after", r.balancedness_after}});
+                         {"balancedness_after", r.balancedness_after},
+                         {"gain_checked", r.gain_checked},
+                         {"below_min_gain", r.below_min_gain},
+                         {"priced", r.priced},
+                         {"moe_us_before", r.moe_us_before},
+                         {"moe_us_after", r.moe_us_after},
+                         {"gain_us", r.gain_us},
+                         {"price_us", r.price_us}});
     }
     const json report = json{{"rank", me},
                          {"first_step", first_step},
@@ -558,9 +573,6 @@ std::string serve(const RunOptions& options, const Workload& workload, Group gro
         if (view.epoch <= group.epoch) view = elastic->board->wait_newer(group.epoch, timeout);
         if (!regroup(view)) break;
       }
-    }
-    if (by_cost && !ticks && step == options.interval) {
-      ticks = fit_dispatch_cost(*group.lockstep, cost_samples);
     }
     const std::vector<int32_t>& seats = group.seats;  // the senders of this step
     const auto senders = static_cast<int64_t>(seats.size());
@@ -748,6 +760,26 @@ std::string serve(const RunOptions& options, const Workload& workload, Group gro
     moe_wall_ms.push_back(wall_ns / 1e6);
     cost_samples.insert(cost_samples.end(), step_own.begin(), step_own.end());
     active_experts.insert(active_experts.end(), step_active.begin(), step_active.end());
+
+    // The cost model the ranks fit where none is given: adaptive_cost's once, from the steps
+    // before `interval` (its shares from that step on); min_gain's before every trigger (this
+    // step_end), from every step so far.
+    const bool fit_dispatch = by_cost && !ticks && step + 1 == options.interval;
+    const bool fit_gain = options.min_gain > 0 && !options.cost && options.mode != "off" &&
+                          (step + 1) % options.interval == 0;
+    if (fit_dispatch || fit_gain) {
+      std::string why;
+      const placement::CostModel model =
+          fit_run_cost(*group.lockstep, cost_samples, first_step, L, why);
+      if (fit_dispatch) ticks = routing::cost_ticks(model);
+      if (fit_gain) rb.set_cost_model(model);
+      if (!why.empty() && me == 0 && !fit_failure_said) {
+        fmt::print(stderr, "eplb run: the ranks' cost model could not be fitted at step {} ({}): "
+                           "{} with the tokens preset (1 us per token) until it can\n",
+                   step, why, fit_gain ? "min_gain's check prices" : "adaptive_cost splits");
+        fit_failure_said = true;
+      }
+    }
 
     const int64_t installed = rb.installed_layers();
     // The step's stall as the runtime counts it: step_end's time less its waits for a core.

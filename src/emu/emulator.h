@@ -51,11 +51,15 @@ struct RunOptions {
   // adaptive: every rank replays every sender's tokens, so each has the step's global counts
   // the best split needs (an engine gets them from its all-to-all's layout exchange).
   std::string dispatch = "adaptive";
-  // adaptive_cost's cost model (placement/cost.h). None: the ranks fit one at step `interval`
-  // (before the first rebalance can be installed) from every rank's (activated slots, tokens,
-  // CPU time) of every layer of the steps before it, gathered on the lockstep communicator, so
-  // that every rank fits the same model from the same samples; adaptive's shares until then.
+  // The cost model (placement/cost.h) of adaptive_cost and of min_gain's check. None: the
+  // ranks fit one from every rank's (activated slots, tokens, CPU time) of every layer of the
+  // steps so far, gathered on the lockstep communicator, so that every rank fits the same model
+  // from the same samples: adaptive_cost's once, at step `interval` (before the first rebalance
+  // can be installed; adaptive's shares until then), min_gain's before every trigger.
   std::optional<placement::CostModel> cost;
+  // runtime::Config::min_gain: skip a rebalance whose MoE time gain over the next interval,
+  // predicted by the cost model, is below this times its price. 0: none.
+  double min_gain = 0;
   // arena: the runtime allocates them (swap installs: no copy); engine: each rank allocates
   // its expert weights and registers them, as engines do (installs copy changed slots in).
   std::string weights = "arena";
@@ -162,6 +166,16 @@ struct RebalanceFigures {
   double stall_preempted_ms = 0;  // max over ranks: waits for a core, left out of the stall
   double predicted_before = 0;
   double predicted_after = 0;
+  // min_gain's check (runtime::RebalanceRecord), where it was made: skipped for it, priced, the
+  // modeled MoE time per step with the placement in force and the new one, the predicted gain
+  // over the next interval and the price, in ms.
+  bool gain_checked = false;
+  bool below_min_gain = false;
+  bool priced = false;
+  double moe_ms_modeled_before = 0;
+  double moe_ms_modeled_after = 0;
+  double predicted_gain_ms = 0;
+  double price_ms = 0;
 };
 
 struct RunResult {
@@ -170,6 +184,7 @@ struct RunResult {
   bool interrupted = false;
   int64_t rebalances = 0;  // completed
   int64_t rebalances_triggered = 0;
+  int64_t rebalances_below_min_gain = 0;  // skipped: the gain did not pay min_gain x the price
   int64_t before_first = 0, before_last = 0;  // [first, last) steps measured "before"
   int64_t after_first = 0, after_last = 0;    // and "after"; either may be empty (a short run)
   bool has_before() const { return before_last > before_first; }

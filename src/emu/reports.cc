@@ -330,6 +330,14 @@ RunResult merge_reports(const RunOptions& options, const Workload& workload,
     f.bytes_local_copy = h["bytes_local_copy"].get<int64_t>();
     f.predicted_before = h["balancedness_before"].get<double>();
     f.predicted_after = h["balancedness_after"].get<double>();
+    f.gain_checked = h.value("gain_checked", false);
+    f.below_min_gain = h.value("below_min_gain", false);
+    f.priced = h.value("priced", false);
+    f.moe_ms_modeled_before = h.value("moe_us_before", 0.0) / 1e3;
+    f.moe_ms_modeled_after = h.value("moe_us_after", 0.0) / 1e3;
+    f.predicted_gain_ms = h.value("gain_us", 0.0) / 1e3;
+    f.price_ms = h.value("price_us", 0.0) / 1e3;
+    result.rebalances_below_min_gain += f.below_min_gain ? 1 : 0;
     f.repair = h.value("repair", false);
     for (const json& rank : r) {
       for (const json& mine : rank["history"]) {

@@ -70,7 +70,9 @@ json rebalance_json(const RebalanceFigures& f) {
           {"stall_max_ms", f.stall_max_ms},
           {"stall_preempted_ms", f.stall_preempted_ms},
           {"predicted_before", f.predicted_before},
-          {"predicted_after", f.predicted_after}};
+          {"predicted_after", f.predicted_after},
+          {"gain", {f.gain_checked, f.below_min_gain, f.priced, f.moe_ms_modeled_before,
+                    f.moe_ms_modeled_after, f.predicted_gain_ms, f.price_ms}}};
 }
 
 RebalanceFigures rebalance_from(const json& j) {
@@ -88,6 +90,14 @@ RebalanceFigures rebalance_from(const json& j) {
   f.stall_preempted_ms = j.at("stall_preempted_ms").get<double>();
   f.predicted_before = j.at("predicted_before").get<double>();
   f.predicted_after = j.at("predicted_after").get<double>();
+  const json& g = j.at("gain");
+  f.gain_checked = g.at(0).get<bool>();
+  f.below_min_gain = g.at(1).get<bool>();
+  f.priced = g.at(2).get<bool>();
+  f.moe_ms_modeled_before = g.at(3).get<double>();
+  f.moe_ms_modeled_after = g.at(4).get<double>();
+  f.predicted_gain_ms = g.at(5).get<double>();
+  f.price_ms = g.at(6).get<double>();
   return f;
 }
 
@@ -122,6 +132,7 @@ std::string result_to_json(const RunResult& r) {
               {"interrupted", r.interrupted},
               {"rebalances", r.rebalances},
               {"rebalances_triggered", r.rebalances_triggered},
+              {"rebalances_below_min_gain", r.rebalances_below_min_gain},
               {"windows", {r.before_first, r.before_last, r.after_first, r.after_last}},
               {"balancedness", {r.balancedness_before, r.balancedness_after}},
               {"moe_ms", {r.moe_ms_before, r.moe_ms_after}},
@@ -158,6 +169,7 @@ RunResult result_from_json(const std::string& text) {
     r.interrupted = j.at("interrupted").get<bool>();
     r.rebalances = j.at("rebalances").get<int64_t>();
     r.rebalances_triggered = j.at("rebalances_triggered").get<int64_t>();
+    r.rebalances_below_min_gain = j.at("rebalances_below_min_gain").get<int64_t>();
     const json& w = j.at("windows");
     r.before_first = w.at(0).get<int64_t>();
     r.before_last = w.at(1).get<int64_t>();

@@ -108,6 +108,62 @@ assert all(0 < b <= 1 for b in d["per_step"]["time_balancedness"])
 PY
   done
 fi
+# 4. A rebalance only when it pays: simulate --min-gain reports what it did and skipped.
+for g in 0 1; do
+  "$eplb" simulate --trace "$trace" --ranks 8 --redundant 8 --interval 2 --window 2 \
+    --policy sticky --cost "$tmp/linear.json" --min-gain $g --stall-ms 50 --json \
+    >"$tmp/gain$g.json" 2>"$tmp/err" || fail "simulate --min-gain $g: $(cat "$tmp/err")"
+done
+if [ -n "$py" ]; then
+  "$py" - "$tmp/gain0.json" "$tmp/gain1.json" <<'PY' || fail "simulate --min-gain JSON"
+import json, sys
+a, b = (json.load(open(f))["results"]["sticky"] for f in sys.argv[1:3])
+assert a["rebalances_done"] == a["rebalances"] and a["gain_checks"] == [], a
+assert len(b["gain_checks"]) == b["rebalances"], b
+skipped = [c for c in b["gain_checks"] if not c["rebalanced"]]
+assert b["rebalances_skipped"] == len(skipped) >= 1, b["gain_checks"]
+for c in skipped:  # each skip: its gain did not reach its price (the stall at least)
+    assert c["gain_ms"] < c["price_ms"] and c["price_ms"] >= 50, c
+assert b["bytes_moved"] == sum(b["bytes"]) <= a["bytes_moved"], (b["bytes_moved"], a["bytes_moved"])
+PY
+fi
+"$eplb" simulate --trace "$trace" --ranks 8 --redundant 8 --interval 2 --window 2 --policy sticky \
+  --cost "$tmp/linear.json" --min-gain 1 --stall-ms 50 >"$tmp/table.txt" 2>&1 \
+  || fail "simulate --min-gain table: $(cat "$tmp/table.txt")"
+grep -q "min_gain 1: a rebalance only when" "$tmp/table.txt" && grep -q "rebalanced" "$tmp/table.txt" \
+  || fail "simulate --min-gain table: $(cat "$tmp/table.txt")"
+for g in -1 nan inf; do
+  expect_error "min-gain is $g" "${t[@]}" --cost "$tmp/linear.json" --min-gain $g
+  expect_error "min-gain is $g" run --ranks 2 --steps 4 --min-gain $g
+done
+expect_error "give --cost MODEL" "${t[@]}" --min-gain 1
+expect_error "pull-gbps 0 must be" "${t[@]}" --cost "$tmp/linear.json" --min-gain 1 --pull-gbps 0
+# eplb run --min-gain: every check in --json, with its gain and price; too few samples for the
+# ranks' fit say so, and price with the tokens preset.
+"$eplb" "${run[@]}" --min-gain 1 >"$tmp/run-gain.json" 2>"$tmp/err" \
+  || fail "run --min-gain: $(cat "$tmp/err")"
+if [ -n "$py" ]; then
+  "$py" - "$tmp/run-gain.json" <<'PY' || fail "run --min-gain JSON: $(head -c 600 "$tmp/run-gain.json")"
+import json, sys
+d = json.load(open(sys.argv[1]))
+assert d["min_gain"] == 1 and d["mismatches"] == 0
+checked = [r for r in d["per_rebalance"] if r["gain_checked"]]
+assert checked, d["per_rebalance"]
+assert d["rebalances_below_min_gain"] == sum(r["below_min_gain"] for r in checked)
+for r in checked:
+    assert r["modeled_moe_ms_before"] > 0 and r["predicted_gain_ms"] is not None
+    if r["below_min_gain"]:
+        assert r["outcome"] == "skipped" and r["price_ms"] is not None, r
+        assert r["predicted_gain_ms"] < r["price_ms"], r
+PY
+fi
+"$eplb" run --ranks 2 --layers 2 --steps 4 --interval 1 --window 1 --tokens-per-rank 4 \
+  --min-gain 1 >"$tmp/out" 2>"$tmp/err" || fail "run --min-gain, few samples: $(cat "$tmp/err")"
+grep -q "could not be fitted at step 0 (cost model fit: 4 samples" "$tmp/err" \
+  && grep -q "tokens preset" "$tmp/err" || fail "run --min-gain, few samples: $(cat "$tmp/err")"
+"$eplb" run --ranks 2 --steps 4 --min-gain 1 --cost h100-v3-decode >"$tmp/out" 2>"$tmp/err" \
+  || fail "run --min-gain --cost: $(cat "$tmp/err")"
+
 expect_error "needs --dispatch adaptive_cost" run --ranks 2 --steps 4 --cost h100-v3-decode
 expect_error "neither a preset" run --ranks 2 --steps 4 --dispatch adaptive_cost \
   --cost "$tmp/missing.json"

@@ -461,3 +461,4 @@ def should_rebalance(load, current, proposed, num_gpus, *, interval, pull_bytes_
 
 # Last: the runtime module imports names defined above.
 from .runtime import Rebalancer  # noqa: E402
+from . import cost  # noqa: E402  (eplb.cost: the cost model, without an import of its own)

@@ -12,6 +12,8 @@ Ways to get one:
 
 - ``fit_cost_model(slots, tokens, time_us)``: least squares on an engine's measured per-rank,
   per-layer times (activated slots, tokens computed, microseconds), every parameter >= 0;
+- ``fit_cost_model_or_tokens(...)``: the same, or where the samples cannot be fitted (too few,
+  or tokens per slot that never vary) the ``tokens`` preset, with the reason;
 - ``fit_slot_table(tokens, time_us)``: a kernel's time per token count, with a knee where two
   lines fit better than one;
 - ``roofline_cost_model(hbm_bytes_per_s=, peak_flops=, expert_bytes=, flops_per_token=)``;
@@ -44,9 +46,19 @@ def fit_cost_model(slots, tokens, time_us, steps=None):
     return _eplb.fit_cost_model(slots, tokens, time_us, steps)
 
 
+def fit_cost_model_or_tokens(slots, tokens, time_us, steps=None):
+    """fit_cost_model, or where the samples cannot be fitted (fewer than 8, or tokens per slot
+    that never vary) the ``tokens`` preset (1 us per token, its ``source`` saying why): returns
+    ``(model, why)``, ``why`` the fit's error, empty when the fit held. For an engine that fits
+    while serving and must decide (eplb.should_rebalance) before it has samples enough. Arrays
+    of different lengths, or a bad ``steps``, still raise eplb.InvalidArgument."""
+    return _eplb.fit_cost_model_or_tokens(slots, tokens, time_us, steps)
+
+
 __all__ = [
     "CostModel",
     "fit_cost_model",
+    "fit_cost_model_or_tokens",
     "fit_slot_table",
     "roofline_cost_model",
     "cost_model_preset",

@@ -135,34 +135,56 @@ void bind_cost(py::module_& m) {
       .def("to_json", [](const CostModel& c) { return placement::cost_model_to_json(c); })
       .def("__repr__", [](const CostModel& c) { return "CostModel(" + c.describe() + ")"; });
 
+  // The samples of fit_cost_model(_or_tokens)'s arrays; a shape that does not fit is an error
+  // either way (only the fit itself falls back).
+  using Doubles = py::array_t<double, py::array::c_style | py::array::forcecast>;
+  using Steps = std::optional<py::array_t<int64_t, py::array::c_style | py::array::forcecast>>;
+  const auto cost_samples = [](const Doubles& slots, const Doubles& tokens, const Doubles& time_us,
+                               const Steps& steps) {
+    const std::vector<double> s = to_doubles(slots, "slots"), t = to_doubles(tokens, "tokens"),
+                              y = to_doubles(time_us, "time_us");
+    if (s.size() != t.size() || s.size() != y.size()) {
+      fail("fit_cost_model: slots, tokens and time_us have ", s.size(), ", ", t.size(), " and ",
+           y.size(), " entries (one per sample each)");
+    }
+    std::vector<int64_t> step(s.size(), -1);
+    if (steps) {
+      if (steps->ndim() != 1 || static_cast<size_t>(steps->size()) != s.size()) {
+        fail("fit_cost_model: steps must be a 1-D array of ", s.size(),
+             " entries (the step of each sample), got ", steps->size());
+      }
+      for (size_t i = 0; i < s.size(); ++i) {
+        step[i] = steps->data()[i];
+        if (step[i] < 0) fail("fit_cost_model: steps[", i, "] is ", step[i], " (must be >= 0)");
+      }
+    }
+    std::vector<placement::CostSample> samples;
+    for (size_t i = 0; i < s.size(); ++i) samples.push_back({s[i], t[i], y[i], step[i]});
+    return samples;
+  };
   m.def(
       "fit_cost_model",
-      [](const py::array_t<double, py::array::c_style | py::array::forcecast>& slots,
-         const py::array_t<double, py::array::c_style | py::array::forcecast>& tokens,
-         const py::array_t<double, py::array::c_style | py::array::forcecast>& time_us,
-         const std::optional<py::array_t<int64_t, py::array::c_style | py::array::forcecast>>&
-             steps) {
-        const std::vector<double> s = to_doubles(slots, "slots"), t = to_doubles(tokens, "tokens"),
-                                  y = to_doubles(time_us, "time_us");
-        if (s.size() != t.size() || s.size() != y.size()) {
-          fail("fit_cost_model: slots, tokens and time_us have ", s.size(), ", ", t.size(),
-               " and ", y.size(), " entries (one per sample each)");
-        }
-        std::vector<int64_t> step(s.size(), -1);
-        if (steps) {
-          if (steps->ndim() != 1 || static_cast<size_t>(steps->size()) != s.size()) {
-            fail("fit_cost_model: steps must be a 1-D array of ", s.size(),
-                 " entries (the step of each sample), got ", steps->size());
-          }
-          for (size_t i = 0; i < s.size(); ++i) {
-            step[i] = steps->data()[i];
-            if (step[i] < 0) fail("fit_cost_model: steps[", i, "] is ", step[i], " (must be >= 0)");
-          }
-        }
-        std::vector<placement::CostSample> samples;
-        for (size_t i = 0; i < s.size(); ++i) samples.push_back({s[i], t[i], y[i], step[i]});
+      [cost_samples](const Doubles& slots, const Doubles& tokens, const Doubles& time_us,
+                     const Steps& steps) {
+        const std::vector<placement::CostSample> samples =
+            cost_samples(slots, tokens, time_us, steps);
         py::gil_scoped_release release;
         return placement::fit_cost_model(samples);
+      },
+      py::arg("slots"), py::arg("tokens"), py::arg("time_us"), py::arg("steps") = std::nullopt);
+  m.def(
+      "fit_cost_model_or_tokens",
+      [cost_samples](const Doubles& slots, const Doubles& tokens, const Doubles& time_us,
+                     const Steps& steps) {
+        const std::vector<placement::CostSample> samples =
+            cost_samples(slots, tokens, time_us, steps);
+        std::string why;
+        placement::CostModel model;
+        {
+          py::gil_scoped_release release;
+          model = placement::fit_cost_model_or_tokens(samples, &why);
+        }
+        return py::make_tuple(model, why);
       },
       py::arg("slots"), py::arg("tokens"), py::arg("time_us"), py::arg("steps") = std::nullopt);
   m.def(

@@ -45,6 +45,19 @@ def test_errors_name_the_value():
         cost.cost_model_preset("a100")
 
 
+def test_a_fit_with_too_few_samples_says_so_and_falls_back_to_tokens():
+    m, why = cost.fit_cost_model_or_tokens([1, 2, 3], [4, 5, 6], [7, 8, 9])
+    assert "3 samples" in why
+    assert (m.rank_us, m.slot_us, m.token_us) == (0, 0, 1)
+    assert "3 samples" in m.source
+    rng = np.random.default_rng(4)
+    slots = rng.integers(20, 34, 50).astype(float)
+    tokens = rng.integers(100, 400, 50).astype(float)
+    m, why = cost.fit_cost_model_or_tokens(slots, tokens, 50 * slots + 12 * tokens)
+    assert why == "" and m.slot_us == pytest.approx(50, abs=1e-6)
+    with pytest.raises(eplb.InvalidArgument, match="have 2, 3 and 3 entries"):
+        cost.fit_cost_model_or_tokens([1, 2], [4, 5, 6], [7, 8, 9])
+
 def test_fit_measures_the_noise_within_steps():
     rng = np.random.default_rng(5)
     steps = np.repeat(np.arange(40), 8)

@@ -23,6 +23,7 @@
 #include "emu/expert.h"
 #include "emu/workload.h"
 #include "eplb/placement/cost.h"
+#include "eplb/runtime/config.h"
 
 namespace prometheus {
 class Registry;
@@ -113,6 +114,9 @@ struct RunOptions {
   // fewest (at least one per rank) with which the ranks left after a loss hold every expert.
   int64_t redundant_slots(int64_t experts) const;
 };
+
+// The runtime's Config of a rank of this run (every rank's the same; run_options.cc).
+runtime::Config make_config(const RunOptions& options, const Workload& workload);
 
 // What one step looked like, merged over ranks.
 struct StepFigures {

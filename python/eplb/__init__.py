@@ -396,16 +396,6 @@ def plan_migration(old_phy2log, new_phy2log, num_gpus, num_nodes, expert_bytes,
         bool(half_duplex))
 
 
-def _as_float(value, name):
-    """A Python float from a real number (not a bool)."""
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be a number, got {value!r}")
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        raise TypeError(f"{name} must be a number, got {value!r}") from None
-
-
 def should_rebalance(load, current, proposed, num_gpus, *, interval, pull_bytes_per_s,
                      min_gain=1.0, cost=None, window_steps=1, stall_s=0.0, expert_bytes=None,
                      bytes_to_move=None, num_nodes=1):

@@ -38,5 +38,6 @@ void bind_errors(py::module_& m);
 void bind_placement(py::module_& m);
 void bind_migration(py::module_& m);
 void bind_runtime(py::module_& m);
+void bind_transport(py::module_& m);
 
 }  // namespace eplb::python

@@ -143,5 +143,6 @@ PYBIND11_MODULE(_eplb, m) {
   eplb::python::bind_placement(m);
   eplb::python::bind_migration(m);
   eplb::python::bind_runtime(m);
+  eplb::python::bind_transport(m);
   eplb::python::bind_cost(m);
 }

@@ -361,14 +361,18 @@ def policy_from_env(environ=None):
 
 def plugin():
     """The ``vllm.general_plugins`` entry point the package declares (vLLM runs it in every
-    process it starts). With ``EPLB_VLLM_POLICY`` and ``EPLB_VLLM_SCHEDULER`` unset (or "off")
-    it does nothing: installing eplb changes nothing in vLLM. ``EPLB_VLLM_POLICY`` set to a
-    policy (see ``policy_from_env``) registers that policy as vLLM's "default" EPLB policy, the
-    one name vLLM's config (and async EPLB) accepts. ``EPLB_VLLM_SCHEDULER=eplb`` puts eplb's
-    migration schedule in place of vLLM's (eplb.integrations.vllm_scheduler.install). Running
-    it again is harmless. vLLM's own ``VLLM_PLUGINS`` allow-list (entry point name "eplb") also
-    keeps it out. A value it does not know raises eplb.InvalidArgument naming the variable."""
+    process it starts). With ``EPLB_VLLM_POLICY``, ``EPLB_VLLM_SCHEDULER`` and
+    ``EPLB_VLLM_COMMUNICATOR`` unset (or "off") it does nothing: installing eplb changes nothing
+    in vLLM. ``EPLB_VLLM_POLICY`` set to a policy (see ``policy_from_env``) registers that policy
+    as vLLM's "default" EPLB policy, the one name vLLM's config (and async EPLB) accepts.
+    ``EPLB_VLLM_SCHEDULER=eplb`` puts eplb's migration schedule in place of vLLM's
+    (eplb.integrations.vllm_scheduler.install). ``EPLB_VLLM_COMMUNICATOR=eplb`` installs eplb's
+    EPLB communicator (eplb.integrations.vllm_communicator.install_from_env). Running it again
+    is harmless. vLLM's own ``VLLM_PLUGINS`` allow-list (entry point name "eplb") also keeps it
+    out. A value it does not know raises eplb.InvalidArgument naming the variable."""
     _install_scheduler_from_env()
+    from eplb.integrations.vllm_communicator import install_from_env
+    install_from_env()
     cls = policy_from_env()
     if cls is None:
         return None

@@ -342,6 +342,59 @@ class TorchGroup:
         return ", ".join(dead) + (" has" if len(dead) == 1 else " have") + " exited"
 
 
+class WatchedTorchGroup(TorchGroup):
+    """A TorchGroup whose waits watch the peers. A gloo collective whose peer died fails at
+    once on the ranks that exchange data with that peer, but a rank waiting on a survivor that
+    gave up waits for its whole timeout. Here a rank, while it waits, looks every 50 ms for
+    ranks of its machine whose process has exited and fails at once naming them; at the
+    deadline it names the ranks of its machine that are stopped as well. The collective itself
+    is left to gloo: after a failure the group must be rebuilt, as TorchGroup's are."""
+
+    def _wait(self, work, seconds, what):
+        import eplb
+        start = time.monotonic()
+        deadline = start + max(seconds, 0.001)
+        pause, look = 1e-5, start + 0.05
+        while not work.is_completed():
+            now = time.monotonic()
+            if now >= deadline:
+                where = "; ".join(x for x in (self.gone(), self.stopped()) if x)
+                raise eplb.Timeout(f"control {what}: the torch group (gloo) did not finish "
+                                   f"within {seconds:.1f} s on rank {self.rank}"
+                                   + (f"; {where}" if where else ""))
+            if now >= look:
+                dead = self.exited(wait=0)
+                if dead:
+                    raise eplb.IoError(f"control {what}: {self._named(dead)} exited while "
+                                       f"rank {self.rank} waited for the torch group")
+                look = now + 0.05
+            time.sleep(pause)
+            pause = min(pause * 2, 0.002)
+        super()._wait(work, max(deadline - time.monotonic(), 0.001), what)
+
+    def _named(self, ranks):
+        return ", ".join(f"rank {r} (pid {self._peers[r][1]})" for r in ranks) + \
+            (" has" if len(ranks) == 1 else " have")
+
+    def stopped(self):
+        """A sentence naming the ranks of this machine whose process is stopped, or ""."""
+        if not self._peers:
+            return ""
+        here = socket.gethostname()
+        ranks = [r for r, (host, pid) in enumerate(self._peers)
+                 if host == here and r != self.rank and _stopped(pid)]
+        return f"{self._named(ranks)} stopped (SIGSTOP or a debugger)" if ranks else ""
+
+
+def _stopped(pid):
+    """Whether process `pid` is stopped (a signal or a tracer)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
+
+
 def _alive(pid):
     """Whether process `pid` runs (a zombie, exited but not yet reaped, does not)."""
     try:

@@ -9,7 +9,13 @@
 //
 // Threads: one thread at a time per object, as the Transport contract says; the GIL is released
 // while reads run, so other Python threads (the engine's forward thread) keep going.
+//
+// Flags peers poll (a rank's progress in a protocol built on reads): allocate() gives memory the
+// transport owns and peers read; store_release() writes a 64-bit word of it after everything
+// the rank wrote or read before, and read() ends with an acquire fence, so a peer that reads
+// the word and then the data behind it sees that data.
 
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <memory>
@@ -45,6 +51,13 @@ class PyTransport {
     out["register_memory"] = c.register_memory;
     out["cross_node"] = c.cross_node;
     return out;
+  }
+
+  // A region of `bytes` zero-filled bytes the transport owns (until close()): (id, address).
+  py::tuple allocate(int64_t bytes) {
+    if (bytes < 1) fail("allocate: ", bytes, " bytes; a region must hold at least one");
+    const transport::Region r = get().allocate(static_cast<size_t>(bytes));
+    return py::make_tuple(r.id, reinterpret_cast<uintptr_t>(r.data));
   }
 
   // Registers [address, address + bytes) and returns its region id (in order of creation).
@@ -95,6 +108,7 @@ class PyTransport {
     py::gil_scoped_release release;
     std::unique_ptr<transport::Batch> posted = get().post(batch);
     posted->wait(std::chrono::milliseconds(static_cast<int64_t>(std::ceil(seconds * 1000))));
+    std::atomic_thread_fence(std::memory_order_acquire);
   }
 
   void close() {
@@ -113,15 +127,27 @@ class PyTransport {
   std::unique_ptr<transport::Transport> transport_;
 };
 
+// A 64-bit word at `address` (8-byte aligned), written with release order.
+void store_release(uintptr_t address, uint64_t value) {
+  if (address == 0 || address % alignof(uint64_t) != 0) {
+    fail("store_release: address ", address, " is not an aligned 64-bit word");
+  }
+  std::atomic_ref<uint64_t>(*reinterpret_cast<uint64_t*>(address))
+      .store(value, std::memory_order_release);
+}
+
 }  // namespace
 
 void bind_transport(py::module_& m) {
+  m.def("_store_release", &store_release, py::arg("address"), py::arg("value"),
+        "Writes a 64-bit word of memory peers read, after everything written before it.");
   py::class_<PyTransport>(m, "_Transport")
       .def(py::init<const std::string&, int, const std::string&>(), py::arg("backend"),
            py::arg("rank"), py::arg("node") = std::string())
       .def_property_readonly("backend", &PyTransport::backend)
       .def_property_readonly("rank", &PyTransport::rank)
       .def("capabilities", &PyTransport::capabilities)
+      .def("allocate", &PyTransport::allocate, py::arg("bytes"))
       .def("register_memory", &PyTransport::register_memory, py::arg("address"),
            py::arg("bytes"))
       .def("export_descriptor", &PyTransport::export_descriptor)

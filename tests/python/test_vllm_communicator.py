@@ -138,9 +138,10 @@ def _rank(rank, world, store, queue, done, body, args):
     os._exit(0)  # no torch teardown: a dead peer's group must not hang the exit
 
 
-def run_ranks(tmp_path, world, body, *args, expect=None):
+def run_ranks(tmp_path, world, body, *args, expect=None, kill=()):
     """{rank: (status, value)} of `body(rank, world, group, *args)` on `world` forked ranks;
-    `expect`: how many answers to wait for (a rank that kills itself gives none)."""
+    `expect`: how many answers to wait for (a rank that kills itself gives none); `kill`: ranks
+    to kill once the answers are in (a stopped rank)."""
     context = multiprocessing.get_context("fork")
     queue, done = context.Queue(), context.Event()
     store = tmp_path / f"store-{os.getpid()}"
@@ -155,6 +156,8 @@ def run_ranks(tmp_path, world, body, *args, expect=None):
             out[rank] = (status, value)
     finally:
         done.set()
+        for r in kill:
+            procs[r].kill()
         for p in procs:
             p.join(timeout=30)
             if p.is_alive():
@@ -202,7 +205,7 @@ def check_reference(out, maps, world):
                     assert a.dtype == b.dtype and np.array_equal(a, b), (rank, i, layer, t)
 
 
-@pytest.mark.parametrize("transport", [None, "ucx"])
+@pytest.mark.parametrize("transport", [None, "hybrid", "ucx"])
 def test_rearrangements_equal_the_reference(tmp_path, transport):
     if transport and transport not in eplb.transport_backends():
         pytest.skip(f"no {transport} transport in this build")
@@ -258,19 +261,19 @@ def killed_body(rank, world, group, maps, where):
     victim = world - 1
     current = {"layer": None}
 
-    def hook(name, before):
-        original = getattr(comm, name)
+    def hook(owner, name, before):
+        original = getattr(owner, name)
 
         def wrapped(*a, **k):
             if current["layer"] == 1:
-                before()
+                before(*a)
             return original(*a, **k)
-        setattr(comm, name, wrapped)
+        setattr(owner, name, wrapped)
 
-    def die():
+    def die(*_):
         os.kill(os.getpid(), signal.SIGKILL)
 
-    def until_victim_is_gone():
+    def until_victim_is_gone(*_):
         pid = comm._group._peers[victim][1]
         for _ in range(1000):
             if not os.path.exists(f"/proc/{pid}") or \
@@ -278,12 +281,21 @@ def killed_body(rank, world, group, maps, where):
                 return
             __import__("time").sleep(0.01)
 
-    # The victim dies in execute() of layer 1: at its gather, after the plan (its peers then
-    # read from a dead process), or at the end of its first round.
+    def after_first_round(epoch, phase):
+        if phase == 3:  # round 1 done
+            die()
+
+    # The victim dies in execute() of layer 1: before it publishes its receives, after every
+    # rank has checked them (its peers then read from a dead process), or after round 1.
     if rank == victim:
-        hook({"gather": "_gather", "reads": "_agree", "rounds": "_round_status"}[where], die)
+        if where == "publish":
+            hook(comm._board, "publish", die)
+        elif where == "reads":
+            hook(comm, "_agree", die)
+        else:
+            hook(comm._board, "progress", after_first_round)
     elif where == "reads":
-        hook("_read", until_victim_is_gone)
+        hook(comm, "_agree", until_victim_is_gone)
     try:
         for layer in range(LAYERS):
             current["layer"] = layer
@@ -305,7 +317,7 @@ def demands(old, new, world):
                    set(old[r * SLOTS:(r + 1) * SLOTS].tolist())) for r in range(world)]
 
 
-@pytest.mark.parametrize("where", ["gather", "reads", "rounds"])
+@pytest.mark.parametrize("where", ["publish", "reads", "rounds"])
 def test_killed_peer_fails_every_survivor_naming_it(tmp_path, where):
     world = 4
     victim = world - 1
@@ -325,11 +337,46 @@ def test_killed_peer_fails_every_survivor_naming_it(tmp_path, where):
         kind, message, after = value
         assert kind == "IoError", (rank, kind, message)
         assert f"rank {victim}" in message, (rank, message)
-        assert all(f"rank {r} (pid" not in message for r in range(world - 1)), message
         assert "layer 1" in message, (rank, message)
         if where == "reads" and rank in readers:
             assert f"rank {rank} could not read from rank {victim}" in message, message
         assert "unusable" in after, after
+
+
+def stopped_body(rank, world, group, maps):
+    weights = weights_for(maps[0], rank)
+    buffers = [torch.empty_like(w) for w in weights[0]]
+    comm = communicator(group, weights, timeout=3)
+    if rank == world - 1:
+        original = comm._board.publish
+
+        def publish(epoch, *a):
+            if epoch == 2:  # layer 1: the victim stops before it publishes its receives
+                os.kill(os.getpid(), signal.SIGSTOP)
+            return original(epoch, *a)
+        comm._board.publish = publish
+    try:
+        for layer in range(LAYERS):
+            move_layer(comm, layer, maps[0][layer], maps[1][layer], rank, world,
+                       weights[layer], buffers)
+    except (eplb.IoError, eplb.Timeout) as e:
+        return type(e).__name__, str(e)
+    return "no error", None
+
+
+def test_stopped_peer_times_out_every_survivor_naming_it(tmp_path):
+    world = 4
+    maps = placements(world, 1, seed=2)
+    out = run_ranks(tmp_path, world, stopped_body, maps, expect=world - 1, kill=[world - 1])
+    assert sorted(out) == list(range(world - 1)), out
+    for rank, (status, value) in out.items():
+        assert status == "ok", value
+        kind, message = value
+        assert kind == "Timeout", (rank, message)
+        assert "rank 3" in message and "layer 1" in message, (rank, message)
+    # Whoever timed out first saw where rank 3 was; the others gave up after it.
+    assert any("(it is still in an earlier execute())" in v[1] and "stopped" in v[1]
+               for _, v in out.values()), out
 
 
 # ------------------------------------------------------------------ bad input

@@ -15,20 +15,24 @@ of vLLM's expert buffer), then ``execute()``. ``TransportCommunicator`` fills th
   UCX across), or what ``transport=`` / ``EPLB_VLLM_TRANSPORT`` says;
 - ``add_send`` does nothing (a read needs no help from its source) and ``add_recv`` records
   where a received expert lands;
-- ``execute()`` (collective) gathers every rank's receives (a few integers per rank), plans the
-  reads with eplb's migration layer (``eplb.plan_migration(..., peers_per_round=1,
-  half_duplex=True)``: it chooses the source replica of each transfer and packs the transfers
-  into rounds in which every rank talks to one peer at most, vLLM's contention model), and
-  reads round by round from the peers' live weights straight into the receive rows. Every rank
-  takes part in a small all-reduce after each round, which keeps the rounds in step and
-  carries failures; the last one is the fence after which a rank may overwrite its weights
-  (no peer reads them any more).
+- ``execute()`` (collective) publishes this rank's receives (a few integers) on its progress
+  board, a small region every peer reads one-sided, and reads everyone's; plans the reads with
+  eplb's migration layer (``eplb.plan_migration(..., peers_per_round=1, half_duplex=True)``:
+  it chooses the source replica of each transfer and packs the transfers into rounds in which
+  every rank talks to one peer at most, vLLM's contention model); and reads round by round
+  from the peers' live weights straight into the receive rows. Before a round a rank waits for
+  the peers it meets in that round to have finished the one before (their boards say); after
+  the last round it waits for every rank to be done, the fence after which a rank may
+  overwrite its weights (no peer reads them any more). execute() runs no collective of the
+  group: a rank's wait is a few one-sided reads of small boards (_board.py).
 
 Failures: a peer that dies (or whose memory goes) during ``execute()`` makes every surviving
-rank raise ``eplb.IoError`` naming it; a peer that stops answering makes them raise
-``eplb.Timeout`` within ``timeout`` seconds (the whole ``execute()``). After either, the
-communicator is broken (every later call raises ``eplb.IoError``): the group's collectives may be
-out of step, so vLLM must rebuild the group, as after any failure of its own communicators.
+rank raise ``eplb.IoError`` naming it, at once (the rank that finds it writes the culprit on its
+board, and the ranks waiting on it give up naming the same rank); a peer that stops makes them
+raise ``eplb.Timeout`` within ``timeout`` seconds (the whole ``execute()``) naming the ranks
+that did not get there. After either, the communicator is broken (every later call raises
+``eplb.IoError``): the ranks may be out of step, so vLLM must rebuild its EP state, as after any
+failure of its own communicators.
 Bad input that one rank detects (a receive row of another dtype or size than the registered
 tensor, an expert no slot of the old placement holds, ranks in different layers) is reported
 on every rank as ``eplb.InvalidArgument`` naming the rank and the value; nothing hangs.
@@ -59,6 +63,8 @@ import numpy as np
 
 import eplb
 from eplb import _eplb
+from eplb._torch_group import WatchedTorchGroup
+from eplb.integrations._board import CHECKED, FENCED, PUBLISHED, Board, round_done
 
 __all__ = [
     "TransportCommunicator", "communicator_class", "make_communicator", "plan_reads", "install",
@@ -75,7 +81,6 @@ DEFAULT_TIMEOUT = 300.0  # seconds, as vLLM's NIXL communicator waits for its fe
 _TRANSPORTS = ("auto", "shm", "hybrid", "ucx")
 _ERRORS = {"InvalidArgument": eplb.InvalidArgument, "NotSupported": eplb.NotSupported,
            "IoError": eplb.IoError, "Timeout": eplb.Timeout}
-_KINDS = ("IoError", "Timeout", "Error")  # a failed read, as the round's all-reduce codes it
 
 
 def _kind(error):
@@ -157,7 +162,7 @@ class TransportCommunicator:
             self._timeout = _check_timeout(timeout, ENV_TIMEOUT)
         else:
             self._timeout = _check_timeout(timeout)
-        self._group = _WatchedGroup(group)
+        self._group = WatchedTorchGroup(group)
         self.rank = self._group.rank
         self.world_size = self._group.size
         self._transport = None
@@ -198,6 +203,11 @@ class TransportCommunicator:
                         raise _Failed("Error", f"registered region {region} for tensor {t} of "
                                                f"layer {layer}, expected "
                                                f"{self._region(layer, t)}")
+            self._board = Board(self._transport, self.rank, self.world_size, self._slots,
+                                stopped=self._group.stopped)
+            if self._board.region != self._region(len(self._weights), 0):
+                raise _Failed("Error", f"the progress board is region {self._board.region}, "
+                                       f"expected {self._region(len(self._weights), 0)}")
             mine = {"descriptor": self._transport.export_descriptor().hex()}
         except (_Failed, eplb.Error) as e:
             mine = {"error": [getattr(e, "kind", None) or _kind(e), str(e)]}
@@ -211,10 +221,7 @@ class TransportCommunicator:
         except eplb.Error as e:
             mine = {"error": [_kind(e), str(e)]}
         self._raise_errors(self._gather(mine, deadline, "start-up (connections)"), "start-up")
-        self._probe_dst = _torch().zeros(1, dtype=_torch().uint8)  # for naming dead peers
-        self._elsewhere = [r for r, h in enumerate(hosts) if h != hosts[self.rank]]
-        if self._elsewhere:
-            self._group.probe = lambda: self._unreachable(self._elsewhere, 0.5)
+        self._epoch = 0  # execute() calls so far: the same count on every rank
         _log.info("eplb communicator: rank %d of %d, %s transport, %d layers x %d tensors "
                   "registered", self.rank, self.world_size, self.backend, len(self._weights),
                   len(self._meta[0]))
@@ -301,6 +308,15 @@ class TransportCommunicator:
     def execute(self):
         """Every recorded receive lands in its rows; collective. See the module's text."""
         self._usable()
+        try:
+            self._execute()
+        except (eplb.InvalidArgument, eplb.NotSupported):
+            raise  # seen alike by every rank, which all raise it at the same point
+        except BaseException as e:
+            self._broken = self._broken or f"{type(e).__name__}: {e}"
+            raise
+
+    def _execute(self):
         recvs, self._recvs = self._recvs, []
         deferred, self._deferred = self._deferred, None
         layer, old = self._layer, self._old
@@ -308,28 +324,46 @@ class TransportCommunicator:
         start = time.monotonic()
         deadline = start + self._timeout
         where = f"layer {layer}" if layer is not None else "execute()"
+        self._epoch += 1
+        epoch, board = self._epoch, self._board
 
-        # Step 1: every rank's receives (distinct experts), and the checks of each rank.
+        # Step 1: every rank's receives (distinct experts) and the checks of each rank, through
+        # the boards; once every rank has read them (CHECKED), they may be raised.
         demands = sorted({e for e, _ in recvs})
-        mine = {"layer": layer, "recv": demands,
-                "old": None if old is None else zlib.crc32(old.tobytes())}
+        if deferred is None and len(demands) > self._slots:
+            deferred = _Failed("InvalidArgument", f"{len(demands)} distinct experts received in "
+                                                  f"layer {layer}, more than the {self._slots} "
+                                                  f"slots of a rank")
         if deferred is not None:
-            mine["error"] = [deferred.kind, str(deferred)]
-        everyone = self._gather(mine, deadline, where)
-        self._raise_errors(everyone, where)
-        self._agree(everyone, where)
-        if not any(m["recv"] for m in everyone):
-            self.last = {"rounds": 0, "reads": 0, "bytes": 0,
-                         "seconds": time.monotonic() - start}
-            return
-
-        # Step 2: eplb's plan: a source for every transfer, and the rounds.
-        reads, rounds = plan_reads(old, [m["recv"] for m in everyone], self._nodes,
-                                   sum(m["stride"] for m in self._meta[layer]), where)
+            demands = []
+        board.publish(epoch, layer, None if old is None else zlib.crc32(old.tobytes()),
+                      demands, None if deferred is None else (deferred.kind, str(deferred)))
+        everyone = range(self.world_size)
+        board.wait_for(everyone, epoch, PUBLISHED, deadline, where)
+        boards = board.read(deadline)
+        board.progress(epoch, CHECKED)
+        board.wait_for(everyone, epoch, CHECKED, deadline, where)
+        # Step 2: eplb's plan: a source for every transfer, and the rounds. Every rank decides
+        # alike from the same boards: when one raises here, all do, and none reads again in
+        # this epoch (FENCED).
+        try:
+            self._raise_errors(boards, where)
+            self._agree(boards, where)
+            if not any(b["recv"] for b in boards):
+                board.progress(epoch, FENCED)
+                self.last = {"rounds": 0, "reads": 0, "bytes": 0,
+                             "seconds": time.monotonic() - start}
+                return
+            reads, rounds = plan_reads(old, [b["recv"] for b in boards], self._nodes,
+                                       sum(m["stride"] for m in self._meta[layer]), where)
+        except eplb.InvalidArgument:
+            board.progress(epoch, FENCED)
+            raise
         rows = {}
         for expert, dst in recvs:
             rows.setdefault(expert, []).append(dst)
         mine_reads = reads["dst_rank"] == self.rank
+        served = reads["src_rank"] == self.rank
         # Receives this rank can fill from its own old slots (vLLM asks for none of these).
         remote = set(reads["expert"][mine_reads].tolist())
         for expert in demands:
@@ -339,11 +373,16 @@ class TransportCommunicator:
                 for dst, src in zip(rows[expert][0], self._weights[layer]):
                     dst.copy_(src[slot])
 
-        # Step 3: the rounds. Every rank's reads of a round come from one peer at most.
+        # Step 3: the rounds. A rank meets one peer at most in a round (reading or read), and
+        # starts it once that peer has finished the round before.
         moved = 0
         for k in range(rounds):
-            sel = np.flatnonzero(mine_reads & (reads["round"] == k))
-            failure = None
+            what = f"{where}, round {k + 1} of {rounds}"
+            now = reads["round"] == k
+            sel = np.flatnonzero(mine_reads & now)
+            peers = set(reads["src_rank"][sel].tolist()) | \
+                set(reads["dst_rank"][np.flatnonzero(served & now)].tolist())
+            board.wait_for(peers, epoch, round_done(k - 1), deadline, what)
             if sel.size:
                 batch = []
                 for i in sel.tolist():
@@ -354,13 +393,20 @@ class TransportCommunicator:
                         batch.append((src, self._region(layer, t), row * stride,
                                       dst.data_ptr(), stride))
                         moved += stride
-                peers = sorted({b[0] for b in batch})
                 try:
-                    self._read(np.array(batch, dtype=np.int64), deadline)
+                    self._transport.read(np.array(batch, dtype=np.int64),
+                                         max(deadline - time.monotonic(), 0.0))
                 except eplb.Error as e:
-                    failure = (peers[0], _KINDS.index(_kind(e)) if _kind(e) in _KINDS
-                               else _KINDS.index("Error"), e)
-            self._round_status(failure, k, rounds, where, deadline)
+                    src = batch[0][0]
+                    board.fail(epoch, 2 if isinstance(e, eplb.Timeout) else 1, src)
+                    raise (eplb.Timeout if isinstance(e, eplb.Timeout) else eplb.IoError)(
+                        f"eplb communicator, {what}: rank {self.rank} could not read from "
+                        f"rank {src}: {e}") from e
+            board.progress(epoch, round_done(k))
+        # The fence: no rank reads this rank's weights once every rank is done.
+        board.wait_for(everyone, epoch, round_done(rounds - 1), deadline,
+                       f"{where}, after round {rounds} of {rounds}")
+        board.progress(epoch, FENCED)
 
         # Step 4: an expert this rank needs in several rows: copy the first.
         for dsts in rows.values():
@@ -371,16 +417,25 @@ class TransportCommunicator:
                      "seconds": time.monotonic() - start}
 
     # ------------------------------------------------------------ life
-    def close(self):
-        """Releases the transport: peers can no longer read this rank's weights. Idempotent."""
+    def close(self, wait=True):
+        """Releases the transport: peers can no longer read this rank's weights. With `wait`,
+        first waits (up to the timeout, at most 30 s) until no peer still reads this rank's
+        board, each being done with the last execute(), failed, or gone: a rank that leaves
+        first must not fail the others' last wait. Idempotent."""
+        self._close(min(self._timeout, 30.0) if wait else 0.0)
+
+    def _close(self, seconds):
         if self._transport is not None:
+            board = getattr(self, "_board", None)
+            if seconds > 0 and board is not None and self._epoch:
+                board.settle(self._epoch, seconds)
             self._transport.close()
             self._transport = None
         self._broken = self._broken or "the communicator is closed"
 
     def __del__(self):
         try:
-            self.close()
+            self._close(5.0)  # dropped right after an execute(): peers may still read the board
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
 
@@ -562,36 +617,6 @@ class TransportCommunicator:
                     f"eplb communicator, {where}: rank {r}'s old placement (old_indices) "
                     f"differs from rank 0's; vLLM passes one global map to every rank")
 
-    def _read(self, batch, deadline):
-        self._transport.read(batch, max(deadline - time.monotonic(), 0.0))
-
-    def _round_status(self, failure, k, rounds, where, deadline):
-        """The all-reduce after round k: every rank's failed read, if any, raised everywhere."""
-        g = self.world_size
-        values = [0] * (2 * g)
-        if failure is not None:
-            values[self.rank] = failure[0] + 1
-            values[g + self.rank] = failure[1]
-        what = f"{where}, round {k + 1} of {rounds}"
-        try:
-            values = self._group.all_reduce(values, "max", self._seconds(deadline))
-        except (eplb.IoError, eplb.Timeout) as e:
-            mine = "" if failure is None else \
-                f" (and rank {self.rank} could not read from rank {failure[0]}: {failure[2]})"
-            self._fail(e, what, mine)
-        if failure is not None:
-            self._broken = f"{what}: {failure[2]}"
-            raise type(failure[2])(f"eplb communicator, {what}: rank {self.rank} could not "
-                                   f"read from rank {failure[0]}: {failure[2]}")
-        failed = [(r, values[r] - 1, _KINDS[values[g + r]]) for r in range(g) if values[r]]
-        if failed:
-            self._broken = f"{what}: a read failed"
-            text = "; ".join(f"rank {r} could not read from rank {p} ({kind})"
-                             for r, p, kind in failed)
-            cls = eplb.Timeout if all(kind == "Timeout" for _, _, kind in failed) else \
-                eplb.IoError
-            raise cls(f"eplb communicator, {what}: {text}")
-
     # ------------------------------------------------------------ collectives and failures
     def _seconds(self, deadline):
         return max(deadline - time.monotonic(), 0.0)
@@ -613,32 +638,19 @@ class TransportCommunicator:
         more = f" (ranks {', '.join(also)} failed too)" if also else ""
         raise _ERRORS.get(kind, eplb.Error)(f"eplb communicator, {what}: rank {r}: {text}{more}")
 
-    def _fail(self, error, what, extra=""):
-        """A collective failed (a peer gone, or too slow): name the ranks that are gone where the
-        group could not, mark the communicator broken, and raise the same kind of error."""
+    def _fail(self, error, what):
+        """A start-up collective failed (a peer gone, or too slow): name the ranks that are gone
+        where the group could not, mark the communicator broken, and raise the same kind."""
         text = str(error)
-        if "exited" not in text and self._transport is not None:
-            gone = self._unreachable(range(self.world_size))
+        board = getattr(self, "_board", None)
+        if "exited" not in text and board is not None:
+            gone = board.unreachable(range(self.world_size))
             if gone:
                 text += "; " + ", ".join(f"rank {p}" for p in gone) + \
                     (" no longer answers" if len(gone) == 1 else " no longer answer") + \
                     " one-sided reads"
-        text += extra
         self._broken = f"{what}: {text}"
         raise type(error)(f"eplb communicator, {what}: {text}") from error
-
-    def _unreachable(self, peers, seconds=1.0):
-        """The `peers` a 1-byte read of fails within `seconds` each."""
-        gone = []
-        for peer in peers:
-            if peer == self.rank:
-                continue
-            try:
-                self._transport.read(np.array([[peer, 0, 0, self._probe_dst.data_ptr(), 1]],
-                                              dtype=np.int64), seconds)
-            except eplb.Error:
-                gone.append(peer)
-        return gone
 
     def _usable(self):
         if self._broken is not None:
@@ -682,86 +694,6 @@ def plan_reads(old, demands, nodes=1, expert_bytes=1, where="layer"):
                                half_duplex=True)
     layer = plan["layers"][0]
     return layer["reads"], int(layer["rounds"])
-
-
-def _group_class():
-    from eplb._torch_group import TorchGroup, _alive
-
-    class WatchedGroup(TorchGroup):
-        """eplb's TorchGroup whose waits watch the peers. A gloo collective whose peer died
-        fails at once on the ranks that exchange data with that peer, but a rank waiting on a
-        survivor that gave up would wait for its whole timeout. Here a rank, while it waits,
-        looks every 50 ms for ranks of its machine whose process has exited (and, through
-        `probe`, every second for peers on other machines that no longer answer one-sided
-        reads) and fails at once naming them; at the deadline it names the ranks of its
-        machine that are stopped as well. The collective itself is left to gloo: after a
-        failure the group must be rebuilt, as TorchGroup says."""
-
-        probe = None  # () -> ranks on other machines that no longer answer, or None
-
-        def _wait(self, work, seconds, what):
-            import eplb as _e
-            start = time.monotonic()
-            deadline = start + max(seconds, 0.001)
-            pause, local, remote = 1e-5, start + 0.05, start + 1.0
-            while not work.is_completed():
-                now = time.monotonic()
-                if now >= deadline:
-                    where = "; ".join(x for x in (self.gone(), self.stopped()) if x)
-                    raise _e.Timeout(
-                        f"control {what}: the torch group (gloo) did not finish within "
-                        f"{seconds:.1f} s on rank {self.rank}" + (f"; {where}" if where else ""))
-                if now >= local:
-                    dead = self.exited(wait=0)
-                    if dead:
-                        raise _e.IoError(f"control {what}: {self._named(dead)} exited while "
-                                         f"rank {self.rank} waited for the torch group")
-                    local = now + 0.05
-                if self.probe is not None and now >= remote:
-                    gone = self.probe()
-                    if gone:
-                        raise _e.IoError(
-                            f"control {what}: " + ", ".join(f"rank {r}" for r in gone)
-                            + (" no longer answers" if len(gone) == 1 else " no longer answer")
-                            + f" one-sided reads (seen by rank {self.rank} while it waited for "
-                            f"the torch group)")
-                    remote = time.monotonic() + 1.0
-                time.sleep(pause)
-                pause = min(pause * 2, 0.002)
-            super()._wait(work, max(deadline - time.monotonic(), 0.001), what)
-
-        def _named(self, ranks):
-            return ", ".join(f"rank {r} (pid {self._peers[r][1]})" for r in ranks) + \
-                (" has" if len(ranks) == 1 else " have")
-
-        def stopped(self):
-            """A sentence naming the ranks of this machine whose process is stopped, or ""."""
-            if not self._peers:
-                return ""
-            here = socket.gethostname()
-            ranks = [r for r, (host, pid) in enumerate(self._peers)
-                     if host == here and r != self.rank and _alive(pid) and _stopped(pid)]
-            return f"{self._named(ranks)} stopped (SIGSTOP or a debugger)" if ranks else ""
-
-    return WatchedGroup
-
-
-def _stopped(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
-    except (OSError, IndexError):
-        return False
-
-
-def _WatchedGroup(group):
-    global _WATCHED
-    if _WATCHED is None:
-        _WATCHED = _group_class()
-    return _WATCHED(group)
-
-
-_WATCHED = None
 
 
 def communicator_class(base=None):

@@ -9,6 +9,10 @@
 #     scheduler (EPLB_VLLM_SCHEDULER unset: nothing changes) and with eplb's in its place
 #     (EPLB_VLLM_SCHEDULER=eplb): every test but test_schedule_migration_batches_is_deterministic,
 #     which pins vLLM's exact batches (docs/integrations.md);
+#   - runs scripts/conformance/vllm_rearrange.py: vLLM's real EplbState.rearrange on the CPU in 4
+#     processes over gloo, with eplb's EPLB communicator (EPLB_VLLM_COMMUNICATOR=eplb) and with
+#     vLLM's torch_gloo: every rank's weights equal the one-process reference after every
+#     rearrangement; prints both wall times side by side;
 #   - runs scripts/conformance/sglang_check.py: SGLang's dispatcher and
 #     ExpertLocationMetadata.init_by_eplb with eplb installed, against SGLang's own outputs;
 #   - prints the versions it ran against.
@@ -50,10 +54,13 @@ fi
 [ -n "$sglang_version" ] || sglang_version=$(latest sglang)
 echo "engine-conformance: vLLM $vllm_version, SGLang $sglang_version, environment $venv"
 
+# Installs into the environment take its lock: other checkouts may share it.
+lock="$(dirname "$venv")/venv.lock"
+mkdir -p "$(dirname "$venv")"
 if [ ! -x "$venv/bin/python" ]; then
-  "$python" -m venv "$venv"
+  flock "$lock" "$python" -m venv "$venv"
 fi
-pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check)
+pip=(flock "$lock" "$venv/bin/python" -m pip install --quiet --disable-pip-version-check)
 torch_index=()
 [ -n "${EPLB_TORCH_INDEX:-}" ] && torch_index=(--index-url "$EPLB_TORCH_INDEX")
 "${pip[@]}" --upgrade pip
@@ -140,6 +147,14 @@ PY
   else
     echo "vllm $vllm_version has no tests/distributed/test_eplb_migration_scheduler.py (it" \
          "predates the migration scheduler): eplb's drop-in for it was not checked"
+  fi
+
+  # eplb's EPLB communicator inside vLLM's EplbState.rearrange, beside vLLM's torch_gloo.
+  if ! (cd "$work" && PYTHONPATH="$src" VLLM_LOGGING_LEVEL=WARNING \
+        "$venv/bin/python" "$root/scripts/conformance/vllm_rearrange.py" 2>"$work/rearrange.log"); then
+    tail -n 30 "$work/rearrange.log"
+    echo "vllm $vllm_version EplbState.rearrange with EPLB_VLLM_COMMUNICATOR=eplb: FAILED"
+    failed=1
   fi
 fi
 

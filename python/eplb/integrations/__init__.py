@@ -4,6 +4,10 @@
   (``vllm.distributed.eplb.policy``), ``make_policy`` / ``register`` to configure and install it,
   and the maps and load files around it (``compute_logical_maps``, ``preserve_intragpu_slots``,
   ``logical_load``, ``save_load_window``).
+- ``eplb.integrations.vllm_communicator``: ``TransportCommunicator``, vLLM's
+  ``EplbCommunicator`` over eplb's transports (one-sided reads of the peers' live expert
+  weights, in eplb's half-duplex rounds), and ``install`` / ``install_from_env`` to put it in
+  vLLM's communicator factory (``EPLB_VLLM_COMMUNICATOR=eplb``).
 - ``eplb.integrations.sglang``: ``rebalance_experts`` in the argument order of SGLang's
   ``eplb_algorithms.rebalance_experts``, what ``ExpertLocationMetadata`` is built from, and the
   files of ``--init-expert-location`` and of SGLang's expert-distribution recorder.

@@ -9,6 +9,9 @@ EplbState.rearrange (sync EPLB) several times. vLLM's default policy places; vLL
 rearrange_expert_weights_inplace moves the weights through the communicator. After every
 rearrangement each rank's weights are compared with the reference computed in this (the
 parent) process from vLLM's new placement: slot p of layer l holds expert phy2log[l][p]'s bytes.
+Then one more move through vLLM's batched path (transfer_layer with enable_migration_batching,
+what async EPLB runs: one execute() per batch of vLLM's migration scheduler, or of the one
+installed in its place), checked the same way.
 
 Stand-ins, each forced by the absence of a GPU:
   1. the MoE model: FusedMoE layers need a GPU, so a model object holds the expert weights
@@ -219,8 +222,34 @@ def rank_main(rank, args, store):
             phy2log = model_state.physical_to_logical_map.clone().numpy()
             hashes = [[digest(w) for w in layer] for layer in model.expert_weights]
             results[backend][1].append((seconds, phy2log, hashes))
+
+    # vLLM's batched path (async EPLB with enable_migration_batching): transfer_layer runs the
+    # communicator once per batch of vLLM's migration scheduler (or of the one installed in its
+    # place), then move_from_buffer; one more move, to a placement of vLLM's policy.
+    from vllm.distributed.eplb.rebalance_execute import move_from_buffer, transfer_layer
+    from vllm.distributed.parallel_state import get_ep_group
+    load = torch.from_numpy(np.random.default_rng(77).integers(
+        1, 1000, size=(args.layers, args.experts)))
+    batched = {}
+    for backend, (config, state, model, model_state) in states.items():
+        old = model_state.physical_to_logical_map.clone()
+        new = state.policy.rebalance_experts(load, args.experts + args.redundant, 1, 1, WORLD,
+                                             old)
+        with set_current_vllm_config(config):
+            get_eplb_group().barrier()
+            start = time.perf_counter()
+            for layer in range(args.layers):
+                metadata = transfer_layer(old[layer], new[layer], model.expert_weights[layer],
+                                          model_state.expert_buffer, get_ep_group().device_group,
+                                          model_state.communicator, layer_idx=layer,
+                                          enable_migration_batching=True)
+                move_from_buffer(model.expert_weights[layer], model_state.expert_buffer,
+                                 metadata, new[layer].numpy(), rank)
+            seconds = time.perf_counter() - start
+        batched[backend] = (seconds, new.numpy(),
+                            [[digest(w) for w in layer] for layer in model.expert_weights])
     states["eplb"][3].communicator.close()
-    return results
+    return {"runs": results, "batched": batched}
 
 
 def main():
@@ -262,30 +291,39 @@ def main():
     # The reference, in this process: every slot holds its expert's bytes under the new map.
     shapes = tensor_shapes(args)
     local = (args.experts + args.redundant) // WORLD
+    import torch
+
+    def matches(backend, what, phy2log, rank, hashes):
+        good = True
+        for l in range(args.layers):
+            for t, (shape, dtype) in enumerate(shapes):
+                want = digest(torch.stack([content(l, int(e), t, shape, dtype) for e in
+                                           phy2log[l, rank * local:(rank + 1) * local]]))
+                if hashes[l][t] != want:
+                    good = False
+                    print(f"{backend}: {what}: rank {rank} layer {l} tensor {t} differs from "
+                          f"the reference")
+        return good
+
     ok = True
-    names = {}
-    times = {}
-    maps = {}
+    names, times, maps = {}, {}, {}
     for backend in ("torch_gloo", "eplb"):
-        names[backend] = out[0][1][backend][0]
-        maps[backend] = [out[0][1][backend][1][i][1] for i in range(args.rearrangements)]
-        times[backend] = [max(out[r][1][backend][1][i][0] for r in range(WORLD))
+        runs = [out[r][1]["runs"][backend][1] for r in range(WORLD)]
+        names[backend] = out[0][1]["runs"][backend][0]
+        maps[backend] = [runs[0][i][1] for i in range(args.rearrangements)]
+        times[backend] = [max(runs[r][i][0] for r in range(WORLD))
                           for i in range(args.rearrangements)]
         for i in range(args.rearrangements):
             for r in range(WORLD):
-                _, phy2log, hashes = out[r][1][backend][1][i]
+                _, phy2log, hashes = runs[r][i]
                 if not np.array_equal(phy2log, maps[backend][i]):
                     ok = False
-                    print(f"{backend}: rearrangement {i + 1}: rank {r}'s map differs from rank 0's")
-                for l in range(args.layers):
-                    for t, (shape, dtype) in enumerate(shapes):
-                        import torch
-                        want = digest(torch.stack([content(l, int(e), t, shape, dtype) for e in
-                                                   phy2log[l, r * local:(r + 1) * local]]))
-                        if hashes[l][t] != want:
-                            ok = False
-                            print(f"{backend}: rearrangement {i + 1}: rank {r} layer {l} "
-                                  f"tensor {t} differs from the reference")
+                    print(f"{backend}: rearrangement {i + 1}: rank {r}'s map differs from "
+                          f"rank 0's")
+                ok &= matches(backend, f"rearrangement {i + 1}", phy2log, r, hashes)
+        for r in range(WORLD):
+            _, phy2log, hashes = out[r][1]["batched"][backend]
+            ok &= matches(backend, "batched move", phy2log, r, hashes)
     same_maps = all(np.array_equal(a, b) for a, b in zip(maps["torch_gloo"], maps["eplb"]))
     expert_mib = sum(int(np.prod(s)) * 2 for s, _ in shapes) / 2**20
     print(f"vllm rearrange: {WORLD} ranks, {args.layers} layers, "
@@ -299,12 +337,16 @@ def main():
         print(f"{i + 1:>14} {g:>13.3f} {e:>9.3f} {g / e:>6.2f}x")
     print(f"{'total':>14} {sum(times['torch_gloo']):>13.3f} {sum(times['eplb']):>9.3f} "
           f"{sum(times['torch_gloo']) / sum(times['eplb']):>6.2f}x")
+    g = max(out[r][1]["batched"]["torch_gloo"][0] for r in range(WORLD))
+    e = max(out[r][1]["batched"]["eplb"][0] for r in range(WORLD))
+    print(f"{'batched move':>14} {g:>13.3f} {e:>9.3f} {g / e:>6.2f}x   (transfer_layer with "
+          f"enable_migration_batching: one execute() per batch of vLLM's scheduler)")
     if not same_maps:
         ok = False
         print("the two runs placed differently (vLLM's policy on the same loads)")
     print(f"vllm rearrange: {'every' if ok else 'NOT every'} rank's weights equal the "
-          f"reference after each of {args.rearrangements} rearrangements, with both "
-          f"communicators" + ("" if ok else ": FAILED"))
+          f"reference after each of {args.rearrangements} rearrangements and the batched move, "
+          f"with both communicators" + ("" if ok else ": FAILED"))
     return 0 if ok else 1
 
 

@@ -100,8 +100,8 @@ def _dtype_name(dtype):
 
 
 class _Failed(Exception):
-    """A check of this rank that every rank must hear of: raised locally, carried through the
-    next collective, raised on every rank there."""
+    """A check of this rank that every rank must hear of: caught here, carried to every rank
+    (start-up: the group's gather; execute(): the boards) and raised on all of them."""
 
     def __init__(self, kind, message):
         super().__init__(message)

@@ -109,13 +109,13 @@ class Board:
         _eplb._store_release(self._address + 8, epoch * _EPOCH + kind * 65536 + culprit + 1)
 
     # ------------------------------------------------------------ the peers'
-    def read(self, deadline):
+    def read(self, epoch, deadline, what):
         """Every rank's board as a dict (layer, old, experts, error), after PUBLISHED."""
+        peers = [p for p in range(self.world) if p != self.rank]
         reads = [(p, self.region, 0, self._boards[p].ctypes.data, self.words * 8)
-                 for p in range(self.world) if p != self.rank]
+                 for p in peers]
         if reads:
-            self._transport.read(np.array(reads, dtype=np.int64),
-                                 max(deadline - time.monotonic(), 0.0))
+            self._read(reads, peers, epoch, deadline, what)
         self._boards[self.rank] = self._mine
         out = []
         for words in self._boards:
@@ -183,13 +183,17 @@ class Board:
 
     def _read_heads(self, peers, epoch, deadline, what):
         reads = [(p, self.region, 0, self._heads[p].ctypes.data, 16) for p in peers]
+        self._read(reads, peers, epoch, deadline, what)
+
+    def _read(self, reads, peers, epoch, deadline, what):
         try:
             self._transport.read(np.array(reads, dtype=np.int64),
                                  max(deadline - time.monotonic(), 0.0))
         except eplb.Error as e:
-            gone = self.unreachable(peers) or peers[:1]
-            self.fail(epoch, 1, gone[0])
-            raise (eplb.Timeout if isinstance(e, eplb.Timeout) else eplb.IoError)(
+            late = isinstance(e, eplb.Timeout)
+            gone = self.unreachable(peers) or list(peers)  # else: one of them, which is unknown
+            self.fail(epoch, 2 if late else 1, gone[0])
+            raise (eplb.Timeout if late else eplb.IoError)(
                 f"eplb communicator, {what}: rank {self.rank} could not read from "
                 + ", ".join(f"rank {p}" for p in gone) + f": {e}") from e
 

@@ -340,7 +340,7 @@ class TransportCommunicator:
                       demands, None if deferred is None else (deferred.kind, str(deferred)))
         everyone = range(self.world_size)
         board.wait_for(everyone, epoch, PUBLISHED, deadline, where)
-        boards = board.read(deadline)
+        boards = board.read(epoch, deadline, where)
         board.progress(epoch, CHECKED)
         board.wait_for(everyone, epoch, CHECKED, deadline, where)
         # Step 2: eplb's plan: a source for every transfer, and the rounds. Every rank decides

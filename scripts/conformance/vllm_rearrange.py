@@ -73,6 +73,11 @@ def digest(t):
     return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
+def slot_digests(model):
+    """[layers][tensors][local slots]: the digest of every slot's bytes on this rank."""
+    return [[[digest(row) for row in w] for w in layer] for layer in model.expert_weights]
+
+
 class CpuEvent:
     """Stand-in 4: torch.Event's timing interface on the CPU clock."""
 
@@ -220,8 +225,7 @@ def rank_main(rank, args, store):
                 state.rearrange()
                 seconds = time.perf_counter() - start
             phy2log = model_state.physical_to_logical_map.clone().numpy()
-            hashes = [[digest(w) for w in layer] for layer in model.expert_weights]
-            results[backend][1].append((seconds, phy2log, hashes))
+            results[backend][1].append((seconds, phy2log, slot_digests(model)))
 
     # vLLM's batched path (async EPLB with enable_migration_batching): transfer_layer runs the
     # communicator once per batch of vLLM's migration scheduler (or of the one installed in its
@@ -246,8 +250,7 @@ def rank_main(rank, args, store):
                 move_from_buffer(model.expert_weights[layer], model_state.expert_buffer,
                                  metadata, new[layer].numpy(), rank)
             seconds = time.perf_counter() - start
-        batched[backend] = (seconds, new.numpy(),
-                            [[digest(w) for w in layer] for layer in model.expert_weights])
+        batched[backend] = (seconds, new.numpy(), slot_digests(model))
     states["eplb"][3].communicator.close()
     return {"runs": results, "batched": batched}
 
@@ -293,16 +296,19 @@ def main():
     local = (args.experts + args.redundant) // WORLD
     import torch
 
+    reference = {}  # (layer, expert, tensor) -> the digest of its bytes
+
     def matches(backend, what, phy2log, rank, hashes):
         good = True
         for l in range(args.layers):
             for t, (shape, dtype) in enumerate(shapes):
-                want = digest(torch.stack([content(l, int(e), t, shape, dtype) for e in
-                                           phy2log[l, rank * local:(rank + 1) * local]]))
-                if hashes[l][t] != want:
-                    good = False
-                    print(f"{backend}: {what}: rank {rank} layer {l} tensor {t} differs from "
-                          f"the reference")
+                for row, e in enumerate(phy2log[l, rank * local:(rank + 1) * local].tolist()):
+                    if (l, e, t) not in reference:
+                        reference[(l, e, t)] = digest(content(l, e, t, shape, dtype))
+                    if hashes[l][t][row] != reference[(l, e, t)]:
+                        good = False
+                        print(f"{backend}: {what}: rank {rank} layer {l} tensor {t} slot "
+                              f"{rank * local + row} differs from the reference (expert {e})")
         return good
 
     ok = True

@@ -15,6 +15,7 @@
 // the rank wrote or read before, and read() ends with an acquire fence, so a peer that reads
 // the word and then the data behind it sees that data.
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -105,9 +106,11 @@ class PyTransport {
           .dst = reinterpret_cast<void*>(static_cast<uintptr_t>(r[3])),
           .bytes = static_cast<size_t>(r[4])};
     }
+    // A wait of more than a year is a wait without end: clamped, so the milliseconds fit.
+    const double ms = std::ceil(std::min(seconds, 365.0 * 24 * 3600) * 1000);
     py::gil_scoped_release release;
     std::unique_ptr<transport::Batch> posted = get().post(batch);
-    posted->wait(std::chrono::milliseconds(static_cast<int64_t>(std::ceil(seconds * 1000))));
+    posted->wait(std::chrono::milliseconds(static_cast<int64_t>(ms)));
     std::atomic_thread_fence(std::memory_order_acquire);
   }
 

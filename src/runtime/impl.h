@@ -1,6 +1,5 @@
 #pragma once
-// Rebalancer::Impl, the runtime behind the public Rebalancer. One rebalance, step by step, and
-// the file of each:
+// Rebalancer::Impl, behind the public Rebalancer. One rebalance, step by step, and its files:
 //   record      the loads of each step (rebalancer.cc: record, record_counts, record_pass)
 //   trigger     at an interval, the window to the control thread's all-reduce (trigger.cc)
 //   compute     placement, migration plan, schedule, tables, on the worker (worker.cc, compute.cc)
@@ -152,13 +151,10 @@ class Rebalancer::Impl {
   void install(RebalancePlan& plan, int64_t k);
   bool swaps() const;
   void install_into_engine(const RebalancePlan& plan, int64_t k);
-  template <typename F>
-  void installer_or_stop(F&& call, int64_t layer);
+  template <typename F> void installer_or_stop(F&& call, int64_t layer);
   void mark_installed(int64_t layer);
-  routing::DispatchTables build_tables(const Placement& placement, int64_t layer,
-                                       bool after_install) const;
+  routing::DispatchTables build_tables(const Placement& p, int64_t layer, bool after_install) const;
   void write_maps(int64_t layer) const;
-
   // Immutable after construction / connect(), or replaced by reconfigure() on the forward
   // thread while the worker is idle and no control thread runs.
   const Config config_;
@@ -182,8 +178,7 @@ class Rebalancer::Impl {
   std::atomic<int64_t> bytes_held_{0};
   int64_t balancedness_period_ = 0;  // resolved: 0 never
 
-  // Metrics (atomic), the progress of the rebalance in flight (any thread, monitor.h), and the
-  // monitor thread from connect() on.
+  // Metrics (atomic), the in-flight rebalance's progress (any thread), the monitor thread.
   std::unique_ptr<RuntimeMetrics> metrics_;
   PhaseTracker progress_;
   std::unique_ptr<Monitor> monitor_;
@@ -218,9 +213,8 @@ class Rebalancer::Impl {
   std::atomic<int64_t> contribution_{kNoAgreement};  // agreement_contribution()
   ExternalAgreement external_;  // results of an external agreement, handed in by any thread
 
-  // Threads.
-  std::unique_ptr<ControlThread> control_;
-  WorkerThread worker_;
+  std::unique_ptr<ControlThread> control_;  // the control thread, from connect() on
+  WorkerThread worker_;                     // the worker thread, from connect() on
 };
 
 }  // namespace eplb::runtime

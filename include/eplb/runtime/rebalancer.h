@@ -15,14 +15,13 @@
 //     rb.record(layer, expert_ids) ...; rb.dispatch(layer) ...; forward pass ...; rb.step_end();
 //   rb.shutdown();
 //
-// Threads. The engine's forward thread calls record*, dispatch, weights, phy2log and step_end;
-// they are not thread-safe against each other (one forward thread). history(), rank(), step()
-// accessors marked "any thread" may be called from anywhere. The Rebalancer runs three threads
-// of its own: a control thread, the only user of the communicator, and a worker thread
-// (placement, planning, reads), both from connect() to shutdown(); and a monitor thread (the
-// stall watchdog, the in-flight metrics, the periodic balancedness log), from the constructor
-// to shutdown(). The communicator and the transport belong to the caller, must outlive the
-// Rebalancer (or its shutdown()), and must not be used by anyone else in between.
+// Threads. The engine's forward thread calls record*, dispatch, weights, phy2log and step_end
+// (one forward thread: not thread-safe against each other); accessors marked "any thread" may
+// be called from anywhere. eplb runs three threads of its own (docs/runtime.md): a control
+// thread, the only user of the communicator, and a worker (placement, planning, reads), from
+// connect() to shutdown(); and a monitor (stall watchdog, in-flight metrics), from the
+// constructor to shutdown(). The communicator and the transport belong to the caller, must
+// outlive the Rebalancer (or its shutdown()), and must not be used by anyone else in between.
 //
 // Weights: the engine's own tensors, or an arena eplb allocates (config.h, WeightSpec).
 
@@ -77,24 +76,16 @@ class Rebalancer {
   // allocated or connected later.
   int64_t connect();
 
-  // Elastic serving (docs/elastic.md). Called by every member of the new group at the same step
-  // (forward thread, between two step_end() calls), with a communicator and a transport built
-  // for the new group (member g of `membership` is rank g of both), after a failure or to take
-  // a rank back. A rebalance in flight is abandoned first (installed layers stay, as after any
-  // failure), the old control thread drains, and eplb moves its staging (and arena, and backup
-  // copy) into the new transport. The members then exchange descriptors and what every one of
-  // their slots holds; the slots of lost seats, and every slot of a joining member, are marked
-  // lost, and every layer's dispatch tables are rebuilt so that no token goes to a lost slot
-  // (unavailable() lists the experts left with no replica). The next step_end() starts a repair
-  // rebalance: a placement over the members' seats only, lost experts restored (from a live
-  // replica, a backup copy, or the loader) and the layers with unavailable experts installed
-  // first; a joining member receives tokens once its slots are installed. The old communicator
-  // and transport are no longer used once it returns (the caller may destroy them). With the
-  // arena, weights() moves to the new transport's memory (Install::kCopy too): re-read it after
-  // reconfigure(); the engine's own tensors (WeightSpec::engine) stay where they are. A joining
-  // Rebalancer (the constructor above) adopts the group's step and placement. Throws (and the
-  // engine may call it again with another group) when a collective fails or the members
-  // disagree: InvalidArgument naming the seat, step or configuration that differs.
+  // Elastic serving (docs/elastic.md has the whole sequence). Every member of the new group
+  // calls it at the same step (forward thread, between two step_end() calls), with a
+  // communicator and a transport built for the new group (member g of `membership` is rank g of
+  // both). A rebalance in flight is abandoned (installed layers stay); the members exchange
+  // what their slots hold; lost slots are marked so and every layer's tables rebuilt so that no
+  // token goes to one (unavailable()); the next step_end() starts a repair rebalance. The old
+  // communicator and transport are unused once it returns. With the arena, re-read weights()
+  // after it. A joining Rebalancer adopts the group's step and placement. Throws (the engine may
+  // call it again with another group) when a collective fails or the members disagree:
+  // InvalidArgument naming the seat, step or configuration that differs.
   void reconfigure(control::Communicator& communicator, transport::Transport& transport,
                    const Membership& membership);
   // The seats of the group now (Membership::all after connect()); forward thread.
@@ -115,46 +106,32 @@ class Rebalancer {
                                             std::span<std::byte> bytes)>& fill);
 
   // ---- forward thread ----
-  // Counts tokens routed to each listed logical expert of `layer` in the current step.
-  void record(int64_t layer, std::span<const int32_t> expert_ids);
-  // Adds a count vector [experts] to `layer` in the current step.
-  void record_counts(int64_t layer, std::span<const int64_t> counts);
-  // One forward pass of the engine's own counters, all layers at once (engine_maps.h): tokens
-  // per slot ([layers][physical], counted for the expert each slot holds now) or per logical
-  // expert ([layers][experts]); per slot also at the members' width after a reconfigure() to
-  // fewer seats (bind_maps()). Read in place, once per step: a second call before step_end(),
-  // a wrong shape or a negative count is InvalidArgument, and nothing of that call is counted.
+  void record(int64_t layer, std::span<const int32_t> expert_ids);  // one per token routed
+  void record_counts(int64_t layer, std::span<const int64_t> counts);  // [experts] to add
+  // One forward pass of the engine's own counters, all layers (engine_maps.h): tokens per slot
+  // ([layers][physical], or the members' width, bind_maps()) or per expert ([layers][experts]).
+  // Once per step: a second call before step_end(), a wrong shape or a negative count is
+  // InvalidArgument, and nothing of that call is counted.
   void record_pass(const IntTensor& counts, CountsOf of);
   // Binds the engine's map tensors (engine_maps.h) in place of any bound before, and writes
-  // every layer's rows now. From then on eplb writes a layer's rows at the step it installs
-  // that layer (the same step on every rank, so every rank's tensors are the same after every
-  // step, kRankDispatch excepted: it is this rank's) and after reconfigure(); their storage
-  // never moves, and tensors bound before are never written again. After a reconfigure() to
-  // fewer seats an engine may bind views at the members' width (vLLM's elastic EP re-slices its
-  // physical_to_logical_map to the survivors' slots, renumbered): a call whose
-  // kPhysicalToLogical tensor is [layers][members x slots_per_rank] numbers every slot of its
-  // tensors that way (member g, in ascending seat order, owns [g * slots_per_rank, ...)). Such
-  // a binding is unbound (with a warning) by the next reconfigure() that changes the members.
-  // InvalidArgument for a wrong shape, a width neither the layout's nor the members', or R too
-  // small; nothing is bound then.
+  // every layer's rows now; then a layer's rows at the step it installs that layer (the same
+  // step on every rank) and after reconfigure(). Their storage never moves; tensors bound before
+  // are never written again. After a reconfigure() to fewer seats, views at the members' width
+  // ([layers][members x slots_per_rank], member g at [g * slots_per_rank, ...), as vLLM's
+  // elastic EP re-slices them) may be bound; the next reconfigure() that changes the members
+  // unbinds them (docs/embedding.md). InvalidArgument for a wrong shape, a width neither the
+  // layout's nor the members', or R too small; nothing is bound then.
   void bind_maps(std::vector<MapBinding> maps);
   // A placement computed elsewhere (the engine's own policy, a file `eplb plan` wrote): the
-  // next step_end() starts a rebalance that installs it instead of placing with the configured
-  // policy. The runtime plans the moves, stages them off the forward thread, agrees the install
-  // steps and installs layer by layer, exactly as for its own placements (never skipped for
-  // min_gain: the engine's policy decided; skipped when it equals the placement in force).
-  // `placement.phy2log` decides ([layers][physical]); its width is the layout's physical, or
-  // after a reconfigure() to fewer seats the members' slots (member g, in ascending seat order,
-  // at [g * slots_per_rank, ...): an engine's compact view); slots of seats that are no member
-  // keep what they hold. Every rank proposes the same placement at the same step (between the
-  // same two step_end() calls): the trigger proves it with one all-reduce, and a mismatch fails
-  // that rebalance on every rank, naming the first differing layer and slot (or the steps); a
-  // rank that does not propose while the others do leaves their collective without a partner
-  // (it fails at the timeout, as a rank that skipped a step_end()). A second call before the
-  // next step_end() replaces the first; reconfigure() drops a proposal not yet started.
-  // Forward thread. InvalidArgument, and nothing queued, for a wrong shape, an expert outside
-  // [0, experts) or a layer that leaves an expert without a member slot, while a rebalance is
-  // in flight (rebalancing()), or once the control plane is broken (control_broken()).
+  // next step_end() starts a rebalance that installs it, planned, staged, agreed and installed
+  // as the runtime's own (never skipped for a gain check; skipped when it equals the placement
+  // in force). `placement.phy2log` is [layers][physical], or after a reconfigure() to fewer
+  // seats the members' compact width. Every rank proposes the same placement at the same step:
+  // the trigger proves it with one all-reduce, and a mismatch fails that rebalance on every
+  // rank, naming the first differing layer and slot (docs/embedding.md). A second call before
+  // the next step_end() replaces the first. Forward thread. InvalidArgument, nothing queued, for
+  // a wrong shape, an expert outside [0, experts), a layer leaving an expert without a member
+  // slot, a rebalance in flight, or a broken control plane.
   void propose(const Placement& placement);
   // The tables of `layer` now; valid until the next step_end() or reconfigure(). Only they say
   // which slots serve: after a rank is lost, phy2log() still names an expert in its slots.
@@ -172,21 +149,18 @@ class Rebalancer {
   std::span<const int32_t> phy2log(int64_t layer) const;
   // The placement in force now, all layers (built on demand).
   Placement placement() const;
-  // Once after every forward pass. Advances the rebalance protocol; see docs/runtime.md.
-  // With on_error = raise, throws the error of a rebalance that failed at this step (the
-  // rebalance is already abandoned consistently; later calls go on serving).
+  // Once after every forward pass: advances the rebalance protocol (docs/runtime.md). With
+  // on_error = raise, throws the error of a rebalance that failed at this step (abandoned
+  // consistently already; later calls go on serving).
   void step_end();
   // Writes the recorded window ([steps][layers][experts]) in any load format stats writes
-  // (eplb's, SGLang's logical_count, vLLM's load_history, a CSV matrix), so a run can seed the
-  // next one.
+  // (eplb's, SGLang's, vLLM's, CSV), so a run can seed the next one.
   void save_stats(const std::string& path, stats::LoadFormat format = stats::LoadFormat::kEplb)
       const;
 
-  // The cost model Config::min_gain's check predicts with from the next trigger on (a model
-  // the engine fits from its own timings while serving; it replaces Config::cost). Give every
-  // rank the same one at the same step: the ranks decide with the mean of their models, so
-  // different ones cannot make them disagree, but only the same one means what was fitted.
-  // Forward thread. InvalidArgument for a bad model (CostModel::validate).
+  // The cost model Config::min_gain's check predicts with from the next trigger on (replaces
+  // Config::cost); the same on every rank at the same step (the ranks decide with the mean of
+  // their models). Forward thread. InvalidArgument for a bad model (CostModel::validate).
   void set_cost_model(const placement::CostModel& model);
 
   // ---- external agreement (Config::agreement = kExternal) ----
@@ -196,12 +170,11 @@ class Rebalancer {
   // step() (handing that result in is then optional). Forward thread, or any thread the
   // engine orders after the step_end() of that step.
   int64_t agreement_contribution() const;
-  // The minimum over all ranks of their agreement_contribution() at `step`. It must come
-  // before the step_end() that makes step() == step + lag: that step_end acts on it, waiting
-  // at most `timeout` for a late one; a result still missing then fails the rebalance on this
-  // rank like a failed collective (no rebalance triggers again, control_broken()). Results of
-  // steps where no rebalance ran are ignored. Any thread. InvalidArgument with an internal
-  // agreement, or for a step after step().
+  // The minimum over all ranks of their agreement_contribution() at `step`, before the
+  // step_end() that makes step() == step + lag; that one waits at most `timeout` for it, then
+  // fails the rebalance as a failed collective would (control_broken()). Results of steps with
+  // no rebalance are ignored. Any thread. InvalidArgument with an internal agreement, or for a
+  // step after step().
   void agreement_result(int64_t step, int64_t min_value);
 
   // Drains the control thread's queue and joins the three threads; idempotent. Call it on every
@@ -216,12 +189,10 @@ class Rebalancer {
   bool control_broken() const;         // a collective (or an external agreement) failed: no
                                        // rebalance will trigger again
   int64_t bytes_held() const;          // any thread, after connect()
-  // Host memory eplb holds on this rank now, in bytes: the arena or staging layer (bytes_held(),
-  // unless the transport keeps it in device memory), the load window
-  // (stats::LoadRecorder::bytes_for), the placement in force and every layer's dispatch tables.
-  // Not counted: the engine's own weights, a rebalance in flight's plan (the new placement and
-  // tables of the layers it moves, freed when it ends), the threads' stacks, the backends'
-  // buffers. Forward thread, after connect().
+  // Host memory eplb holds on this rank now, in bytes: the arena or staging layer (unless in
+  // device memory), the load window, the placement in force and every layer's dispatch tables;
+  // not the engine's weights, a rebalance in flight's plan, stacks or backends' buffers.
+  // Forward thread, after connect().
   int64_t host_bytes() const;
   // The metrics now (any thread): the registry they live in, its families, and their text
   // exposition (what a /metrics endpoint serves). The in-flight figures (age, phase) are

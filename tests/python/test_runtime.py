@@ -663,9 +663,11 @@ def test_argument_bounds():
 
 def test_min_gain_config_and_cost_model():
     # A rebalance only when it pays: min_gain and its model in the config, the model replaced
-    # while serving, and every rebalance's check in the history.
+    # while serving, and every rebalance's check in the history. Sync mode: every trigger's
+    # check is made inside its step_end, however slow the machine (a sanitizer's build).
     model = eplb.cost.CostModel(slot_us=10.0, token_us=1.0)
-    with eplb.Rebalancer(one_config(min_gain=0.5, cost=model, interval=2, window=2), 0, 1,
+    with eplb.Rebalancer(one_config(min_gain=0.5, cost=model, interval=2, window=2, mode="sync"),
+                         0, 1,
                          control="inproc",
                          transport="inproc", weights=WEIGHTS, layers=LAYERS) as rb:
         assert rb.config["min_gain"] == 0.5 and rb.config["cost"].slot_us == 10.0

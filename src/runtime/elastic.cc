@@ -20,8 +20,8 @@
 // Ownership. reconfigure() runs on the forward thread. Before it touches anything the worker
 // and the control thread share, it cancels the rebalance in flight, waits for the worker to be
 // idle and stops the control thread (which runs what was queued, failing fast on a broken
-// communicator), so that comm_, transport_, the regions, peer_of_seat_ and the backup tables
-// are written while no other runtime thread reads them. The monitor thread reads none of them;
+// communicator), so that comm_ and the weight store's regions, peers and backup tables are
+// written while no other runtime thread reads them. The monitor thread reads none of them;
 // a window of the old group that fails late is told apart by group_.
 
 namespace eplb::runtime {
@@ -74,7 +74,7 @@ void Rebalancer::Impl::reconfigure(control::Communicator& communicator,
     fail("the ", transport.backend(), " transport keeps the weights in device memory: set "
          "Config::installer");
   }
-  if (&communicator == comm_ || &transport == transport_) {
+  if (&communicator == comm_ || (!joining_ && &transport == &weights_.transport())) {
     fail("reconfigure: pass a communicator and a transport built for the new group (these are "
          "the ones in use)");
   }
@@ -113,64 +113,30 @@ void Rebalancer::Impl::reconfigure(control::Communicator& communicator,
   // regions stay the live ones (weights() still serves them): a reconfigure that throws leaves
   // this rank as it was, on the communicator and transport the caller must keep until one
   // succeeds.
-  if (!joining && transport.capabilities().device_memory != transport_->capabilities().device_memory) {
+  if (!joining && transport.capabilities().device_memory != weights_.device_memory()) {
     fail("reconfigure: the new ", transport.backend(), " transport keeps its memory ",
          transport.capabilities().device_memory ? "on the device" : "on the host",
-         " but the ", transport_->backend(), " transport in use does not: the weights cannot "
-         "change sides");
+         " but the ", weights_.transport().backend(), " transport in use does not: the "
+         "weights cannot change sides");
   }
-  struct Saved {
-    control::Communicator* comm;
-    transport::Transport* transport;
-    transport::Region region, backup;
-    EngineTensors engine;
-    std::vector<int> peer_region, peer_backup_region, peer_of_seat;
-    std::vector<int32_t> members;
-  };
-  const Saved old{comm_,         transport_,          region_,       backup_region_, engine_,
-                  peer_region_,  peer_backup_region_, peer_of_seat_, members_};
-  const BufferMap old_map = map_;
+  control::Communicator* const old_comm = comm_;
+  const WeightStore::Regions old = weights_.regions();
+  const std::vector<int32_t> old_members = members_;
   comm_ = &communicator;
-  transport_ = &transport;
   try {
-    allocate_regions();
+    weights_.allocate(transport);
     exchange_membership(membership, joining);
   } catch (...) {
-    comm_ = old.comm;
-    transport_ = old.transport;
-    region_ = old.region;
-    backup_region_ = old.backup;
-    engine_ = old.engine;
-    peer_region_ = old.peer_region;
-    peer_backup_region_ = old.peer_backup_region;
-    peer_of_seat_ = old.peer_of_seat;
-    members_ = old.members;
+    comm_ = old_comm;
+    weights_.restore(old);
+    members_ = old_members;
     throw;
   }
 
   // Step 3: the arena's layers move in layer order (so that every member's buffer map is the
   // identity again), after the engine's queued work that may still write them; then the
   // backup copy.
-  if (!joining && !spec_.engine_weights()) {
-    if (config_.installer) config_.installer->wait_marked(config_.timeout);
-    const auto bytes = static_cast<size_t>(arena_.layer_bytes());
-    std::vector<transport::Read> copies;
-    for (int64_t l = 0; l < layers_; ++l) {
-      const int64_t from = arena_.offset(old_map.buffer_of_layer[l], 0, 0);
-      std::byte* to = region_.data + arena_.offset(l, 0, 0);
-      if (old.transport->capabilities().device_memory) {
-        copies.push_back({.peer = old.transport->rank(), .region = old.region.id,
-                          .offset = static_cast<uint64_t>(from), .dst = to, .bytes = bytes});
-      } else {
-        std::memcpy(to, old.region.data + from, bytes);
-      }
-    }
-    if (!copies.empty()) old.transport->post(copies)->wait(config_.timeout);
-    map_ = BufferMap(layers_);
-  }
-  if (!joining && old.backup.bytes > 0 && backup_region_.bytes == old.backup.bytes) {
-    std::memcpy(backup_region_.data, old.backup.data, old.backup.bytes);
-  }
+  if (!joining) weights_.move_from(old);
 
   // Step 4: the threads on the new group.
   control_broken_.store(false, std::memory_order_release);
@@ -180,8 +146,7 @@ void Rebalancer::Impl::reconfigure(control::Communicator& communicator,
     joining_ = false;
     connected_ = true;
   }
-  bytes_held_.store(static_cast<int64_t>(region_.bytes), std::memory_order_release);
-  metrics_->set_bytes_held(static_cast<int64_t>(region_.bytes));
+  metrics_->set_bytes_held(weights_.publish_bytes_held());
   int64_t lost_slots = 0;
   for (const uint8_t u : usable_) lost_slots += u == 0;
   const int64_t unavailable_total = unavailable_count();
@@ -206,15 +171,17 @@ void Rebalancer::Impl::exchange_membership(const Membership& membership, bool jo
     int32_t seat, joining, backup_filled, region, backup_region, repair;
     int64_t step, next_index;
   };
-  const std::vector<std::byte> descriptor = transport_->export_descriptor();
+  transport::Transport& transport = weights_.transport();
+  const WeightStore::Regions& regions = weights_.regions();
+  const std::vector<std::byte> descriptor = transport.export_descriptor();
   std::vector<std::byte> mine(sizeof(Head) + own * sizeof(int32_t) + own + descriptor.size());
   Head head{};
   head.fingerprint = config_fingerprint(config_, spec_);
   head.seat = seat_;
   head.joining = joining ? 1 : 0;
-  head.backup_filled = backup_filled_.load(std::memory_order_acquire) ? 1 : 0;
-  head.region = region_.id;
-  head.backup_region = backup_region_.bytes > 0 ? backup_region_.id : -1;
+  head.backup_filled = weights_.backup_filled() ? 1 : 0;
+  head.region = regions.arena.id;
+  head.backup_region = regions.backup.bytes > 0 ? regions.backup.id : -1;
   head.repair = repair_pending_ ? 1 : 0;
   head.step = step_;
   head.next_index = records_.next_index();
@@ -265,48 +232,27 @@ void Rebalancer::Impl::exchange_membership(const Membership& membership, bool jo
          "at least one rank that served before");
   }
   // Descriptors, then one small read from every member proves the connections now.
-  peer_region_.assign(static_cast<size_t>(layout.ranks), -1);
-  peer_backup_region_.assign(static_cast<size_t>(layout.ranks), -1);
-  peer_of_seat_.assign(static_cast<size_t>(layout.ranks), -1);
+  weights_.clear_peers();
   members_.clear();
   const bool engine = spec_.engine_weights();
   for (size_t g = 0; g < all.size(); ++g) {
     const Head& h = heads[g];
-    if (engine && h.region != region_.id) {
+    if (engine && h.region != regions.arena.id) {
       fail("reconfigure: seat ", h.seat, " registered its regions in another order than seat ",
-           seat_, " (staging region ", h.region, " against ", region_.id,
+           seat_, " (staging region ", h.region, " against ", regions.arena.id,
            "): give the Rebalancer a transport of its own");
     }
-    peer_region_[h.seat] = h.region;
-    peer_backup_region_[h.seat] = h.backup_filled ? h.backup_region : -1;
-    peer_of_seat_[h.seat] = static_cast<int>(g);
+    weights_.set_peer(h.seat, static_cast<int>(g), h.region,
+                      h.backup_filled ? h.backup_region : -1);
     members_.push_back(h.seat);
     if (static_cast<int>(g) != comm_->rank()) {
       const size_t at = sizeof(Head) + own * (sizeof(int32_t) + 1);
-      transport_->import_descriptor(static_cast<int>(g),
-                                    std::span<const std::byte>(all[g]).subspan(at));
+      transport.import_descriptor(static_cast<int>(g),
+                                  std::span<const std::byte>(all[g]).subspan(at));
     }
   }
   std::sort(members_.begin(), members_.end());
-  {
-    // In the arena, the last buffer: a peer that is past this exchange copies its layers into
-    // buffers 0 .. layers - 1 of its new region (reconfigure's step 3), never into that one.
-    constexpr size_t kProbe = 8;
-    const auto probe_at = static_cast<uint64_t>(engine ? 0 : arena_.offset(layers_, 0, 0));
-    std::vector<std::byte> probe(kProbe * all.size());
-    std::vector<transport::Read> reads;
-    for (size_t g = 0; g < all.size(); ++g) {
-      if (static_cast<int>(g) == comm_->rank()) continue;
-      reads.push_back({.peer = static_cast<int>(g),
-                       .region = engine ? engine_.at.front().region : heads[g].region,
-                       .offset = probe_at,
-                       .dst = probe.data() + kProbe * g,
-                       .bytes = std::min<size_t>(
-                           kProbe, static_cast<size_t>(engine ? arena_.tensor_bytes(0)
-                                                              : arena_.layer_bytes()))});
-    }
-    if (!reads.empty()) transport_->post(reads)->wait(config_.timeout);
-  }
+  weights_.probe_peers(config_.timeout);
 
   // What every slot holds: a member's own report (the truth, whatever each member believed of
   // the others); the slots of lost seats and of joining members hold nothing usable and are
@@ -376,7 +322,7 @@ void Rebalancer::Impl::exchange_membership(const Membership& membership, bool jo
   }
   bool all_usable = true;
   for (int64_t p = 0; p < layers_ * P; ++p) {
-    all_usable = all_usable && (usable_[p] || peer_of_seat_[(p % P) / spr] < 0);
+    all_usable = all_usable && (usable_[p] || !weights_.member(static_cast<int>((p % P) / spr)));
   }
   // A repair when a member slot holds nothing, or the group is not what it was: the placement
   // then follows the members (a smaller group is rebalanced over the survivors at once).
@@ -402,14 +348,7 @@ ElasticInputs Rebalancer::Impl::elastic_inputs() const {
   in.members = members_;
   in.usable = usable_;
   in.loader = static_cast<bool>(config_.backup.loader);
-  in.backup_holders.resize(static_cast<size_t>(config_.layout.experts));
-  for (int32_t e = 0; e < config_.layout.experts; ++e) {
-    for (const int32_t seat : backup_.holders(e)) {
-      if (peer_of_seat_[seat] >= 0 && peer_backup_region_[seat] >= 0) {
-        in.backup_holders[e].push_back(seat);
-      }
-    }
-  }
+  in.backup_holders = weights_.backup_holders();
   return in;
 }
 
@@ -417,7 +356,7 @@ ElasticInputs Rebalancer::Impl::elastic_inputs() const {
 void Rebalancer::Impl::mark_installed(int64_t layer) {
   const int64_t P = config_.layout.physical;
   const int64_t spr = config_.layout.slots_per_rank();
-  for (int64_t p = 0; p < P; ++p) usable_[layer * P + p] = peer_of_seat_[p / spr] >= 0;
+  for (int64_t p = 0; p < P; ++p) usable_[layer * P + p] = weights_.member(static_cast<int>(p / spr));
   if (repair_pending_) metrics_->set_unavailable(unavailable_count());
 }
 
@@ -447,43 +386,6 @@ bool Rebalancer::Impl::any_unavailable() const {
     }
   }
   return false;
-}
-
-// ---------------------------------------------------------------- backup
-std::vector<int32_t> Rebalancer::Impl::backup_experts() const {
-  return backup_.copies() > 0 ? backup_.experts_of(seat_) : std::vector<int32_t>{};
-}
-
-std::span<std::byte> Rebalancer::Impl::backup_weights(int64_t layer, int64_t tensor,
-                                                      int32_t expert) const {
-  EPLB_CHECK(backup_region_.bytes > 0,
-             "backup_weights: this rank keeps no backup copy (Config::backup.copies is 0, or "
-             "connect()/reconfigure() has not run yet)");
-  EPLB_CHECK(layer >= 0 && layer < layers_, "backup_weights: layer ", layer,
-             " is outside [0, ", layers_, ")");
-  EPLB_CHECK(tensor >= 0 && tensor < arena_.tensors(), "backup_weights: tensor ", tensor,
-             " is outside [0, ", arena_.tensors(), ")");
-  if (backup_.index(seat_, expert) < 0) {
-    fail("backup_weights: seat ", seat_, " keeps no copy of expert ", expert,
-         " (backup_experts() lists those it does)");
-  }
-  return {backup_region_.data + backup_.offset(seat_, layer, expert, tensor),
-          static_cast<size_t>(arena_.tensor_bytes(tensor))};
-}
-
-int64_t Rebalancer::Impl::backup_bytes() const {
-  return static_cast<int64_t>(backup_region_.bytes);
-}
-
-void Rebalancer::Impl::fill_backup(
-    const std::function<void(int64_t, int64_t, int32_t, std::span<std::byte>)>& fill) {
-  if (backup_.copies() == 0) return;
-  for (int64_t l = 0; l < layers_; ++l) {
-    for (const int32_t e : backup_.experts_of(seat_)) {
-      for (int64_t t = 0; t < arena_.tensors(); ++t) fill(l, t, e, backup_weights(l, t, e));
-    }
-  }
-  backup_filled_.store(true, std::memory_order_release);
 }
 
 }  // namespace eplb::runtime

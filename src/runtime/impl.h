@@ -3,9 +3,11 @@
 //   record      the loads of each step (rebalancer.cc: record, record_counts, record_pass)
 //   trigger     at an interval, the window to the control thread's all-reduce (trigger.cc)
 //   compute     placement, migration plan, schedule, tables, on the worker (worker.cc, compute.cc)
-//   stage       one layer at a time, reads of peers' live weights into staging (stage.cc)
+//   stage       one layer at a time, reads of peers' live weights into staging (stage.cc),
+//               through the weight store: regions, peers, backups, buffer map (weight_store.cc)
 //   agree       one tiny all-reduce per step; its result acts lag steps later (agree.cc)
-//   install     staging becomes live, tables and maps change, every rank at one step (install.cc)
+//   install     staging becomes live (WeightStore::install), tables and maps change, every rank
+//               at one step (install.cc)
 //   record      the rebalance's record, published when it ends (records.cc)
 // Sync mode does all of it inside one step_end (sync.cc); start-up is connect.cc, the starting
 // placement initial_placement.cc, reconfigure() and lost slots elastic.cc.
@@ -44,6 +46,7 @@
 #include "runtime/record_book.h"
 #include "runtime/stage.h"
 #include "runtime/testing.h"
+#include "runtime/weight_store.h"
 #include "runtime/worker.h"
 
 namespace eplb::runtime {
@@ -52,6 +55,7 @@ using Clock = std::chrono::steady_clock;
 
 class Rebalancer::Impl {
   friend class RebalancerTesting;  // the delay hook (testing.h)
+  friend class Rebalancer;         // calls the owning part directly where Impl adds nothing
 
  public:
   Impl(Config config, control::Communicator& communicator, transport::Transport& transport,
@@ -67,8 +71,6 @@ class Rebalancer::Impl {
   void bind_maps(std::vector<MapBinding> maps);
   void propose(const Placement& placement);
   const routing::DispatchTables& dispatch(int64_t layer) const;
-  std::span<std::byte> weights(int64_t layer, int64_t tensor) const;
-  std::span<std::byte> slot_weights(int64_t layer, int64_t tensor, int64_t slot) const;
   std::span<const int32_t> phy2log(int64_t layer) const;
   Placement placement() const;
   void step_end();
@@ -81,11 +83,6 @@ class Rebalancer::Impl {
   std::vector<int32_t> unavailable(int64_t layer) const;
   bool any_unavailable() const;
   int64_t unavailable_count() const;  // all layers
-  std::vector<int32_t> backup_experts() const;
-  std::span<std::byte> backup_weights(int64_t layer, int64_t tensor, int32_t expert) const;
-  int64_t backup_bytes() const;
-  void fill_backup(const std::function<void(int64_t, int64_t, int32_t, std::span<std::byte>)>&
-                       fill);
   int64_t agreement_contribution() const;
   void agreement_result(int64_t step, int64_t min_value);
   int rank() const;
@@ -93,7 +90,6 @@ class Rebalancer::Impl {
   bool rebalancing() const;
   int64_t installed_layers() const;
   bool control_broken() const;
-  int64_t bytes_held() const;
   int64_t host_bytes() const;
   std::vector<RebalanceRecord> history() const;
   std::shared_ptr<prometheus::Registry> registry() const;
@@ -106,14 +102,10 @@ class Rebalancer::Impl {
        control::Communicator* communicator, transport::Transport* transport);
 
   // Start-up (connect.cc) and the group (elastic.cc).
-  void check_engine_slots_apart() const;
-  void allocate_regions();
-  void register_engine_tensors();
   void start_control_thread();
   void start_worker_thread();
   void exchange_membership(const Membership& membership, bool joining);
   ElasticInputs elastic_inputs() const;
-  int peer_of(int seat) const { return peer_of_seat_[static_cast<size_t>(seat)]; }
   void wait_worker_idle();
   // Trigger and records (trigger.cc, records.cc).
   bool should_trigger() const;
@@ -149,9 +141,6 @@ class Rebalancer::Impl {
   std::vector<int64_t> await(std::future<CollectiveResult> future);
   // Install (install.cc).
   void install(RebalancePlan& plan, int64_t k);
-  bool swaps() const;
-  void install_into_engine(const RebalancePlan& plan, int64_t k);
-  template <typename F> void installer_or_stop(F&& call, int64_t layer);
   void mark_installed(int64_t layer);
   routing::DispatchTables build_tables(const Placement& p, int64_t layer, bool after_install) const;
   void write_maps(int64_t layer) const;
@@ -160,22 +149,15 @@ class Rebalancer::Impl {
   const Config config_;
   std::function<void(DelayPoint)> delay_hook_;  // testing.h; set before any thread starts
   control::Communicator* comm_ = nullptr;
-  transport::Transport* transport_ = nullptr;
   const WeightSpec spec_;
   int seat_ = 0;  // this rank's seat in the layout (a member keeps its seat)
   const int64_t layers_;
-  ArenaLayout arena_;
-  transport::Region region_;
-  std::vector<int> peer_region_;   // [ranks] the arena's region id on each seat
-  std::vector<int> peer_of_seat_;  // [ranks] each seat's transport rank, -1: not a member
+  // Regions, peers, backups, the engine's tensors, the buffer map (weight_store.h says which
+  // thread touches what).
+  WeightStore weights_;
   std::vector<int32_t> members_;   // seats of the group, ascending
-  BackupLayout backup_;
-  transport::Region backup_region_;      // this rank's share of the copies (none: bytes 0)
-  std::vector<int> peer_backup_region_;  // [ranks] each seat's backup region id, -1: unusable
-  std::atomic<bool> backup_filled_{false};
   bool joining_ = false;  // constructed to join, not yet reconfigured
   bool connected_ = false;
-  std::atomic<int64_t> bytes_held_{0};
   int64_t balancedness_period_ = 0;  // resolved: 0 never
 
   // Metrics (atomic), the in-flight rebalance's progress (any thread), the monitor thread.
@@ -193,8 +175,6 @@ class Rebalancer::Impl {
   EngineMaps maps_;                              // the engine's map tensors, if bound
   int64_t pass_step_ = -1;                       // the step record_pass() last counted
   std::vector<int64_t> pass_counts_;             // record_pass()'s [layers][experts], reused
-  BufferMap map_;
-  EngineTensors engine_;  // the engine's own tensors, from connect() on; empty with the arena
   int64_t step_ = 0;
   int64_t installed_total_ = 0;
   bool shut_down_ = false;

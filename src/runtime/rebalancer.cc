@@ -52,12 +52,11 @@ Rebalancer::Impl::Impl(Config config, WeightSpec spec, int seat, const Placement
                        control::Communicator* communicator, transport::Transport* transport)
     : config_(std::move(config)),
       comm_(communicator),
-      transport_(transport),
       spec_(std::move(spec)),
       seat_(seat),
       layers_(spec_.layers),
+      weights_(config_, spec_, seat, transport),
       recorder_(spec_.layers, config_.layout.experts, std::max<int64_t>(config_.window, 1)),
-      map_(spec_.layers),
       gain_book_(config_.cost),
       external_(config_.lag) {
   const Layout& layout = config_.layout;
@@ -72,7 +71,7 @@ Rebalancer::Impl::Impl(Config config, WeightSpec spec, int seat, const Placement
   } else {
     EPLB_CHECK_EQ(static_cast<int64_t>(comm_->size()), layout.ranks,
                   "the communicator's size must equal the layout's ranks");
-    EPLB_CHECK_EQ(transport_->rank(), comm_->rank(),
+    EPLB_CHECK_EQ(transport->rank(), comm_->rank(),
                   "the transport and the communicator must be of the same rank");
     if (initial->layers != layers_ || initial->experts != layout.experts ||
         initial->physical != layout.physical) {
@@ -82,20 +81,9 @@ Rebalancer::Impl::Impl(Config config, WeightSpec spec, int seat, const Placement
     }
     initial->validate();
   }
-  // The arena: layers + 1 buffers of every tensor's slots on this rank.
-  const int64_t layer_bytes = checked_mul(spec_.expert_bytes(), layout.slots_per_rank(),
-                                          "the bytes of one layer on a rank");
-  checked_mul(layer_bytes, layers_ + 1, "the bytes of a rank's weights and staging");
-  arena_ = ArenaLayout(spec_, layout.slots_per_rank());
-  backup_ = BackupLayout(layout, spec_, config_.backup.copies);
-  if (spec_.engine_weights()) {
-    map_ = BufferMap(0);  // the arena is the staging layer alone: buffer 0
-    check_engine_slots_apart();
-  }
   // Every seat a member, every slot usable; a joining rank learns the group's at reconfigure().
   members_.resize(static_cast<size_t>(layout.ranks));
-  peer_of_seat_.resize(static_cast<size_t>(layout.ranks));
-  for (int g = 0; g < layout.ranks; ++g) members_[g] = peer_of_seat_[g] = g;
+  for (int g = 0; g < layout.ranks; ++g) members_[g] = g;
   const Placement start =
       joining_ ? trivial_placement(layers_, layout.experts, layout.physical) : *initial;
   phy2log_ = start.phy2log;
@@ -158,33 +146,6 @@ const routing::DispatchTables& Rebalancer::Impl::dispatch(int64_t layer) const {
   EPLB_CHECK(layer >= 0 && layer < layers_, "dispatch: layer ", layer, " is outside [0, ",
              layers_, ")");
   return tables_[layer];
-}
-
-std::span<std::byte> Rebalancer::Impl::weights(int64_t layer, int64_t tensor) const {
-  EPLB_CHECK(connected_, "weights() needs connect() first (it allocates the arena; a joining rank: reconfigure())");
-  EPLB_CHECK(layer >= 0 && layer < layers_, "weights: layer ", layer, " is outside [0, ",
-             layers_, ")");
-  EPLB_CHECK(tensor >= 0 && tensor < arena_.tensors(), "weights: tensor ", tensor,
-             " is outside [0, ", arena_.tensors(), ")");
-  const int64_t spr = config_.layout.slots_per_rank();
-  if (spec_.engine_weights()) {
-    const EngineTensors::Tensor& e = engine_.of(layer, tensor);
-    return {e.base, static_cast<size_t>((spr - 1) * e.stride + arena_.tensor_bytes(tensor))};
-  }
-  return {region_.data + arena_.offset(map_.buffer_of_layer[layer], tensor, 0),
-          static_cast<size_t>(arena_.tensor_bytes(tensor) * spr)};
-}
-
-std::span<std::byte> Rebalancer::Impl::slot_weights(int64_t layer, int64_t tensor,
-                                                    int64_t slot) const {
-  const int64_t spr = config_.layout.slots_per_rank();
-  EPLB_CHECK(slot >= 0 && slot < spr, "slot_weights: slot ", slot, " is outside [0, ", spr,
-             ")");
-  const std::span<std::byte> all = weights(layer, tensor);
-  const int64_t stride =
-      spec_.engine_weights() ? engine_.of(layer, tensor).stride : arena_.tensor_bytes(tensor);
-  return all.subspan(static_cast<size_t>(slot * stride),
-                     static_cast<size_t>(arena_.tensor_bytes(tensor)));
 }
 
 std::span<const int32_t> Rebalancer::Impl::phy2log(int64_t layer) const {
@@ -343,17 +304,15 @@ bool Rebalancer::Impl::control_broken() const {
          broken_group_.load(std::memory_order_acquire) == group_.load(std::memory_order_acquire);
 }
 
-int64_t Rebalancer::Impl::bytes_held() const { return bytes_held_.load(std::memory_order_acquire); }
-
 int64_t Rebalancer::Impl::host_bytes() const {
   EPLB_CHECK(connected_, "host_bytes() needs connect() first (it allocates the arena; a joining rank: reconfigure())");
   const auto of = [](const auto& v) {
     return static_cast<int64_t>(v.size() * sizeof(typename std::decay_t<decltype(v)>::value_type));
   };
-  int64_t bytes = transport_->capabilities().device_memory ? 0 : bytes_held();
+  int64_t bytes = weights_.device_memory() ? 0 : weights_.bytes_held();
   bytes += stats::LoadRecorder::bytes_for(recorder_.layers(), recorder_.experts(),
                                           recorder_.window());
-  bytes += static_cast<int64_t>(backup_region_.bytes);
+  bytes += weights_.backup_bytes();
   bytes += of(phy2log_) + of(usable_);
   for (const routing::DispatchTables& t : tables_) {
     bytes += of(t.log2phy) + of(t.replica_count) + of(t.static_slot) + of(t.cumulative_share);
@@ -393,7 +352,9 @@ routing::DispatchTables Rebalancer::Impl::build_tables(const Placement& placemen
   std::vector<uint8_t> usable(row.begin(), row.end());
   if (after_install) {
     const int64_t spr = layout.slots_per_rank();
-    for (int64_t p = 0; p < layout.physical; ++p) usable[p] = peer_of_seat_[p / spr] >= 0;
+    for (int64_t p = 0; p < layout.physical; ++p) {
+      usable[p] = weights_.member(static_cast<int>(p / spr));
+    }
   }
   return routing::build_dispatch_tables(placement, layer, layout, {}, usable);
 }
@@ -423,14 +384,16 @@ std::vector<int32_t> Rebalancer::unavailable(int64_t layer) const {
   return impl_->unavailable(layer);
 }
 bool Rebalancer::any_unavailable() const { return impl_->any_unavailable(); }
-std::vector<int32_t> Rebalancer::backup_experts() const { return impl_->backup_experts(); }
-std::span<std::byte> Rebalancer::backup_weights(int64_t layer, int64_t tensor, int32_t expert) {
-  return impl_->backup_weights(layer, tensor, expert);
+std::vector<int32_t> Rebalancer::backup_experts() const {
+  return impl_->weights_.backup_experts();
 }
-int64_t Rebalancer::backup_bytes() const { return impl_->backup_bytes(); }
+std::span<std::byte> Rebalancer::backup_weights(int64_t layer, int64_t tensor, int32_t expert) {
+  return impl_->weights_.backup_weights(layer, tensor, expert);
+}
+int64_t Rebalancer::backup_bytes() const { return impl_->weights_.backup_bytes(); }
 void Rebalancer::fill_backup(
     const std::function<void(int64_t, int64_t, int32_t, std::span<std::byte>)>& fill) {
-  impl_->fill_backup(fill);
+  impl_->weights_.fill_backup(fill);
 }
 
 int64_t Rebalancer::connect() { return impl_->connect(); }
@@ -451,17 +414,17 @@ const routing::DispatchTables& Rebalancer::dispatch(int64_t layer) const {
   return impl_->dispatch(layer);
 }
 std::span<std::byte> Rebalancer::weights(int64_t layer, int64_t tensor) {
-  return impl_->weights(layer, tensor);
+  return impl_->weights_.weights(layer, tensor);
 }
 std::span<const std::byte> Rebalancer::weights(int64_t layer, int64_t tensor) const {
-  return impl_->weights(layer, tensor);
+  return impl_->weights_.weights(layer, tensor);
 }
 std::span<std::byte> Rebalancer::slot_weights(int64_t layer, int64_t tensor, int64_t slot) {
-  return impl_->slot_weights(layer, tensor, slot);
+  return impl_->weights_.slot_weights(layer, tensor, slot);
 }
 std::span<const std::byte> Rebalancer::slot_weights(int64_t layer, int64_t tensor,
                                                     int64_t slot) const {
-  return impl_->slot_weights(layer, tensor, slot);
+  return impl_->weights_.slot_weights(layer, tensor, slot);
 }
 std::span<const int32_t> Rebalancer::phy2log(int64_t layer) const {
   return impl_->phy2log(layer);
@@ -484,7 +447,7 @@ int64_t Rebalancer::agreement_contribution() const { return impl_->agreement_con
 void Rebalancer::agreement_result(int64_t step, int64_t min_value) {
   impl_->agreement_result(step, min_value);
 }
-int64_t Rebalancer::bytes_held() const { return impl_->bytes_held(); }
+int64_t Rebalancer::bytes_held() const { return impl_->weights_.bytes_held(); }
 int64_t Rebalancer::host_bytes() const { return impl_->host_bytes(); }
 std::vector<RebalanceRecord> Rebalancer::history() const { return impl_->history(); }
 std::shared_ptr<prometheus::Registry> Rebalancer::registry() const { return impl_->registry(); }

@@ -31,8 +31,8 @@ bool wait_batch(transport::Batch& batch, const StageContext& context, Clock::tim
     if (batch.poll() == transport::Progress::kDone) return true;
     if (context.cancel && context.cancel->load(std::memory_order_acquire)) return false;
     if (Clock::now() >= deadline) {
-      fail<Timeout>("runtime: reads of rank ", context.rank, " did not finish within ",
-                    context.timeout.count(), " ms");
+      fail<Timeout>("runtime: reads of rank ", context.weights.seat(), " did not finish within ",
+                    context.weights.config().timeout.count(), " ms");
     }
     std::this_thread::sleep_for(kPause);
   }
@@ -42,17 +42,18 @@ bool wait_batch(transport::Batch& batch, const StageContext& context, Clock::tim
 // shutdown) does not wait for a stalled engine stream; Timeout after the context's timeout.
 bool wait_installs(const StageContext& context) {
   constexpr std::chrono::milliseconds kSlice{2};
-  const auto deadline = Clock::now() + context.timeout;
+  const std::chrono::milliseconds timeout = context.weights.config().timeout;
+  const auto deadline = Clock::now() + timeout;
   for (;;) {
     try {
-      context.installer->wait_marked(kSlice);
+      context.weights.config().installer->wait_marked(kSlice);
       return true;
     } catch (const Timeout&) {
     }
     if (context.cancel && context.cancel->load(std::memory_order_acquire)) return false;
     if (Clock::now() >= deadline) {
       fail<Timeout>("runtime: the engine's work queued before the last install did not finish "
-                    "within ", context.timeout.count(), " ms (rank ", context.rank, ")");
+                    "within ", timeout.count(), " ms (rank ", context.weights.seat(), ")");
     }
   }
 }
@@ -61,29 +62,40 @@ bool wait_installs(const StageContext& context) {
 
 bool stage_layer(const StageContext& context, const BufferMap& map, int64_t layer,
                  const migration::LayerMigration& migration) {
-  const ArenaLayout& arena = *context.arena;
-  const Layout& layout = *context.layout;
+  const WeightStore& store = context.weights;
+  const ArenaLayout& arena = store.arena();
+  const Layout& layout = store.layout();
+  const int rank = store.seat();
+  const WeightStore::Regions& regions = store.regions();
+  transport::Transport& transport = store.transport();
+  std::byte* const base = regions.arena.data;  // the arena region's local address
+  const int own = regions.arena.id;  // for local copies on device memory
+  const bool on_device = store.device_memory();
+  const std::chrono::milliseconds timeout = store.config().timeout;
+  const auto& loader = store.config().backup.loader;
   const int64_t spr = layout.slots_per_rank();
-  const int64_t first = context.rank * spr;
+  const int64_t first = rank * spr;
+  // The engine's own tensors hold the live weights (null: the arena's layer buffers do); the
+  // arena is then the staging layer alone.
+  const EngineTensors* tensors = store.engine();
   // The arena's live buffer of the layer (none with the engine's tensors: live_at says where).
-  const int64_t live = context.engine != nullptr ? -1 : map.buffer_of_layer[layer];
+  const int64_t live = tensors != nullptr ? -1 : map.buffer_of_layer[layer];
   const int64_t staging = map.staging;
   const auto cancelled = [&] {
     return context.cancel && context.cancel->load(std::memory_order_acquire);
   };
   // Step 0: the engine may still read the staging buffer (the old live buffer of the last
   // install, or the source of its copy) in work queued before that install.
-  if (context.installer && !wait_installs(context)) return false;
-  const auto deadline = Clock::now() + context.timeout;
+  if (store.config().installer && !wait_installs(context)) return false;
+  const auto deadline = Clock::now() + timeout;
   // Where slot `slot` (local index) of tensor t of this layer lives on `peer`: the engine's
   // tensor (same region and stride on every rank), or the live layer buffer of the arena.
-  const EngineTensors* engine = context.engine;
   const auto live_at = [&](int peer, int64_t t, int64_t slot) -> std::pair<int, uint64_t> {
-    if (engine != nullptr) {
-      const EngineTensors::Tensor& e = engine->of(layer, t);
+    if (tensors != nullptr) {
+      const EngineTensors::Tensor& e = tensors->of(layer, t);
       return {e.region, static_cast<uint64_t>(slot * e.stride)};
     }
-    const int region = peer == context.rank ? context.own_region : (*context.peer_region)[peer];
+    const int region = peer == rank ? own : regions.peer_region[peer];
     return {region, static_cast<uint64_t>(arena.offset(live, t, slot))};
   };
   // Local copies: memcpy on host memory; on device memory, reads of this rank's own regions,
@@ -92,56 +104,52 @@ bool stage_layer(const StageContext& context, const BufferMap& map, int64_t laye
   std::vector<transport::Read> local_reads;
   const auto copy_slot = [&](bool from_live, int64_t src_slot, int64_t dst_slot) {
     for (int64_t t = 0; t < arena.tensors(); ++t) {
-      std::byte* dst = context.base + arena.offset(staging, t, dst_slot);
+      std::byte* dst = base + arena.offset(staging, t, dst_slot);
       const auto bytes = static_cast<size_t>(arena.tensor_bytes(t));
-      std::pair<int, uint64_t> src{context.own_region,
+      std::pair<int, uint64_t> src{own,
                                    static_cast<uint64_t>(arena.offset(staging, t, src_slot))};
-      if (from_live) src = live_at(context.rank, t, src_slot);
-      if (context.device_memory) {
-        local_reads.push_back({.peer = context.self_peer, .region = src.first, .offset = src.second,
+      if (from_live) src = live_at(rank, t, src_slot);
+      if (on_device) {
+        local_reads.push_back({.peer = transport.rank(), .region = src.first, .offset = src.second,
                                .dst = dst, .bytes = bytes});
-      } else if (from_live && engine != nullptr) {
-        std::memcpy(dst, engine->of(layer, t).base + src.second, bytes);
+      } else if (from_live && tensors != nullptr) {
+        std::memcpy(dst, tensors->of(layer, t).base + src.second, bytes);
       } else {
-        std::memcpy(dst, context.base + src.second, bytes);
+        std::memcpy(dst, base + src.second, bytes);
       }
     }
   };
   const auto flush_local = [&] {
     if (local_reads.empty()) return true;
-    std::unique_ptr<transport::Batch> batch = context.transport->post(local_reads);
+    std::unique_ptr<transport::Batch> batch = transport.post(local_reads);
     local_reads.clear();
     return wait_batch(*batch, context, deadline);
   };
-  const auto actions = migration.plan.rank_actions(context.rank, layout);
-  const auto peer_of = [&](int seat) {
-    return context.peer_of_seat != nullptr ? (*context.peer_of_seat)[static_cast<size_t>(seat)]
-                                           : seat;
-  };
+  const auto actions = migration.plan.rank_actions(rank, layout);
+  const auto peer_of = [&](int seat) { return store.peer_of(seat); };
 
   // Step 1a: the lost experts first: restored from this rank's backup copy (memcpy), a peer's
   // (one batch of reads) or the loader, into the staging slots.
   std::vector<transport::Read> restore_reads;
   for (const migration::Restore& r : migration.plan.restores) {
-    if (r.dst_rank != context.rank) continue;
+    if (r.dst_rank != rank) continue;
     if (cancelled()) return false;
     for (int64_t t = 0; t < arena.tensors(); ++t) {
-      std::byte* dst = context.base + arena.offset(staging, t, r.dst_slot - first);
+      std::byte* dst = base + arena.offset(staging, t, r.dst_slot - first);
       const auto bytes = static_cast<size_t>(arena.tensor_bytes(t));
       if (r.src_rank < 0) {
-        EPLB_CHECK(context.loader != nullptr && *context.loader,
+        EPLB_CHECK(static_cast<bool>(loader),
                    "runtime: a restore from the loader, but no Backup::loader is set");
-        (*context.loader)(layer, t, r.expert, std::span<std::byte>(dst, bytes));
-      } else if (r.src_rank == context.rank) {
-        std::memcpy(dst, context.backup_base + context.backup->offset(r.src_rank, layer,
-                                                                        r.expert, t),
+        loader(layer, t, r.expert, std::span<std::byte>(dst, bytes));
+      } else if (r.src_rank == rank) {
+        std::memcpy(dst, regions.backup.data + store.backup().offset(r.src_rank, layer, r.expert, t),
                     bytes);
       } else {
         restore_reads.push_back(
             {.peer = peer_of(r.src_rank),
-             .region = (*context.peer_backup_region)[static_cast<size_t>(r.src_rank)],
-             .offset = static_cast<uint64_t>(context.backup->offset(r.src_rank, layer, r.expert,
-                                                                     t)),
+             .region = regions.peer_backup_region[static_cast<size_t>(r.src_rank)],
+             .offset = static_cast<uint64_t>(store.backup().offset(r.src_rank, layer, r.expert,
+                                                                    t)),
              .dst = dst,
              .bytes = bytes});
       }
@@ -149,7 +157,7 @@ bool stage_layer(const StageContext& context, const BufferMap& map, int64_t laye
   }
   if (!restore_reads.empty()) {
     if (cancelled()) return false;
-    std::unique_ptr<transport::Batch> batch = context.transport->post(restore_reads);
+    std::unique_ptr<transport::Batch> batch = transport.post(restore_reads);
     if (!wait_batch(*batch, context, deadline)) return false;
   }
 
@@ -157,7 +165,7 @@ bool stage_layer(const StageContext& context, const BufferMap& map, int64_t laye
   // the whole live layer; the engine's tensors keep theirs in place) and local copies.
   for (int64_t j = 0; j < spr; ++j) {
     const migration::SlotAction& a = actions[j];
-    if (a.action == migration::Action::kUnchanged && engine == nullptr) copy_slot(true, j, j);
+    if (a.action == migration::Action::kUnchanged && tensors == nullptr) copy_slot(true, j, j);
     if (a.action == migration::Action::kLocalCopy) copy_slot(true, a.src_slot - first, j);
   }
   if (!flush_local()) return false;
@@ -170,13 +178,13 @@ bool stage_layer(const StageContext& context, const BufferMap& map, int64_t laye
     batch_reads.clear();
     for (size_t i = 0; i < reads.size(); ++i) {
       const migration::RemoteRead& r = reads[i];
-      if (r.dst_rank != context.rank || round_of_read[i] != round) continue;
+      if (r.dst_rank != rank || round_of_read[i] != round) continue;
       const int64_t src_local = r.src_slot - static_cast<int64_t>(r.src_rank) * spr;
       for (int64_t t = 0; t < arena.tensors(); ++t) {
         transport::Read read;
         read.peer = peer_of(r.src_rank);
         std::tie(read.region, read.offset) = live_at(r.src_rank, t, src_local);
-        read.dst = context.base + arena.offset(staging, t, r.dst_slot - first);
+        read.dst = base + arena.offset(staging, t, r.dst_slot - first);
         read.bytes = static_cast<size_t>(arena.tensor_bytes(t));
         batch_reads.push_back(read);
       }
@@ -186,7 +194,7 @@ bool stage_layer(const StageContext& context, const BufferMap& map, int64_t laye
     if (context.progress != nullptr) {
       std::vector<int> peers;
       for (size_t i = 0; i < reads.size(); ++i) {  // seats, as the watchdog names ranks
-        if (reads[i].dst_rank == context.rank && round_of_read[i] == round) {
+        if (reads[i].dst_rank == rank && round_of_read[i] == round) {
           peers.push_back(reads[i].src_rank);
         }
       }
@@ -195,7 +203,7 @@ bool stage_layer(const StageContext& context, const BufferMap& map, int64_t laye
       context.progress->note(context.rebalance, Phase::kReading, layer, std::move(peers));
     }
     if (context.delay_hook && *context.delay_hook) (*context.delay_hook)(DelayPoint::kRead);
-    std::unique_ptr<transport::Batch> batch = context.transport->post(batch_reads);
+    std::unique_ptr<transport::Batch> batch = transport.post(batch_reads);
     if (!wait_batch(*batch, context, deadline)) return false;
     if (context.progress != nullptr) context.progress->touch(context.rebalance);
   }

@@ -72,7 +72,7 @@ void Rebalancer::Impl::step_end_sync() {
     progress_.note(records_.open->index, Phase::kReading, plan.moved_layers[k]);
     const auto read_start = Clock::now();
     try {
-      stage_layer(context, map_, plan.moved_layers[k], plan.migrations[k]);
+      stage_layer(context, weights_.map(), plan.moved_layers[k], plan.migrations[k]);
     } catch (...) {
       local = Failure::current();
     }

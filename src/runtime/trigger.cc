@@ -69,7 +69,7 @@ void Rebalancer::Impl::trigger_async() {
     a->proposed = std::move(queued->placement);
   }
   a->current_phy2log = phy2log_;
-  a->map = map_;
+  a->map = weights_.map();
   a->elastic = elastic_inputs();
   worker_.submit(a);
   active_ = std::move(a);

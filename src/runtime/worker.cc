@@ -39,29 +39,8 @@ void worker_failed(Active& a, int rank, Failure failure) {
 }  // namespace
 
 StageContext Rebalancer::Impl::stage_context(const std::atomic<bool>* cancel, int64_t index) {
-  StageContext context;
-  context.transport = transport_;
-  context.arena = &arena_;
-  context.base = region_.data;
-  context.peer_region = &peer_region_;
-  context.peer_of_seat = &peer_of_seat_;
-  context.self_peer = transport_->rank();
-  context.backup_base = backup_region_.data;
-  context.backup = &backup_;
-  context.peer_backup_region = &peer_backup_region_;
-  context.loader = &config_.backup.loader;
-  context.layout = &config_.layout;
-  context.rank = seat_;
-  context.timeout = config_.timeout;
-  context.delay_hook = &delay_hook_;
-  context.cancel = cancel;
-  context.installer = config_.installer.get();
-  context.device_memory = transport_->capabilities().device_memory;
-  context.own_region = region_.id;
-  context.engine = spec_.engine_weights() ? &engine_ : nullptr;
-  context.progress = &progress_;
-  context.rebalance = index;
-  return context;
+  return {.weights = weights_, .cancel = cancel, .delay_hook = &delay_hook_,
+          .progress = &progress_, .rebalance = index};
 }
 
 // -------------------------------------------------------------- worker thread
@@ -154,7 +133,7 @@ void Rebalancer::Impl::run_job(Active& a) {
       std::unique_lock<std::mutex> lock(a.mu);
       a.cv.wait(lock, [&] { return a.installed > static_cast<int64_t>(k) || cancelled(); });
       if (cancelled()) return;
-      if (swaps()) map.install(layer);
+      if (weights_.swaps()) map.install(layer);
     }
   } catch (...) {
     worker_failed(a, seat_, Failure::current());

@@ -22,7 +22,7 @@
 // idle and stops the control thread (which runs what was queued, failing fast on a broken
 // communicator), so that comm_ and the weight store's regions, peers and backup tables are
 // written while no other runtime thread reads them. The monitor thread reads none of them;
-// a window of the old group that fails late is told apart by group_.
+// a window of the old group that fails late is told apart by its group number (group_state.h).
 
 namespace eplb::runtime {
 
@@ -107,7 +107,7 @@ void Rebalancer::Impl::reconfigure(control::Communicator& communicator,
     control_->stop();
     control_.reset();
   }
-  group_.fetch_add(1, std::memory_order_acq_rel);
+  group_.next_group();
 
   // Step 2: eplb's regions in the new transport, then the exchange. Until it succeeds the old
   // regions stay the live ones (weights() still serves them): a reconfigure that throws leaves
@@ -121,7 +121,6 @@ void Rebalancer::Impl::reconfigure(control::Communicator& communicator,
   }
   control::Communicator* const old_comm = comm_;
   const WeightStore::Regions old = weights_.regions();
-  const std::vector<int32_t> old_members = members_;
   comm_ = &communicator;
   try {
     weights_.allocate(transport);
@@ -129,7 +128,6 @@ void Rebalancer::Impl::reconfigure(control::Communicator& communicator,
   } catch (...) {
     comm_ = old_comm;
     weights_.restore(old);
-    members_ = old_members;
     throw;
   }
 
@@ -147,16 +145,14 @@ void Rebalancer::Impl::reconfigure(control::Communicator& communicator,
     connected_ = true;
   }
   metrics_->set_bytes_held(weights_.publish_bytes_held());
-  int64_t lost_slots = 0;
-  for (const uint8_t u : usable_) lost_slots += u == 0;
   const int64_t unavailable_total = unavailable_count();
-  metrics_->on_reconfigure(static_cast<int64_t>(members_.size()));
+  metrics_->on_reconfigure(static_cast<int64_t>(group_.members().size()));
   metrics_->set_unavailable(unavailable_total);
   spdlog::info("eplb runtime rank {}: reconfigured at step {} ({}): {} of {} seats serve, {} "
                "slots lost, {} experts unavailable (all layers){}",
-               seat_, step_, joining ? "joined" : "group changed", members_.size(),
-               layout.ranks, lost_slots, unavailable_total,
-               repair_pending_ ? "; a repair rebalance starts at the next step" : "");
+               seat_, step_, joining ? "joined" : "group changed",
+               group_.members().size(), layout.ranks, group_.lost_slots(), unavailable_total,
+               group_.repair_pending() ? "; a repair rebalance starts at the next step" : "");
 }
 
 // The exchange of reconfigure(): descriptors and every member's slots; adopts the group's
@@ -182,7 +178,7 @@ void Rebalancer::Impl::exchange_membership(const Membership& membership, bool jo
   head.backup_filled = weights_.backup_filled() ? 1 : 0;
   head.region = regions.arena.id;
   head.backup_region = regions.backup.bytes > 0 ? regions.backup.id : -1;
-  head.repair = repair_pending_ ? 1 : 0;
+  head.repair = group_.repair_pending() ? 1 : 0;
   head.step = step_;
   head.next_index = records_.next_index();
   std::memcpy(mine.data(), &head, sizeof head);
@@ -192,7 +188,7 @@ void Rebalancer::Impl::exchange_membership(const Membership& membership, bool jo
     for (int64_t j = 0; j < spr; ++j) {
       const int64_t p = l * P + seat_ * spr + j;
       slots[l * spr + j] = phy2log_[p];
-      valid[l * spr + j] = joining ? 0 : usable_[p];
+      valid[l * spr + j] = joining ? 0 : group_.usable()[static_cast<size_t>(p)];
     }
   }
   std::memcpy(mine.data() + sizeof head + own * (sizeof(int32_t) + 1), descriptor.data(),
@@ -233,7 +229,7 @@ void Rebalancer::Impl::exchange_membership(const Membership& membership, bool jo
   }
   // Descriptors, then one small read from every member proves the connections now.
   weights_.clear_peers();
-  members_.clear();
+  std::vector<int32_t> members;
   const bool engine = spec_.engine_weights();
   for (size_t g = 0; g < all.size(); ++g) {
     const Head& h = heads[g];
@@ -244,14 +240,14 @@ void Rebalancer::Impl::exchange_membership(const Membership& membership, bool jo
     }
     weights_.set_peer(h.seat, static_cast<int>(g), h.region,
                       h.backup_filled ? h.backup_region : -1);
-    members_.push_back(h.seat);
+    members.push_back(h.seat);
     if (static_cast<int>(g) != comm_->rank()) {
       const size_t at = sizeof(Head) + own * (sizeof(int32_t) + 1);
       transport.import_descriptor(static_cast<int>(g),
                                   std::span<const std::byte>(all[g]).subspan(at));
     }
   }
-  std::sort(members_.begin(), members_.end());
+  std::sort(members.begin(), members.end());
   weights_.probe_peers(config_.timeout);
 
   // What every slot holds: a member's own report (the truth, whatever each member believed of
@@ -300,8 +296,22 @@ void Rebalancer::Impl::exchange_membership(const Membership& membership, bool jo
            "are inconsistent)");
     }
   }
+  // A repair when a member slot holds nothing, or the group is not what it was: the placement
+  // then follows the members (a smaller group is rebalanced over the survivors at once).
+  // The same on every member: from exchanged values only (a member whose last repair failed
+  // alone still asks for one, so every member starts it).
+  bool all_usable = true;
+  for (int64_t p = 0; p < layers_ * P; ++p) {
+    all_usable = all_usable && (usable[p] || !weights_.member(static_cast<int>((p % P) / spr)));
+  }
+  const bool any_joining =
+      std::any_of(heads.begin(), heads.end(), [](const Head& h) { return h.joining != 0; });
+  const bool any_repair =
+      std::any_of(heads.begin(), heads.end(), [](const Head& h) { return h.repair != 0; });
+  const bool repair = any_repair || !all_usable || any_joining ||
+                      static_cast<int64_t>(members.size()) < layout.ranks;
+  group_.adopt(std::move(members), std::move(usable), repair);
   phy2log_ = std::move(phy2log);
-  usable_ = std::move(usable);
   step_ = step;
   records_.set_next_index(next_index);
   published_step_.store(step_, std::memory_order_release);
@@ -320,50 +330,11 @@ void Rebalancer::Impl::exchange_membership(const Membership& membership, bool jo
     tables_[l] = build_tables(now, l, false);
     write_maps(l);
   }
-  bool all_usable = true;
-  for (int64_t p = 0; p < layers_ * P; ++p) {
-    all_usable = all_usable && (usable_[p] || !weights_.member(static_cast<int>((p % P) / spr)));
-  }
-  // A repair when a member slot holds nothing, or the group is not what it was: the placement
-  // then follows the members (a smaller group is rebalanced over the survivors at once).
-  // The same on every member: from exchanged values only (a member whose last repair failed
-  // alone still asks for one, so every member starts it).
-  const bool any_joining =
-      std::any_of(heads.begin(), heads.end(), [](const Head& h) { return h.joining != 0; });
-  const bool any_repair =
-      std::any_of(heads.begin(), heads.end(), [](const Head& h) { return h.repair != 0; });
-  repair_pending_ = any_repair || !all_usable || any_joining ||
-                    static_cast<int64_t>(members_.size()) < layout.ranks;
-  repair_failed_ = false;
 }
 
 // ---------------------------------------------------------------- lost slots
-ElasticInputs Rebalancer::Impl::elastic_inputs() const {
-  ElasticInputs in;
-  in.repair = repair_pending_;
-  const bool all_members = static_cast<int64_t>(members_.size()) == config_.layout.ranks;
-  const bool all_usable =
-      std::all_of(usable_.begin(), usable_.end(), [](uint8_t u) { return u != 0; });
-  if (all_members && all_usable) return in;
-  in.members = members_;
-  in.usable = usable_;
-  in.loader = static_cast<bool>(config_.backup.loader);
-  in.backup_holders = weights_.backup_holders();
-  return in;
-}
-
-// After installing `layer`: every member slot of it holds its expert now.
-void Rebalancer::Impl::mark_installed(int64_t layer) {
-  const int64_t P = config_.layout.physical;
-  const int64_t spr = config_.layout.slots_per_rank();
-  for (int64_t p = 0; p < P; ++p) usable_[layer * P + p] = weights_.member(static_cast<int>(p / spr));
-  if (repair_pending_) metrics_->set_unavailable(unavailable_count());
-}
-
 // Waits until the worker has no job (after a cancel).
 void Rebalancer::Impl::wait_worker_idle() { worker_.wait_idle(); }
-
-std::vector<int32_t> Rebalancer::Impl::members() const { return members_; }
 
 std::vector<int32_t> Rebalancer::Impl::unavailable(int64_t layer) const {
   EPLB_CHECK(layer >= 0 && layer < layers_, "unavailable: layer ", layer, " is outside [0, ",

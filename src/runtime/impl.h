@@ -1,5 +1,6 @@
 #pragma once
-// Rebalancer::Impl, behind the public Rebalancer. One rebalance, step by step, and its files:
+// Rebalancer::Impl, the runtime behind the public Rebalancer. One rebalance, step by step, and
+// the file of each:
 //   record      the loads of each step (rebalancer.cc: record, record_counts, record_pass)
 //   trigger     at an interval, the window to the control thread's all-reduce (trigger.cc)
 //   compute     placement, migration plan, schedule, tables, on the worker (worker.cc, compute.cc)
@@ -10,7 +11,8 @@
 //               at one step (install.cc)
 //   record      the rebalance's record, published when it ends (records.cc)
 // Sync mode does all of it inside one step_end (sync.cc); start-up is connect.cc, the starting
-// placement initial_placement.cc, reconfigure() and lost slots elastic.cc.
+// placement initial_placement.cc, reconfigure() and lost slots elastic.cc, the group's
+// members, usable slots and repairs group_state.cc.
 
 #include <atomic>
 #include <chrono>
@@ -39,6 +41,7 @@
 #include "runtime/external_agreement.h"
 #include "runtime/failure.h"
 #include "runtime/gain.h"
+#include "runtime/group_state.h"
 #include "runtime/in_flight.h"
 #include "runtime/runtime_metrics.h"
 #include "runtime/monitor.h"
@@ -79,7 +82,6 @@ class Rebalancer::Impl {
   void shutdown();
   void reconfigure(control::Communicator& communicator, transport::Transport& transport,
                    const Membership& membership);
-  std::vector<int32_t> members() const;
   std::vector<int32_t> unavailable(int64_t layer) const;
   bool any_unavailable() const;
   int64_t unavailable_count() const;  // all layers
@@ -88,7 +90,6 @@ class Rebalancer::Impl {
   int rank() const;
   int64_t step() const;
   bool rebalancing() const;
-  int64_t installed_layers() const;
   bool control_broken() const;
   int64_t host_bytes() const;
   std::vector<RebalanceRecord> history() const;
@@ -105,7 +106,6 @@ class Rebalancer::Impl {
   void start_control_thread();
   void start_worker_thread();
   void exchange_membership(const Membership& membership, bool joining);
-  ElasticInputs elastic_inputs() const;
   void wait_worker_idle();
   // Trigger and records (trigger.cc, records.cc).
   bool should_trigger() const;
@@ -141,9 +141,10 @@ class Rebalancer::Impl {
   std::vector<int64_t> await(std::future<CollectiveResult> future);
   // Install (install.cc).
   void install(RebalancePlan& plan, int64_t k);
-  void mark_installed(int64_t layer);
-  routing::DispatchTables build_tables(const Placement& p, int64_t layer, bool after_install) const;
+  routing::DispatchTables build_tables(const Placement& placement, int64_t layer,
+                                       bool after_install) const;
   void write_maps(int64_t layer) const;
+
   // Immutable after construction / connect(), or replaced by reconfigure() on the forward
   // thread while the worker is idle and no control thread runs.
   const Config config_;
@@ -155,12 +156,14 @@ class Rebalancer::Impl {
   // Regions, peers, backups, the engine's tensors, the buffer map (weight_store.h says which
   // thread touches what).
   WeightStore weights_;
-  std::vector<int32_t> members_;   // seats of the group, ascending
+  // Members, usable slots, repair flags, group counters, installs (group_state.h).
+  GroupState group_;
   bool joining_ = false;  // constructed to join, not yet reconfigured
   bool connected_ = false;
   int64_t balancedness_period_ = 0;  // resolved: 0 never
 
-  // Metrics (atomic), the in-flight rebalance's progress (any thread), the monitor thread.
+  // Metrics (atomic), the progress of the rebalance in flight (any thread, monitor.h), and the
+  // monitor thread from connect() on.
   std::unique_ptr<RuntimeMetrics> metrics_;
   PhaseTracker progress_;
   std::unique_ptr<Monitor> monitor_;
@@ -168,15 +171,11 @@ class Rebalancer::Impl {
   // Forward thread.
   stats::LoadRecorder recorder_;
   std::vector<int32_t> phy2log_;  // [layers][physical]
-  std::vector<uint8_t> usable_;   // [layers][physical]: the slot holds its expert's weights
-  bool repair_pending_ = false;   // reconfigure() asks for a repair rebalance
-  bool repair_failed_ = false;    // one failed since: retried at intervals only
   std::vector<routing::DispatchTables> tables_;  // [layers]
   EngineMaps maps_;                              // the engine's map tensors, if bound
   int64_t pass_step_ = -1;                       // the step record_pass() last counted
   std::vector<int64_t> pass_counts_;             // record_pass()'s [layers][experts], reused
   int64_t step_ = 0;
-  int64_t installed_total_ = 0;
   bool shut_down_ = false;
   Proposals proposals_;                      // a placement proposed for the next step_end
   std::shared_ptr<Active> active_;           // the rebalance in flight (in_flight.h)
@@ -187,14 +186,13 @@ class Rebalancer::Impl {
 
   // Any thread.
   std::atomic<bool> control_broken_{false};
-  std::atomic<int64_t> group_{0};          // reconfigure() calls so far: whose collectives
-  std::atomic<int64_t> broken_group_{-1};  // the group whose window failed (monitor thread)
   std::atomic<int64_t> published_step_{0};           // step_, for agreement_result's check
   std::atomic<int64_t> contribution_{kNoAgreement};  // agreement_contribution()
   ExternalAgreement external_;  // results of an external agreement, handed in by any thread
 
-  std::unique_ptr<ControlThread> control_;  // the control thread, from connect() on
-  WorkerThread worker_;                     // the worker thread, from connect() on
+  // Threads.
+  std::unique_ptr<ControlThread> control_;
+  WorkerThread worker_;
 };
 
 }  // namespace eplb::runtime

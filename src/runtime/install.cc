@@ -44,11 +44,11 @@ void Rebalancer::Impl::install(RebalancePlan& plan, int64_t k) {
   std::copy(plan.phy2log[k].begin(), plan.phy2log[k].end(),
             phy2log_.begin() + layer * config_.layout.physical);
   write_maps(layer);
-  mark_installed(layer);
+  group_.mark_installed(layer, [&](int seat) { return weights_.member(seat); });
+  if (group_.repair_pending()) metrics_->set_unavailable(unavailable_count());
   for (const migration::Restore& r : plan.migrations[k].plan.restores) {
     if (r.dst_rank == seat_) records_.open->bytes_restored += spec_.expert_bytes();
   }
-  ++installed_total_;
   ++records_.open->layers_installed;
   metrics_->on_layer_installed(plan.migrations[k].plan, config_.layout, seat_,
                                spec_.expert_bytes());

@@ -112,7 +112,7 @@ std::optional<Failure> proposal_refused(const Active& active) {
 
 // ---------------------------------------------------------------- the runtime's entry
 CompactSlots Rebalancer::Impl::compact_slots() const {
-  return CompactSlots(members_, config_.layout.slots_per_rank(), config_.layout.ranks);
+  return CompactSlots(group_.members(), config_.layout.slots_per_rank(), config_.layout.ranks);
 }
 
 // Forward thread: checked now, taken by the next step_end()'s trigger (trigger.cc, sync.cc).

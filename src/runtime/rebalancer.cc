@@ -56,6 +56,7 @@ Rebalancer::Impl::Impl(Config config, WeightSpec spec, int seat, const Placement
       seat_(seat),
       layers_(spec_.layers),
       weights_(config_, spec_, seat, transport),
+      group_(config_.layout, spec_.layers, initial == nullptr),
       recorder_(spec_.layers, config_.layout.experts, std::max<int64_t>(config_.window, 1)),
       gain_book_(config_.cost),
       external_(config_.lag) {
@@ -81,13 +82,9 @@ Rebalancer::Impl::Impl(Config config, WeightSpec spec, int seat, const Placement
     }
     initial->validate();
   }
-  // Every seat a member, every slot usable; a joining rank learns the group's at reconfigure().
-  members_.resize(static_cast<size_t>(layout.ranks));
-  for (int g = 0; g < layout.ranks; ++g) members_[g] = g;
   const Placement start =
       joining_ ? trivial_placement(layers_, layout.experts, layout.physical) : *initial;
   phy2log_ = start.phy2log;
-  usable_.assign(static_cast<size_t>(layers_ * layout.physical), joining_ ? 0 : 1);
   tables_.reserve(static_cast<size_t>(layers_));
   for (int64_t l = 0; l < layers_; ++l) tables_.push_back(build_tables(start, l, false));
   // Last, once everything is valid: nothing in the engine's registry from a refused config.
@@ -97,7 +94,7 @@ Rebalancer::Impl::Impl(Config config, WeightSpec spec, int seat, const Placement
   monitor_ = std::make_unique<Monitor>(
       seat_, layout, config_.stall_warn, config_.timeout, progress_, *metrics_,
       [this](const Failure&, int64_t group) {
-        broken_group_.store(group, std::memory_order_release);
+        group_.window_failed(group);
       });
 }
 
@@ -212,10 +209,8 @@ void Rebalancer::Impl::step_end() {
 
 Rebalancer::Impl::ServedBy Rebalancer::Impl::served_by_now() const {
   ServedBy by;
-  const bool all_usable =
-      std::all_of(usable_.begin(), usable_.end(), [](uint8_t u) { return u != 0; });
-  if (static_cast<int64_t>(members_.size()) < config_.layout.ranks) by.members = members_;
-  if (!all_usable) by.usable = usable_;
+  if (!group_.all_members()) by.members = group_.members();
+  if (!group_.all_usable()) by.usable = group_.usable();
   return by;
 }
 
@@ -229,12 +224,12 @@ void Rebalancer::Impl::submit_balancedness(std::vector<int32_t> phy2log, ServedB
   if (sync_window_) {
     std::promise<CollectiveResult> ready;
     ready.set_value({.values = *sync_window_, .failure = std::nullopt});
-    monitor_->measure(ready.get_future().share(), std::move(phy2log), step_, group_.load(),
+    monitor_->measure(ready.get_future().share(), std::move(phy2log), step_, group_.group(),
                       std::move(served_by.members), std::move(served_by.usable));
     return;
   }
   if (active_ && records_.open && records_.open->trigger_step == step_) {
-    monitor_->measure(active_->window, std::move(phy2log), step_, group_.load(),
+    monitor_->measure(active_->window, std::move(phy2log), step_, group_.group(),
                       std::move(served_by.members), std::move(served_by.usable));
     return;
   }
@@ -246,7 +241,7 @@ void Rebalancer::Impl::submit_balancedness(std::vector<int32_t> phy2log, ServedB
   monitor_->measure(control_->all_reduce(std::move(window), control::ReduceOp::kSum,
                                          config_.timeout)
                         .share(),
-                    std::move(phy2log), step_, group_.load(), std::move(served_by.members),
+                    std::move(phy2log), step_, group_.group(), std::move(served_by.members),
                     std::move(served_by.usable));
 }
 
@@ -295,13 +290,10 @@ int64_t Rebalancer::Impl::step() const { return step_; }
 
 bool Rebalancer::Impl::rebalancing() const { return records_.open.has_value(); }
 
-int64_t Rebalancer::Impl::installed_layers() const { return installed_total_; }
-
 bool Rebalancer::Impl::control_broken() const {
   // A failed window of the monitor names the group it belonged to: only the current one's
   // breaks anything (an old group's may arrive after reconfigure()).
-  return control_broken_.load(std::memory_order_acquire) ||
-         broken_group_.load(std::memory_order_acquire) == group_.load(std::memory_order_acquire);
+  return control_broken_.load(std::memory_order_acquire) || group_.window_broken();
 }
 
 int64_t Rebalancer::Impl::host_bytes() const {
@@ -313,7 +305,7 @@ int64_t Rebalancer::Impl::host_bytes() const {
   bytes += stats::LoadRecorder::bytes_for(recorder_.layers(), recorder_.experts(),
                                           recorder_.window());
   bytes += weights_.backup_bytes();
-  bytes += of(phy2log_) + of(usable_);
+  bytes += of(phy2log_) + of(group_.usable());
   for (const routing::DispatchTables& t : tables_) {
     bytes += of(t.log2phy) + of(t.replica_count) + of(t.static_slot) + of(t.cumulative_share);
   }
@@ -337,14 +329,13 @@ const Config& Rebalancer::Impl::config() const { return config_; }
 
 const WeightSpec& Rebalancer::Impl::weight_spec() const { return spec_; }
 
-// The tables of `layer` of `placement` routing only to usable slots (usable_ now, or the
+// The tables of `layer` of `placement` routing only to usable slots (usable now, or the
 // members' slots all, `after_install`).
 routing::DispatchTables Rebalancer::Impl::build_tables(const Placement& placement, int64_t layer,
                                                        bool after_install) const {
   const Layout& layout = config_.layout;
-  const bool all_members = static_cast<int64_t>(members_.size()) == layout.ranks;
-  const auto row = std::span<const uint8_t>(usable_).subspan(
-      static_cast<size_t>(layer * layout.physical), static_cast<size_t>(layout.physical));
+  const bool all_members = group_.all_members();
+  const std::span<const uint8_t> row = group_.usable_row(layer);
   const bool all_usable = std::all_of(row.begin(), row.end(), [](uint8_t u) { return u != 0; });
   if (all_members && (after_install || all_usable)) {
     return routing::build_dispatch_tables(placement, layer, layout);
@@ -379,7 +370,7 @@ void Rebalancer::reconfigure(control::Communicator& communicator, transport::Tra
                              const Membership& membership) {
   impl_->reconfigure(communicator, transport, membership);
 }
-std::vector<int32_t> Rebalancer::members() const { return impl_->members(); }
+std::vector<int32_t> Rebalancer::members() const { return impl_->group_.members(); }
 std::vector<int32_t> Rebalancer::unavailable(int64_t layer) const {
   return impl_->unavailable(layer);
 }
@@ -441,7 +432,7 @@ void Rebalancer::shutdown() { impl_->shutdown(); }
 int Rebalancer::rank() const { return impl_->rank(); }
 int64_t Rebalancer::step() const { return impl_->step(); }
 bool Rebalancer::rebalancing() const { return impl_->rebalancing(); }
-int64_t Rebalancer::installed_layers() const { return impl_->installed_layers(); }
+int64_t Rebalancer::installed_layers() const { return impl_->group_.installed_total(); }
 bool Rebalancer::control_broken() const { return impl_->control_broken(); }
 int64_t Rebalancer::agreement_contribution() const { return impl_->agreement_contribution(); }
 void Rebalancer::agreement_result(int64_t step, int64_t min_value) {

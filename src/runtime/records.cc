@@ -28,10 +28,7 @@ namespace eplb::runtime {
 // Ends the open record at this step; `raise` is what step_end throws under on_error=raise.
 void Rebalancer::Impl::close_open(std::optional<Failure> raise) {
   // A repair that completed (or found nothing to do) leaves every member slot filled.
-  if (records_.open->repair && records_.open->outcome != Outcome::kFailed && records_.open->outcome != Outcome::kCancelled) {
-    repair_pending_ = false;
-  }
-  if (records_.open->repair && records_.open->outcome == Outcome::kFailed) repair_failed_ = true;
+  if (records_.open->repair) group_.repair_ended(records_.open->outcome);
   records_.end(step_, std::move(raise));
   progress_.finish();
   metrics_->set_age_steps(0);

@@ -53,7 +53,7 @@ void Rebalancer::Impl::step_end_sync() {
   try {
     if (proposed) check_agreed(check, proposed->placement);
     if (delay_hook_) delay_hook_(DelayPoint::kPlacement);
-    plan = make_plan(window, phy2log_, config_, spec_.expert_bytes(), elastic_inputs(), gain,
+    plan = make_plan(window, phy2log_, config_, spec_.expert_bytes(), group_.inputs(weights_, static_cast<bool>(config_.backup.loader)), gain,
                      proposed ? &proposed->placement : nullptr);
   } catch (...) {
     local = Failure::current();

@@ -31,11 +31,11 @@ bool Rebalancer::Impl::should_trigger() const {
   // (a loader that keeps failing must not cost a collective and a warning at every step).
   // Interval 0: no rebalance of the runtime's own (an engine that proposes its placements).
   const bool at_interval = config_.interval > 0 && step_ > 0 && step_ % config_.interval == 0;
-  return (repair_pending_ && !repair_failed_) || at_interval || proposals_.pending();
+  return group_.repair_due() || at_interval || proposals_.pending();
 }
 
 void Rebalancer::Impl::open_record() {
-  records_.start(step_, repair_pending_);
+  records_.start(step_, group_.repair_pending());
   records_.open->proposed = proposals_.pending();
   progress_.start(records_.open->index, step_);
   metrics_->set_age_steps(0);
@@ -70,7 +70,7 @@ void Rebalancer::Impl::trigger_async() {
   }
   a->current_phy2log = phy2log_;
   a->map = weights_.map();
-  a->elastic = elastic_inputs();
+  a->elastic = group_.inputs(weights_, static_cast<bool>(config_.backup.loader));
   worker_.submit(a);
   active_ = std::move(a);
 }

@@ -82,18 +82,17 @@ void Rebalancer::Impl::reconfigure(control::Communicator& communicator,
 
   // Step 1: nothing runs any more on the old group. A rebalance in flight is abandoned here on
   // every member alike (installed layers stay: what each slot holds is exchanged below).
-  if (active_) {
-    cancel_worker(*active_);
+  if (protocol_.active()) {
+    AsyncProtocol::cancel_worker(*protocol_.active());
     if (records_.open) {
       records_.open->outcome = Outcome::kFailed;
       records_.open->error = "reconfigure() while the rebalance ran";
       close_open(std::nullopt);
       publish_open();
     }
-    active_.reset();
+    protocol_.finish(false);
   }
-  agreements_.clear();
-  contribution_.store(kNoAgreement, std::memory_order_release);
+  protocol_.drop_agreements();
   // A proposal not started yet was made for the old group: the engine proposes again.
   if (proposals_.take()) {
     spdlog::warn("eplb runtime rank {}: reconfigure() at step {} drops the placement proposed "
@@ -102,7 +101,7 @@ void Rebalancer::Impl::reconfigure(control::Communicator& communicator,
   if (!joining) wait_worker_idle();
   // Until the new group is in place no rebalance may start: a reconfigure that throws below
   // leaves the Rebalancer serving its tables, waiting for another reconfigure().
-  control_broken_.store(true, std::memory_order_release);
+  protocol_.set_control_broken(true);
   if (control_) {
     control_->stop();
     control_.reset();
@@ -137,7 +136,7 @@ void Rebalancer::Impl::reconfigure(control::Communicator& communicator,
   if (!joining) weights_.move_from(old);
 
   // Step 4: the threads on the new group.
-  control_broken_.store(false, std::memory_order_release);
+  protocol_.set_control_broken(false);
   start_control_thread();
   if (joining) {
     start_worker_thread();
@@ -314,7 +313,7 @@ void Rebalancer::Impl::exchange_membership(const Membership& membership, bool jo
   phy2log_ = std::move(phy2log);
   step_ = step;
   records_.set_next_index(next_index);
-  published_step_.store(step_, std::memory_order_release);
+  protocol_.publish_step(step_);
   const Placement now = placement();
   // Maps numbered as the old members' slots say nothing true of the new group's (an engine
   // that re-slices its maps binds the new views next).

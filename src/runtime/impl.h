@@ -34,6 +34,7 @@
 #include "eplb/stats/recorder.h"
 #include "eplb/transport/transport.h"
 #include "runtime/arena.h"
+#include "runtime/async_protocol.h"
 #include "runtime/backup.h"
 #include "runtime/compute.h"
 #include "runtime/control_thread.h"
@@ -85,8 +86,6 @@ class Rebalancer::Impl {
   std::vector<int32_t> unavailable(int64_t layer) const;
   bool any_unavailable() const;
   int64_t unavailable_count() const;  // all layers
-  int64_t agreement_contribution() const;
-  void agreement_result(int64_t step, int64_t min_value);
   int rank() const;
   int64_t step() const;
   bool rebalancing() const;
@@ -126,13 +125,8 @@ class Rebalancer::Impl {
   void step_end_async();
   std::function<void()> installs_done();
   void trigger_async();
-  void submit_agreement();
-  std::optional<int64_t> take_agreement(PendingAgreement pending);
-  std::chrono::milliseconds result_bound() const;
   void advance_async();
   void end_active(std::string message, std::optional<Failure> error);
-  void finish_active();
-  static void cancel_worker(Active& a);
   void run_job(Active& a);
   StageContext stage_context(const std::atomic<bool>* cancel, int64_t index);
   // Sync mode (sync.cc).
@@ -178,17 +172,14 @@ class Rebalancer::Impl {
   int64_t step_ = 0;
   bool shut_down_ = false;
   Proposals proposals_;                      // a placement proposed for the next step_end
-  std::shared_ptr<Active> active_;           // the rebalance in flight (in_flight.h)
-  std::deque<PendingAgreement> agreements_;  // by step
   RecordBook records_;                       // its record, and the history (any thread)
   GainBook gain_book_;  // what this rank adds to a trigger's window for min_gain's check
   std::optional<std::vector<int64_t>> sync_window_;  // sync: this step's window, to measure
 
   // Any thread.
-  std::atomic<bool> control_broken_{false};
-  std::atomic<int64_t> published_step_{0};           // step_, for agreement_result's check
-  std::atomic<int64_t> contribution_{kNoAgreement};  // agreement_contribution()
-  ExternalAgreement external_;  // results of an external agreement, handed in by any thread
+  // The rebalance in flight, its agreements, the external agreement's results, whether the
+  // control plane broke (async_protocol.h).
+  AsyncProtocol protocol_;
 
   // Threads.
   std::unique_ptr<ControlThread> control_;

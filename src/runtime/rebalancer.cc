@@ -59,7 +59,7 @@ Rebalancer::Impl::Impl(Config config, WeightSpec spec, int seat, const Placement
       group_(config_.layout, spec_.layers, initial == nullptr),
       recorder_(spec_.layers, config_.layout.experts, std::max<int64_t>(config_.window, 1)),
       gain_book_(config_.cost),
-      external_(config_.lag) {
+      protocol_(config_) {
   const Layout& layout = config_.layout;
   // 0: every interval (never with interval 0, no rebalance of the runtime's own).
   balancedness_period_ = config_.balancedness_period == 0 ? config_.interval
@@ -187,7 +187,7 @@ void Rebalancer::Impl::step_end() {
     step_end_sync();
   }
   if (measure) submit_balancedness(std::move(served_with), std::move(served_by));
-  published_step_.store(step_, std::memory_order_release);
+  protocol_.publish_step(step_);
   const double wall_ms = ms_between(start, Clock::now());
   metrics_->on_step();
   if (!records_.open) return;
@@ -228,8 +228,8 @@ void Rebalancer::Impl::submit_balancedness(std::vector<int32_t> phy2log, ServedB
                       std::move(served_by.members), std::move(served_by.usable));
     return;
   }
-  if (active_ && records_.open && records_.open->trigger_step == step_) {
-    monitor_->measure(active_->window, std::move(phy2log), step_, group_.group(),
+  if (protocol_.active() && records_.open && records_.open->trigger_step == step_) {
+    monitor_->measure(protocol_.active()->window, std::move(phy2log), step_, group_.group(),
                       std::move(served_by.members), std::move(served_by.usable));
     return;
   }
@@ -267,20 +267,20 @@ void Rebalancer::Impl::save_stats(const std::string& path, stats::LoadFormat for
 void Rebalancer::Impl::shutdown() {
   if (shut_down_) return;
   shut_down_ = true;
-  if (active_) {
-    cancel_worker(*active_);
+  if (protocol_.active()) {
+    AsyncProtocol::cancel_worker(*protocol_.active());
     if (records_.open) {
       records_.open->outcome = Outcome::kCancelled;
       records_.open->error = "shutdown() while the rebalance ran";
       close_open(std::nullopt);
       publish_open();
     }
-    active_.reset();
+    protocol_.finish(false);
   }
   worker_.stop();
   if (control_) control_->stop();
   if (monitor_) monitor_->stop();
-  agreements_.clear();
+  protocol_.drop_agreements();
   metrics_->set_in_flight({});
 }
 
@@ -293,7 +293,7 @@ bool Rebalancer::Impl::rebalancing() const { return records_.open.has_value(); }
 bool Rebalancer::Impl::control_broken() const {
   // A failed window of the monitor names the group it belonged to: only the current one's
   // breaks anything (an old group's may arrive after reconfigure()).
-  return control_broken_.load(std::memory_order_acquire) || group_.window_broken();
+  return protocol_.control_broken() || group_.window_broken();
 }
 
 int64_t Rebalancer::Impl::host_bytes() const {
@@ -434,9 +434,9 @@ int64_t Rebalancer::step() const { return impl_->step(); }
 bool Rebalancer::rebalancing() const { return impl_->rebalancing(); }
 int64_t Rebalancer::installed_layers() const { return impl_->group_.installed_total(); }
 bool Rebalancer::control_broken() const { return impl_->control_broken(); }
-int64_t Rebalancer::agreement_contribution() const { return impl_->agreement_contribution(); }
+int64_t Rebalancer::agreement_contribution() const { return impl_->protocol_.contribution(); }
 void Rebalancer::agreement_result(int64_t step, int64_t min_value) {
-  impl_->agreement_result(step, min_value);
+  impl_->protocol_.hand_in(step, min_value);
 }
 int64_t Rebalancer::bytes_held() const { return impl_->weights_.bytes_held(); }
 int64_t Rebalancer::host_bytes() const { return impl_->host_bytes(); }

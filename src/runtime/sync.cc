@@ -40,7 +40,7 @@ void Rebalancer::Impl::step_end_sync() {
     if (proposed) check = await(std::move(max));
     sync_window_ = window;
   } catch (...) {
-    control_broken_.store(true, std::memory_order_release);
+    protocol_.set_control_broken(true);
     Failure failure = Failure::current();
     // The message first: the two arguments are built in no set order.
     std::string message = detail::concat("the window all-reduce failed: ", failure.message);
@@ -94,7 +94,7 @@ bool Rebalancer::Impl::agree_sync(const std::optional<Failure>& local) {
   try {
     agreed = await(control_->all_reduce({mine}, control::ReduceOp::kMin, config_.timeout)).at(0);
   } catch (...) {
-    control_broken_.store(true, std::memory_order_release);
+    protocol_.set_control_broken(true);
     Failure failure = Failure::current();
     std::string message = detail::concat("an agreement failed: ", failure.message);
     fail_open(std::move(message), std::move(failure));
@@ -111,8 +111,9 @@ bool Rebalancer::Impl::agree_sync(const std::optional<Failure>& local) {
 }
 
 std::vector<int64_t> Rebalancer::Impl::await(std::future<CollectiveResult> future) {
-  if (future.wait_for(result_bound()) != std::future_status::ready) {
-    fail<Timeout>("runtime: a collective gave no result within ", result_bound().count(),
+  if (future.wait_for(protocol_.result_bound()) != std::future_status::ready) {
+    fail<Timeout>("runtime: a collective gave no result within ",
+                  protocol_.result_bound().count(),
                   " ms");
   }
   return future.get().take();

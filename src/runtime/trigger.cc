@@ -72,7 +72,7 @@ void Rebalancer::Impl::trigger_async() {
   a->map = weights_.map();
   a->elastic = group_.inputs(weights_, static_cast<bool>(config_.backup.loader));
   worker_.submit(a);
-  active_ = std::move(a);
+  protocol_.start(std::move(a));
 }
 
 }  // namespace eplb::runtime

@@ -36,8 +36,8 @@ namespace eplb::runtime {
 
 // ---------------------------------------------------------------- start-up
 int64_t Rebalancer::Impl::connect() {
-  EPLB_CHECK(!joining_, "a joining Rebalancer enters through reconfigure(), not connect()");
-  EPLB_CHECK(!connected_, "connect() was already called");
+  EPLB_CHECK(lifecycle_ != Lifecycle::kJoining, "a joining Rebalancer enters through reconfigure(), not connect()");
+  EPLB_CHECK(lifecycle_ != Lifecycle::kConnected, "connect() was already called");
   const std::chrono::milliseconds timeout = config_.timeout;
   transport::Transport& transport = weights_.transport();
   if (transport.capabilities().device_memory && !config_.installer) {
@@ -99,19 +99,19 @@ int64_t Rebalancer::Impl::connect() {
   // Step 4: the threads. From here on only the control thread calls the communicator.
   start_control_thread();
   start_worker_thread();
-  connected_ = true;
+  lifecycle_ = Lifecycle::kConnected;
   const int64_t held = weights_.publish_bytes_held();
   metrics_->set_bytes_held(held);
   if (engine) {
     spdlog::info("eplb runtime rank {}: connected to {} peers over {} ({}), holding {} bytes "
                  "of staging beside the engine's {} layers x {} tensors, mode {}",
                  seat_, all.size() - 1, transport.backend(), comm_->backend(), held,
-                 layers_, weights_.arena().tensors(), mode_name(config_.mode));
+                 spec_.layers, weights_.arena().tensors(), mode_name(config_.mode));
   } else {
     spdlog::info("eplb runtime rank {}: connected to {} peers over {} ({}), holding {} bytes "
                  "({} layers + 1 staging of {} bytes), mode {}",
                  seat_, all.size() - 1, transport.backend(), comm_->backend(), held,
-                 layers_, weights_.arena().layer_bytes(), mode_name(config_.mode));
+                 spec_.layers, weights_.arena().layer_bytes(), mode_name(config_.mode));
   }
   return held;
 }

@@ -54,7 +54,7 @@ void Rebalancer::Impl::reconfigure(control::Communicator& communicator,
                                    transport::Transport& transport,
                                    const Membership& membership) {
   EPLB_CHECK(!shut_down_, "reconfigure() after shutdown()");
-  EPLB_CHECK(connected_ || joining_,
+  EPLB_CHECK(lifecycle_ != Lifecycle::kBuilt,
              "reconfigure() needs connect() first (a rank that joins is built with the "
              "joining constructor)");
   const Layout& layout = config_.layout;
@@ -74,11 +74,11 @@ void Rebalancer::Impl::reconfigure(control::Communicator& communicator,
     fail("the ", transport.backend(), " transport keeps the weights in device memory: set "
          "Config::installer");
   }
-  if (&communicator == comm_ || (!joining_ && &transport == &weights_.transport())) {
+  if (&communicator == comm_ || (lifecycle_ != Lifecycle::kJoining && &transport == &weights_.transport())) {
     fail("reconfigure: pass a communicator and a transport built for the new group (these are "
          "the ones in use)");
   }
-  const bool joining = joining_;
+  const bool joining = lifecycle_ == Lifecycle::kJoining;
 
   // Step 1: nothing runs any more on the old group. A rebalance in flight is abandoned here on
   // every member alike (installed layers stay: what each slot holds is exchanged below).
@@ -98,7 +98,7 @@ void Rebalancer::Impl::reconfigure(control::Communicator& communicator,
     spdlog::warn("eplb runtime rank {}: reconfigure() at step {} drops the placement proposed "
                  "for the old group; propose again for the new one", seat_, step_);
   }
-  if (!joining) wait_worker_idle();
+  if (!joining) worker_.wait_idle();  // the cancelled job let go
   // Until the new group is in place no rebalance may start: a reconfigure that throws below
   // leaves the Rebalancer serving its tables, waiting for another reconfigure().
   protocol_.set_control_broken(true);
@@ -140,8 +140,7 @@ void Rebalancer::Impl::reconfigure(control::Communicator& communicator,
   start_control_thread();
   if (joining) {
     start_worker_thread();
-    joining_ = false;
-    connected_ = true;
+    lifecycle_ = Lifecycle::kConnected;
   }
   metrics_->set_bytes_held(weights_.publish_bytes_held());
   const int64_t unavailable_total = unavailable_count();
@@ -160,7 +159,7 @@ void Rebalancer::Impl::exchange_membership(const Membership& membership, bool jo
   const Layout& layout = config_.layout;
   const int64_t spr = layout.slots_per_rank();
   const int64_t P = layout.physical;
-  const size_t own = static_cast<size_t>(layers_ * spr);
+  const size_t own = static_cast<size_t>(spec_.layers * spr);
   struct Head {
     uint64_t fingerprint;
     int32_t seat, joining, backup_filled, region, backup_region, repair;
@@ -183,7 +182,7 @@ void Rebalancer::Impl::exchange_membership(const Membership& membership, bool jo
   std::memcpy(mine.data(), &head, sizeof head);
   auto* slots = reinterpret_cast<int32_t*>(mine.data() + sizeof head);
   auto* valid = reinterpret_cast<uint8_t*>(mine.data() + sizeof head + own * sizeof(int32_t));
-  for (int64_t l = 0; l < layers_; ++l) {
+  for (int64_t l = 0; l < spec_.layers; ++l) {
     for (int64_t j = 0; j < spr; ++j) {
       const int64_t p = l * P + seat_ * spr + j;
       slots[l * spr + j] = phy2log_[p];
@@ -252,15 +251,15 @@ void Rebalancer::Impl::exchange_membership(const Membership& membership, bool jo
   // What every slot holds: a member's own report (the truth, whatever each member believed of
   // the others); the slots of lost seats and of joining members hold nothing usable and are
   // given the experts that are nowhere else first, so that the placement stays valid.
-  std::vector<int32_t> phy2log(static_cast<size_t>(layers_ * P), -1);
-  std::vector<uint8_t> usable(static_cast<size_t>(layers_ * P), 0);
+  std::vector<int32_t> phy2log(static_cast<size_t>(spec_.layers * P), -1);
+  std::vector<uint8_t> usable(static_cast<size_t>(spec_.layers * P), 0);
   for (size_t g = 0; g < all.size(); ++g) {
     if (heads[g].joining) continue;
     const auto* s = reinterpret_cast<const int32_t*>(all[g].data() + sizeof(Head));
     const auto* v = reinterpret_cast<const uint8_t*>(all[g].data() + sizeof(Head) +
                                                      own * sizeof(int32_t));
     const int64_t seat = heads[g].seat;
-    for (int64_t l = 0; l < layers_; ++l) {
+    for (int64_t l = 0; l < spec_.layers; ++l) {
       for (int64_t j = 0; j < spr; ++j) {
         const int32_t e = s[l * spr + j];
         if (e < 0 || e >= layout.experts) {
@@ -272,7 +271,7 @@ void Rebalancer::Impl::exchange_membership(const Membership& membership, bool jo
     }
   }
   std::vector<uint8_t> present(static_cast<size_t>(layout.experts));
-  for (int64_t l = 0; l < layers_; ++l) {
+  for (int64_t l = 0; l < spec_.layers; ++l) {
     std::fill(present.begin(), present.end(), 0);
     for (int64_t p = 0; p < P; ++p) {
       if (phy2log[l * P + p] >= 0) present[phy2log[l * P + p]] = 1;
@@ -300,7 +299,7 @@ void Rebalancer::Impl::exchange_membership(const Membership& membership, bool jo
   // The same on every member: from exchanged values only (a member whose last repair failed
   // alone still asks for one, so every member starts it).
   bool all_usable = true;
-  for (int64_t p = 0; p < layers_ * P; ++p) {
+  for (int64_t p = 0; p < spec_.layers * P; ++p) {
     all_usable = all_usable && (usable[p] || !weights_.member(static_cast<int>((p % P) / spr)));
   }
   const bool any_joining =
@@ -325,19 +324,16 @@ void Rebalancer::Impl::exchange_membership(const Membership& membership, bool jo
                  "longer written; bind_maps() again with views of the new group's width",
                  seat_, list);
   }
-  for (int64_t l = 0; l < layers_; ++l) {
+  for (int64_t l = 0; l < spec_.layers; ++l) {
     tables_[l] = build_tables(now, l, false);
     write_maps(l);
   }
 }
 
 // ---------------------------------------------------------------- lost slots
-// Waits until the worker has no job (after a cancel).
-void Rebalancer::Impl::wait_worker_idle() { worker_.wait_idle(); }
-
 std::vector<int32_t> Rebalancer::Impl::unavailable(int64_t layer) const {
-  EPLB_CHECK(layer >= 0 && layer < layers_, "unavailable: layer ", layer, " is outside [0, ",
-             layers_, ")");
+  EPLB_CHECK(layer >= 0 && layer < spec_.layers, "unavailable: layer ", layer, " is outside [0, ",
+             spec_.layers, ")");
   return routing::unavailable_experts(tables_[layer]);
 }
 

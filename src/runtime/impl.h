@@ -69,8 +69,6 @@ class Rebalancer::Impl {
 
   // The public Rebalancer's calls (rebalancer.h says who may call each, and when).
   int64_t connect();
-  void record(int64_t layer, std::span<const int32_t> ids);
-  void record_counts(int64_t layer, std::span<const int64_t> counts);
   void record_pass(const IntTensor& counts, CountsOf of);
   void bind_maps(std::vector<MapBinding> maps);
   void propose(const Placement& placement);
@@ -86,16 +84,9 @@ class Rebalancer::Impl {
   std::vector<int32_t> unavailable(int64_t layer) const;
   bool any_unavailable() const;
   int64_t unavailable_count() const;  // all layers
-  int rank() const;
-  int64_t step() const;
-  bool rebalancing() const;
   bool control_broken() const;
   int64_t host_bytes() const;
-  std::vector<RebalanceRecord> history() const;
-  std::shared_ptr<prometheus::Registry> registry() const;
   std::vector<prometheus::MetricFamily> collect_metrics() const;
-  const Config& config() const;
-  const WeightSpec& weight_spec() const;
 
  private:
   Impl(Config config, WeightSpec spec, int seat, const Placement* initial,
@@ -105,7 +96,6 @@ class Rebalancer::Impl {
   void start_control_thread();
   void start_worker_thread();
   void exchange_membership(const Membership& membership, bool joining);
-  void wait_worker_idle();
   // Trigger and records (trigger.cc, records.cc).
   bool should_trigger() const;
   CompactSlots compact_slots() const;
@@ -120,7 +110,9 @@ class Rebalancer::Impl {
     std::vector<uint8_t> usable;
   };
   ServedBy served_by_now() const;
-  void submit_balancedness(std::vector<int32_t> phy2log, ServedBy served_by);
+  // `all_reduced`: the window of a rebalance triggered at this step in sync mode.
+  void submit_balancedness(std::vector<int32_t> phy2log, ServedBy served_by,
+                           std::optional<std::vector<int64_t>> all_reduced);
   // The async protocol (trigger.cc, agree.cc) and the worker (worker.cc).
   void step_end_async();
   std::function<void()> installs_done();
@@ -130,7 +122,7 @@ class Rebalancer::Impl {
   void run_job(Active& a);
   StageContext stage_context(const std::atomic<bool>* cancel, int64_t index);
   // Sync mode (sync.cc).
-  void step_end_sync();
+  void step_end_sync(std::optional<std::vector<int64_t>>& all_reduced);
   bool agree_sync(const std::optional<Failure>& local);
   std::vector<int64_t> await(std::future<CollectiveResult> future);
   // Install (install.cc).
@@ -146,15 +138,14 @@ class Rebalancer::Impl {
   control::Communicator* comm_ = nullptr;
   const WeightSpec spec_;
   int seat_ = 0;  // this rank's seat in the layout (a member keeps its seat)
-  const int64_t layers_;
   // Regions, peers, backups, the engine's tensors, the buffer map (weight_store.h says which
   // thread touches what).
   WeightStore weights_;
   // Members, usable slots, repair flags, group counters, installs (group_state.h).
   GroupState group_;
-  bool joining_ = false;  // constructed to join, not yet reconfigured
-  bool connected_ = false;
-  int64_t balancedness_period_ = 0;  // resolved: 0 never
+  // Built (connect() next), joining (reconfigure() next), or connected.
+  enum class Lifecycle : uint8_t { kBuilt, kJoining, kConnected };
+  Lifecycle lifecycle_ = Lifecycle::kBuilt;
 
   // Metrics (atomic), the progress of the rebalance in flight (any thread, monitor.h), and the
   // monitor thread from connect() on.
@@ -167,18 +158,20 @@ class Rebalancer::Impl {
   std::vector<int32_t> phy2log_;  // [layers][physical]
   std::vector<routing::DispatchTables> tables_;  // [layers]
   EngineMaps maps_;                              // the engine's map tensors, if bound
-  int64_t pass_step_ = -1;                       // the step record_pass() last counted
-  std::vector<int64_t> pass_counts_;             // record_pass()'s [layers][experts], reused
+  struct PassCounts {
+    int64_t step = -1;            // the step record_pass() last counted
+    std::vector<int64_t> counts;  // its [layers][experts], reused
+  };
+  PassCounts pass_;
   int64_t step_ = 0;
   bool shut_down_ = false;
   Proposals proposals_;                      // a placement proposed for the next step_end
   RecordBook records_;                       // its record, and the history (any thread)
   GainBook gain_book_;  // what this rank adds to a trigger's window for min_gain's check
-  std::optional<std::vector<int64_t>> sync_window_;  // sync: this step's window, to measure
 
-  // Any thread.
-  // The rebalance in flight, its agreements, the external agreement's results, whether the
-  // control plane broke (async_protocol.h).
+  // The rebalance in flight and its agreements (forward thread), the contribution and the
+  // external agreement's results, whether the control plane broke (any thread):
+  // async_protocol.h.
   AsyncProtocol protocol_;
 
   // Threads.

@@ -117,7 +117,7 @@ CompactSlots Rebalancer::Impl::compact_slots() const {
 
 // Forward thread: checked now, taken by the next step_end()'s trigger (trigger.cc, sync.cc).
 void Rebalancer::Impl::propose(const Placement& placement) {
-  if (!connected_) {
+  if (lifecycle_ != Lifecycle::kConnected) {
     fail("propose() needs connect() first (a rank that joins: reconfigure())");
   }
   if (shut_down_) fail("propose() after shutdown()");

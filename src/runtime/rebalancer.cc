@@ -54,19 +54,15 @@ Rebalancer::Impl::Impl(Config config, WeightSpec spec, int seat, const Placement
       comm_(communicator),
       spec_(std::move(spec)),
       seat_(seat),
-      layers_(spec_.layers),
       weights_(config_, spec_, seat, transport),
       group_(config_.layout, spec_.layers, initial == nullptr),
       recorder_(spec_.layers, config_.layout.experts, std::max<int64_t>(config_.window, 1)),
       gain_book_(config_.cost),
       protocol_(config_) {
   const Layout& layout = config_.layout;
-  // 0: every interval (never with interval 0, no rebalance of the runtime's own).
-  balancedness_period_ = config_.balancedness_period == 0 ? config_.interval
-                                                          : std::max<int64_t>(
-                                                                config_.balancedness_period, 0);
-  joining_ = initial == nullptr;
-  if (joining_) {
+  const bool joining = initial == nullptr;
+  lifecycle_ = joining ? Lifecycle::kJoining : Lifecycle::kBuilt;
+  if (joining) {
     EPLB_CHECK(seat >= 0 && seat < layout.ranks, "joining seat ", seat, " is outside [0, ",
                layout.ranks, ") (the layout's ranks)");
   } else {
@@ -74,23 +70,23 @@ Rebalancer::Impl::Impl(Config config, WeightSpec spec, int seat, const Placement
                   "the communicator's size must equal the layout's ranks");
     EPLB_CHECK_EQ(transport->rank(), comm_->rank(),
                   "the transport and the communicator must be of the same rank");
-    if (initial->layers != layers_ || initial->experts != layout.experts ||
+    if (initial->layers != spec_.layers || initial->experts != layout.experts ||
         initial->physical != layout.physical) {
       fail("initial placement is ", initial->layers, " layers x ", initial->experts,
-           " experts x ", initial->physical, " slots but the runtime needs ", layers_, " x ",
+           " experts x ", initial->physical, " slots but the runtime needs ", spec_.layers, " x ",
            layout.experts, " x ", layout.physical, " (weight spec layers, layout)");
     }
     initial->validate();
   }
   const Placement start =
-      joining_ ? trivial_placement(layers_, layout.experts, layout.physical) : *initial;
+      joining ? trivial_placement(spec_.layers, layout.experts, layout.physical) : *initial;
   phy2log_ = start.phy2log;
-  tables_.reserve(static_cast<size_t>(layers_));
-  for (int64_t l = 0; l < layers_; ++l) tables_.push_back(build_tables(start, l, false));
+  tables_.reserve(static_cast<size_t>(spec_.layers));
+  for (int64_t l = 0; l < spec_.layers; ++l) tables_.push_back(build_tables(start, l, false));
   // Last, once everything is valid: nothing in the engine's registry from a refused config.
   // The monitor exists from here on, so collect_metrics() (any thread) never races its start.
   metrics_ = std::make_unique<RuntimeMetrics>(config_.registry, seat_, config_.metric_labels);
-  if (!joining_) metrics_->set_members(layout.ranks);
+  if (!joining) metrics_->set_members(layout.ranks);
   monitor_ = std::make_unique<Monitor>(
       seat_, layout, config_.stall_warn, config_.timeout, progress_, *metrics_,
       [this](const Failure&, int64_t group) {
@@ -101,59 +97,52 @@ Rebalancer::Impl::Impl(Config config, WeightSpec spec, int seat, const Placement
 Rebalancer::Impl::~Impl() { shutdown(); }
 
 // ---------------------------------------------------------------- forward thread
-void Rebalancer::Impl::record(int64_t layer, std::span<const int32_t> ids) {
-  recorder_.record(layer, ids);
-}
-
-void Rebalancer::Impl::record_counts(int64_t layer, std::span<const int64_t> counts) {
-  recorder_.record_counts(layer, counts);
-}
-
 // The engine's seams (engine_maps.h): one pass of its counters, its map tensors.
 void Rebalancer::Impl::record_pass(const IntTensor& counts, CountsOf of) {
   const int64_t E = config_.layout.experts;
-  if (pass_step_ == step_) {
+  if (pass_.step == step_) {
     fail("record_pass: already called at step ", step_, " (once per forward pass, before its "
          "step_end(); nothing of this call was counted)");
   }
-  pass_counts_.resize(static_cast<size_t>(layers_ * E));
-  read_pass_counts(counts, of, layers_, config_.layout, compact_slots(), phy2log_, pass_counts_);
+  std::vector<int64_t>& pass = pass_.counts;
+  pass.resize(static_cast<size_t>(spec_.layers * E));
+  read_pass_counts(counts, of, spec_.layers, config_.layout, compact_slots(), phy2log_, pass);
   // The recorder refuses a step count past its limit layer by layer; checked here for every
   // layer first, so an error counts nothing.
   const std::span<const int64_t> open = recorder_.current();
-  for (int64_t i = 0; i < layers_ * E; ++i) {
-    if (pass_counts_[i] > stats::LoadRecorder::kMaxStepCount - open[i]) {
+  for (int64_t i = 0; i < spec_.layers * E; ++i) {
+    if (pass[i] > stats::LoadRecorder::kMaxStepCount - open[i]) {
       fail("record_pass: layer ", i / E, " expert ", i % E, " would count ",
-           open[i] + pass_counts_[i], " tokens in one step, more than ",
+           open[i] + pass[i], " tokens in one step, more than ",
            stats::LoadRecorder::kMaxStepCount);
     }
   }
-  for (int64_t l = 0; l < layers_; ++l) {
-    recorder_.record_counts(l, {pass_counts_.data() + l * E, static_cast<size_t>(E)});
+  for (int64_t l = 0; l < spec_.layers; ++l) {
+    recorder_.record_counts(l, {pass.data() + l * E, static_cast<size_t>(E)});
   }
-  pass_step_ = step_;
+  pass_.step = step_;
 }
 
 void Rebalancer::Impl::bind_maps(std::vector<MapBinding> maps) {
-  maps_.bind(std::move(maps), layers_, config_.layout, compact_slots());
-  for (int64_t l = 0; l < layers_; ++l) write_maps(l);
+  maps_.bind(std::move(maps), spec_.layers, config_.layout, compact_slots());
+  for (int64_t l = 0; l < spec_.layers; ++l) write_maps(l);
 }
 
 const routing::DispatchTables& Rebalancer::Impl::dispatch(int64_t layer) const {
-  EPLB_CHECK(layer >= 0 && layer < layers_, "dispatch: layer ", layer, " is outside [0, ",
-             layers_, ")");
+  EPLB_CHECK(layer >= 0 && layer < spec_.layers, "dispatch: layer ", layer, " is outside [0, ",
+             spec_.layers, ")");
   return tables_[layer];
 }
 
 std::span<const int32_t> Rebalancer::Impl::phy2log(int64_t layer) const {
-  EPLB_CHECK(layer >= 0 && layer < layers_, "phy2log: layer ", layer, " is outside [0, ",
-             layers_, ")");
+  EPLB_CHECK(layer >= 0 && layer < spec_.layers, "phy2log: layer ", layer, " is outside [0, ",
+             spec_.layers, ")");
   return {phy2log_.data() + layer * config_.layout.physical,
           static_cast<size_t>(config_.layout.physical)};
 }
 
 Placement Rebalancer::Impl::placement() const {
-  Placement p(layers_, config_.layout.experts, config_.layout.physical);
+  Placement p(spec_.layers, config_.layout.experts, config_.layout.physical);
   p.phy2log = phy2log_;
   p.derive_from_phy2log();
   return p;
@@ -165,7 +154,7 @@ void Rebalancer::Impl::set_cost_model(const placement::CostModel& model) {
 }
 
 void Rebalancer::Impl::step_end() {
-  EPLB_CHECK(connected_, "step_end() needs connect() first (a joining rank: reconfigure())");
+  EPLB_CHECK(lifecycle_ == Lifecycle::kConnected, "step_end() needs connect() first (a joining rank: reconfigure())");
   EPLB_CHECK(!shut_down_, "step_end() after shutdown()");
   const auto start = Clock::now();
   const int64_t waited_before = run_queue_wait_ns();
@@ -173,20 +162,26 @@ void Rebalancer::Impl::step_end() {
   ++step_;
   // The window is measured under the placement it was served with: the one in force before
   // this step's protocol installs anything (sync mode installs a whole rebalance here).
-  const bool measure = balancedness_period_ > 0 && step_ % balancedness_period_ == 0;
+  // Balancedness period 0: every interval (never with interval 0, no rebalance of the
+  // runtime's own); below 0 never.
+  const int64_t period = config_.balancedness_period == 0 ? config_.interval
+                                                          : config_.balancedness_period;
+  const bool measure = period > 0 && step_ % period == 0;
   std::vector<int32_t> served_with;
   ServedBy served_by;
   if (measure) {
     served_with = phy2log_;
     served_by = served_by_now();
   }
-  sync_window_.reset();
+  std::optional<std::vector<int64_t>> all_reduced;  // sync: a window triggered at this step
   if (config_.mode == Mode::kAsync) {
     step_end_async();
   } else {
-    step_end_sync();
+    step_end_sync(all_reduced);
   }
-  if (measure) submit_balancedness(std::move(served_with), std::move(served_by));
+  if (measure) {
+    submit_balancedness(std::move(served_with), std::move(served_by), std::move(all_reduced));
+  }
   protocol_.publish_step(step_);
   const double wall_ms = ms_between(start, Clock::now());
   metrics_->on_step();
@@ -219,11 +214,12 @@ Rebalancer::Impl::ServedBy Rebalancer::Impl::served_by_now() const {
 // all-reduced it already (that result is shared); with one in flight since an earlier step
 // there is no measurement (no collective queues up among its agreements); else one all-reduce,
 // on every rank alike. `served_by`: the group's seats and usable slots when `phy2log` served.
-void Rebalancer::Impl::submit_balancedness(std::vector<int32_t> phy2log, ServedBy served_by) {
+void Rebalancer::Impl::submit_balancedness(std::vector<int32_t> phy2log, ServedBy served_by,
+                                           std::optional<std::vector<int64_t>> all_reduced) {
   // Triggered at this step: its window is this very window, all-reduced already.
-  if (sync_window_) {
+  if (all_reduced) {
     std::promise<CollectiveResult> ready;
-    ready.set_value({.values = *sync_window_, .failure = std::nullopt});
+    ready.set_value({.values = std::move(*all_reduced), .failure = std::nullopt});
     monitor_->measure(ready.get_future().share(), std::move(phy2log), step_, group_.group(),
                       std::move(served_by.members), std::move(served_by.usable));
     return;
@@ -236,7 +232,7 @@ void Rebalancer::Impl::submit_balancedness(std::vector<int32_t> phy2log, ServedB
   // In flight since an earlier step (its agreements must not wait behind a window), or a
   // broken control plane (no collective runs any more): no figure this time.
   if (records_.open || control_broken()) return;
-  std::vector<int64_t> window(static_cast<size_t>(layers_ * config_.layout.experts));
+  std::vector<int64_t> window(static_cast<size_t>(spec_.layers * config_.layout.experts));
   recorder_.snapshot_window(window);
   monitor_->measure(control_->all_reduce(std::move(window), control::ReduceOp::kSum,
                                          config_.timeout)
@@ -248,7 +244,7 @@ void Rebalancer::Impl::submit_balancedness(std::vector<int32_t> phy2log, ServedB
 void Rebalancer::Impl::save_stats(const std::string& path, stats::LoadFormat format) const {
   stats::LoadHistory history;
   history.steps = recorder_.steps_in_window();
-  history.layers = layers_;
+  history.layers = spec_.layers;
   history.experts = config_.layout.experts;
   if (history.steps == 0) fail("save_stats: no step recorded yet (call step_end() first)");
   const std::vector<int64_t> steps = recorder_.window_steps();
@@ -284,12 +280,6 @@ void Rebalancer::Impl::shutdown() {
   metrics_->set_in_flight({});
 }
 
-int Rebalancer::Impl::rank() const { return seat_; }
-
-int64_t Rebalancer::Impl::step() const { return step_; }
-
-bool Rebalancer::Impl::rebalancing() const { return records_.open.has_value(); }
-
 bool Rebalancer::Impl::control_broken() const {
   // A failed window of the monitor names the group it belonged to: only the current one's
   // breaks anything (an old group's may arrive after reconfigure()).
@@ -297,7 +287,7 @@ bool Rebalancer::Impl::control_broken() const {
 }
 
 int64_t Rebalancer::Impl::host_bytes() const {
-  EPLB_CHECK(connected_, "host_bytes() needs connect() first (it allocates the arena; a joining rank: reconfigure())");
+  EPLB_CHECK(lifecycle_ == Lifecycle::kConnected, "host_bytes() needs connect() first (it allocates the arena; a joining rank: reconfigure())");
   const auto of = [](const auto& v) {
     return static_cast<int64_t>(v.size() * sizeof(typename std::decay_t<decltype(v)>::value_type));
   };
@@ -312,22 +302,10 @@ int64_t Rebalancer::Impl::host_bytes() const {
   return bytes;
 }
 
-std::vector<RebalanceRecord> Rebalancer::Impl::history() const {
-  return records_.history();
-}
-
-std::shared_ptr<prometheus::Registry> Rebalancer::Impl::registry() const {
-  return metrics_->registry();
-}
-
 std::vector<prometheus::MetricFamily> Rebalancer::Impl::collect_metrics() const {
   if (monitor_) monitor_->refresh();
   return metrics_->registry()->Collect();
 }
-
-const Config& Rebalancer::Impl::config() const { return config_; }
-
-const WeightSpec& Rebalancer::Impl::weight_spec() const { return spec_; }
 
 // The tables of `layer` of `placement` routing only to usable slots (usable now, or the
 // members' slots all, `after_install`).
@@ -389,10 +367,10 @@ void Rebalancer::fill_backup(
 
 int64_t Rebalancer::connect() { return impl_->connect(); }
 void Rebalancer::record(int64_t layer, std::span<const int32_t> expert_ids) {
-  impl_->record(layer, expert_ids);
+  impl_->recorder_.record(layer, expert_ids);
 }
 void Rebalancer::record_counts(int64_t layer, std::span<const int64_t> counts) {
-  impl_->record_counts(layer, counts);
+  impl_->recorder_.record_counts(layer, counts);
 }
 
 void Rebalancer::record_pass(const IntTensor& counts, CountsOf of) {
@@ -429,9 +407,9 @@ void Rebalancer::save_stats(const std::string& path, stats::LoadFormat format) c
   impl_->save_stats(path, format);
 }
 void Rebalancer::shutdown() { impl_->shutdown(); }
-int Rebalancer::rank() const { return impl_->rank(); }
-int64_t Rebalancer::step() const { return impl_->step(); }
-bool Rebalancer::rebalancing() const { return impl_->rebalancing(); }
+int Rebalancer::rank() const { return impl_->seat_; }
+int64_t Rebalancer::step() const { return impl_->step_; }
+bool Rebalancer::rebalancing() const { return impl_->records_.open.has_value(); }
 int64_t Rebalancer::installed_layers() const { return impl_->group_.installed_total(); }
 bool Rebalancer::control_broken() const { return impl_->control_broken(); }
 int64_t Rebalancer::agreement_contribution() const { return impl_->protocol_.contribution(); }
@@ -440,16 +418,18 @@ void Rebalancer::agreement_result(int64_t step, int64_t min_value) {
 }
 int64_t Rebalancer::bytes_held() const { return impl_->weights_.bytes_held(); }
 int64_t Rebalancer::host_bytes() const { return impl_->host_bytes(); }
-std::vector<RebalanceRecord> Rebalancer::history() const { return impl_->history(); }
-std::shared_ptr<prometheus::Registry> Rebalancer::registry() const { return impl_->registry(); }
+std::vector<RebalanceRecord> Rebalancer::history() const { return impl_->records_.history(); }
+std::shared_ptr<prometheus::Registry> Rebalancer::registry() const {
+  return impl_->metrics_->registry();
+}
 std::vector<prometheus::MetricFamily> Rebalancer::collect_metrics() const {
   return impl_->collect_metrics();
 }
 std::string Rebalancer::metrics_text() const {
   return runtime::metrics_text(impl_->collect_metrics());
 }
-const Config& Rebalancer::config() const { return impl_->config(); }
-const WeightSpec& Rebalancer::weight_spec() const { return impl_->weight_spec(); }
+const Config& Rebalancer::config() const { return impl_->config_; }
+const WeightSpec& Rebalancer::weight_spec() const { return impl_->spec_; }
 
 void RebalancerTesting::set_delay_hook(Rebalancer& rebalancer,
                                        std::function<void(DelayPoint)> hook) {

@@ -17,10 +17,10 @@
 namespace eplb::runtime {
 
 // -------------------------------------------------------------- sync mode
-void Rebalancer::Impl::step_end_sync() {
+void Rebalancer::Impl::step_end_sync(std::optional<std::vector<int64_t>>& all_reduced) {
   if (!should_trigger()) return;
   open_record();
-  const int64_t loads = layers_ * config_.layout.experts;
+  const int64_t loads = spec_.layers * config_.layout.experts;
   std::vector<int64_t> window(static_cast<size_t>(loads));
   recorder_.snapshot_window(window);
   gain_book_.append(window, recorder_.steps_in_window());
@@ -38,7 +38,7 @@ void Rebalancer::Impl::step_end_sync() {
     window = await(std::move(sum));
     gain = take_gain_figures(window, loads);
     if (proposed) check = await(std::move(max));
-    sync_window_ = window;
+    all_reduced = window;
   } catch (...) {
     protocol_.set_control_broken(true);
     Failure failure = Failure::current();

@@ -55,7 +55,7 @@ void Rebalancer::Impl::trigger_async() {
   open_record();
   auto a = std::make_shared<Active>();
   a->index = records_.open->index;
-  std::vector<int64_t> window(static_cast<size_t>(layers_ * config_.layout.experts));
+  std::vector<int64_t> window(static_cast<size_t>(spec_.layers * config_.layout.experts));
   recorder_.snapshot_window(window);
   gain_book_.append(window, recorder_.steps_in_window());
   a->window = control_->all_reduce(std::move(window), control::ReduceOp::kSum,

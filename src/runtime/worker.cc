@@ -97,7 +97,7 @@ void Rebalancer::Impl::run_job(Active& a) {
     }
     CollectiveResult result = a.window.get();  // a copy: the monitor may read it too
     std::vector<int64_t> window = std::move(result).take();
-    const GainFigures gain = take_gain_figures(window, layers_ * config_.layout.experts);
+    const GainFigures gain = take_gain_figures(window, spec_.layers * config_.layout.experts);
     if (cancelled()) return;
     progress_.note(a.index, Phase::kPlacement);
     if (a.proposed) {  // every rank proposed this very placement, or every rank fails here

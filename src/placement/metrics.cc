@@ -213,4 +213,40 @@ PlacementMetrics evaluate(const LoadMatrix& load, const Placement& placement, co
   return m;
 }
 
+std::optional<PlacementMetrics> served_metrics(const LoadMatrix& load, const Placement& placement,
+                                               const Layout& layout,
+                                               std::span<const int32_t> members,
+                                               std::span<const uint8_t> usable) {
+  const bool every_seat = members.empty() || static_cast<int64_t>(members.size()) == layout.ranks;
+  if (every_seat && usable.empty()) {
+    return evaluate(load, placement, layout, nullptr, /*with_bound=*/false);
+  }
+  const int64_t spr = layout.slots_per_rank();
+  std::vector<uint8_t> member(static_cast<size_t>(layout.ranks), every_seat ? 1 : 0);
+  if (!every_seat) {
+    for (const int32_t g : members) member[static_cast<size_t>(g)] = 1;
+  }
+  Layout compact = layout;
+  compact.ranks = every_seat ? layout.ranks : static_cast<int64_t>(members.size());
+  compact.physical = compact.ranks * spr;
+  compact.nodes = 1;
+  Placement c(placement.layers, placement.experts, compact.physical);
+  std::vector<uint8_t> served(static_cast<size_t>(placement.experts));
+  for (int64_t l = 0; l < placement.layers; ++l) {
+    std::fill(served.begin(), served.end(), 0);
+    int64_t q = 0;
+    for (int64_t slot = 0; slot < layout.physical; ++slot) {
+      if (!member[static_cast<size_t>(slot / spr)]) continue;
+      const int32_t e = placement.phy2log[l * layout.physical + slot];
+      c.phy2log[l * compact.physical + q++] = e;
+      if (usable.empty() || usable[static_cast<size_t>(l * layout.physical + slot)]) {
+        served[static_cast<size_t>(e)] = 1;
+      }
+    }
+    if (std::find(served.begin(), served.end(), 0) != served.end()) return std::nullopt;
+  }
+  c.derive_from_phy2log();
+  return evaluate(load, c, compact, nullptr, /*with_bound=*/false);
+}
+
 }  // namespace eplb::placement

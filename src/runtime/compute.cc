@@ -28,12 +28,12 @@ Placement placement_of(std::span<const int32_t> phy2log, const Layout& layout, i
   return p;
 }
 
-// The balancedness of `p` on `load` over the slots that serve (served_metrics); 0 when some
-// expert has no usable member slot (the placement cannot serve every token).
+// The balancedness of `p` on `load` over the slots that serve (placement::served_metrics); 0
+// when some expert has no usable member slot (the placement cannot serve every token).
 double served_balancedness(const LoadMatrix& load, const Placement& p, const Layout& layout,
                            std::span<const int32_t> members, std::span<const uint8_t> usable) {
   const std::optional<placement::PlacementMetrics> m =
-      served_metrics(load, p, layout, members, usable);
+      placement::served_metrics(load, p, layout, members, usable);
   return m ? m->balancedness_mean : 0;
 }
 

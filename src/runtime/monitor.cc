@@ -18,43 +18,6 @@ double seconds_between(MonitorClock::time_point a, MonitorClock::time_point b) {
 
 }  // namespace
 
-std::optional<placement::PlacementMetrics> served_metrics(const LoadMatrix& load,
-                                                          const Placement& placement,
-                                                          const Layout& layout,
-                                                          std::span<const int32_t> members,
-                                                          std::span<const uint8_t> usable) {
-  const bool every_seat = members.empty() || static_cast<int64_t>(members.size()) == layout.ranks;
-  if (every_seat && usable.empty()) {
-    return placement::evaluate(load, placement, layout, nullptr, /*with_bound=*/false);
-  }
-  const int64_t spr = layout.slots_per_rank();
-  std::vector<uint8_t> member(static_cast<size_t>(layout.ranks), every_seat ? 1 : 0);
-  if (!every_seat) {
-    for (const int32_t g : members) member[static_cast<size_t>(g)] = 1;
-  }
-  Layout compact = layout;
-  compact.ranks = every_seat ? layout.ranks : static_cast<int64_t>(members.size());
-  compact.physical = compact.ranks * spr;
-  compact.nodes = 1;
-  Placement c(placement.layers, placement.experts, compact.physical);
-  std::vector<uint8_t> served(static_cast<size_t>(placement.experts));
-  for (int64_t l = 0; l < placement.layers; ++l) {
-    std::fill(served.begin(), served.end(), 0);
-    int64_t q = 0;
-    for (int64_t slot = 0; slot < layout.physical; ++slot) {
-      if (!member[static_cast<size_t>(slot / spr)]) continue;
-      const int32_t e = placement.phy2log[l * layout.physical + slot];
-      c.phy2log[l * compact.physical + q++] = e;
-      if (usable.empty() || usable[static_cast<size_t>(l * layout.physical + slot)]) {
-        served[static_cast<size_t>(e)] = 1;
-      }
-    }
-    if (std::find(served.begin(), served.end(), 0) != served.end()) return std::nullopt;
-  }
-  c.derive_from_phy2log();
-  return placement::evaluate(load, c, compact, nullptr, /*with_bound=*/false);
-}
-
 void PhaseTracker::start(int64_t index, int64_t trigger_step) {
   std::lock_guard<std::mutex> lock(mu_);
   const auto now = MonitorClock::now();
@@ -238,7 +201,7 @@ void Monitor::measure_now(Job& job) {
   placement.phy2log = std::move(job.phy2log);
   placement.derive_from_phy2log();
   const std::optional<placement::PlacementMetrics> served =
-      served_metrics(load, placement, layout_, job.members, job.usable);
+      placement::served_metrics(load, placement, layout_, job.members, job.usable);
   if (!served) {
     // As the plans' predictions read it: some expert's tokens had nowhere to go.
     metrics_.set_recorded_balancedness(0);

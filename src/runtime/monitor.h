@@ -27,17 +27,6 @@ namespace eplb::runtime {
 
 using MonitorClock = std::chrono::steady_clock;
 
-// The metrics of `placement` on `load` over the slots that serve (elastic serving): the seats
-// in `members` (ascending; empty: every rank) as a layout of their own, the other seats serving
-// no token. Empty when some expert has no `usable` slot ([layers][physical], nonzero: valid
-// weights; empty: all) on a member: the placement cannot serve every token. The plans'
-// predictions and the recorded window's figure are both this.
-std::optional<placement::PlacementMetrics> served_metrics(const LoadMatrix& load,
-                                                          const Placement& placement,
-                                                          const Layout& layout,
-                                                          std::span<const int32_t> members,
-                                                          std::span<const uint8_t> usable);
-
 // The rebalance in flight, as far as this rank knows. Any thread (one mutex: a few calls per
 // layer, never per token).
 class PhaseTracker {
@@ -84,7 +73,7 @@ class Monitor {
   // Forward thread: measure the balancedness of `window` (the all-reduce of every rank's
   // recorded window, [layers][experts], in flight on the control thread) under `phy2log`
   // ([layers][physical], in force at `step`) once it arrives, over the slots that served
-  // (served_metrics: `members` and `usable` as they were at `step`; empty: all).
+  // (placement::served_metrics: `members` and `usable` as they were at `step`; empty: all).
   // `group` (the Rebalancer's count of reconfigures) is handed back to on_failed_window, so that
   // the failure of an old group's window breaks nothing of the new group's.
   void measure(std::shared_future<CollectiveResult> window, std::vector<int32_t> phy2log,

@@ -7,6 +7,7 @@
 // over layers rather than counted as perfectly balanced. Its own per-layer figures are 1.
 
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <vector>
 
@@ -51,5 +52,15 @@ struct PlacementMetrics {
 // pay.
 PlacementMetrics evaluate(const LoadMatrix& load, const Placement& placement, const Layout& layout,
                           const Placement* previous = nullptr, bool with_bound = true);
+
+// The metrics of `placement` on `load` over the slots that serve (elastic serving): the seats
+// in `members` (ascending; empty: every rank) as a layout of their own, the other seats serving
+// no token. Empty when some expert has no `usable` slot ([layers][physical], nonzero: valid
+// weights; empty: all) on a member: the placement cannot serve every token. The runtime's plans
+// predict, and its monitor measures, the balancedness this way (without the lower bound).
+std::optional<PlacementMetrics> served_metrics(const LoadMatrix& load, const Placement& placement,
+                                               const Layout& layout,
+                                               std::span<const int32_t> members,
+                                               std::span<const uint8_t> usable);
 
 }  // namespace eplb::placement

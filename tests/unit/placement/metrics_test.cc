@@ -214,5 +214,35 @@ TEST(MetricsTest, RejectsBadInput) {
   }
 }
 
+// The recorded window's balancedness and the plans' predictions count the slots that serve:
+// a lost seat's slots take no token, so its replicas share nothing; an expert left without a
+// usable slot on the members reads 0 (its tokens had nowhere to go).
+TEST(ServedMetrics, CountOnlyTheSlotsThatServe) {
+  Layout layout;
+  layout.experts = 4;
+  layout.physical = 8;
+  layout.ranks = 4;
+  Placement p(1, 4, 8);
+  p.phy2log = {0, 1, 2, 3, 0, 2, 1, 3};  // seats {0,1} {2,3} {0,2} {1,3}
+  p.derive_from_phy2log();
+  LoadMatrix load(1, 4);
+  load.values = {4, 4, 4, 4};
+  const auto all = served_metrics(load, p, layout, {}, {});
+  ASSERT_TRUE(all.has_value());
+  EXPECT_DOUBLE_EQ(all->balancedness_mean, 1.0);
+  // Seat 3 lost: experts 1 and 3 keep one replica each, 4 per slot; seats 0-2 carry 6, 6, 4.
+  const std::vector<int32_t> members = {0, 1, 2};
+  const auto three = served_metrics(load, p, layout, members, {});
+  ASSERT_TRUE(three.has_value());
+  EXPECT_DOUBLE_EQ(three->balancedness_mean, (16.0 / 3.0) / 6.0);
+  EXPECT_EQ(three->moe_layers, 1);
+  // And expert 3's last replica (seat 1, slot 3) without valid weights: nothing serves it.
+  std::vector<uint8_t> usable(8, 1);
+  usable[3] = 0;
+  EXPECT_FALSE(served_metrics(load, p, layout, members, usable).has_value());
+  // Every seat a member but slot 3 unusable: expert 3 is still served on seat 3.
+  EXPECT_TRUE(served_metrics(load, p, layout, {}, usable).has_value());
+}
+
 }  // namespace
 }  // namespace eplb::placement

@@ -1,6 +1,6 @@
 #pragma once
-// The serving loop of one rank process and the group it serves with (emulator.cc), shared with
-// the elastic launcher (elastic.cc).
+// The serving loop of one rank process (serve.cc) and the group it serves with (emulator.cc),
+// shared with the elastic launcher (elastic.cc).
 
 #include <atomic>
 #include <cstdint>
@@ -76,7 +76,8 @@ std::vector<control::RankExit> run_elastic_ranks(const RunOptions& options,
                                                  const std::atomic<int>* stop,
                                                  const control::ForkOptions& fork_options);
 
-// One rank process's run (run_rank without elastic); returns its report as JSON text.
+// One rank process's run (run_rank without elastic), phase by phase (serve.cc's RankServer);
+// returns its report as JSON text.
 std::string serve(const RunOptions& options, const Workload& workload, Group group,
                   const ElasticContext* elastic, const std::atomic<int>* stop);
 

@@ -32,8 +32,10 @@
 #include "runtime/compute.h"
 #include "runtime/stage.h"
 
-// Rebalancer::Impl's construction and forward thread (record, dispatch, weights, step_end,
-// shutdown), and the public Rebalancer that forwards to it. impl.h lists where each step of a
+// Rebalancer::Impl's construction and forward thread (record_pass, dispatch, step_end,
+// shutdown), and the public Rebalancer, which calls Impl where Impl does the work and the part
+// that owns a value (the weight store, the group state, the protocol, the records, the
+// recorder) where Impl would only pass the call on. impl.h lists where each step of a
 // rebalance lives.
 
 namespace eplb::runtime {

@@ -36,7 +36,8 @@ namespace eplb::runtime {
 
 // ---------------------------------------------------------------- start-up
 int64_t Rebalancer::Impl::connect() {
-  EPLB_CHECK(lifecycle_ != Lifecycle::kJoining, "a joining Rebalancer enters through reconfigure(), not connect()");
+  EPLB_CHECK(lifecycle_ != Lifecycle::kJoining,
+             "a joining Rebalancer enters through reconfigure(), not connect()");
   EPLB_CHECK(lifecycle_ != Lifecycle::kConnected, "connect() was already called");
   const std::chrono::milliseconds timeout = config_.timeout;
   transport::Transport& transport = weights_.transport();

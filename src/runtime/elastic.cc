@@ -74,7 +74,8 @@ void Rebalancer::Impl::reconfigure(control::Communicator& communicator,
     fail("the ", transport.backend(), " transport keeps the weights in device memory: set "
          "Config::installer");
   }
-  if (&communicator == comm_ || (lifecycle_ != Lifecycle::kJoining && &transport == &weights_.transport())) {
+  if (&communicator == comm_ ||
+      (lifecycle_ != Lifecycle::kJoining && &transport == &weights_.transport())) {
     fail("reconfigure: pass a communicator and a transport built for the new group (these are "
          "the ones in use)");
   }

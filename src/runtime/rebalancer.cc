@@ -156,7 +156,8 @@ void Rebalancer::Impl::set_cost_model(const placement::CostModel& model) {
 }
 
 void Rebalancer::Impl::step_end() {
-  EPLB_CHECK(lifecycle_ == Lifecycle::kConnected, "step_end() needs connect() first (a joining rank: reconfigure())");
+  EPLB_CHECK(lifecycle_ == Lifecycle::kConnected,
+             "step_end() needs connect() first (a joining rank: reconfigure())");
   EPLB_CHECK(!shut_down_, "step_end() after shutdown()");
   const auto start = Clock::now();
   const int64_t waited_before = run_queue_wait_ns();
@@ -289,7 +290,8 @@ bool Rebalancer::Impl::control_broken() const {
 }
 
 int64_t Rebalancer::Impl::host_bytes() const {
-  EPLB_CHECK(lifecycle_ == Lifecycle::kConnected, "host_bytes() needs connect() first (it allocates the arena; a joining rank: reconfigure())");
+  EPLB_CHECK(lifecycle_ == Lifecycle::kConnected, "host_bytes() needs connect() first (it "
+             "allocates the arena; a joining rank: reconfigure())");
   const auto of = [](const auto& v) {
     return static_cast<int64_t>(v.size() * sizeof(typename std::decay_t<decltype(v)>::value_type));
   };

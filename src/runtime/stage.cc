@@ -142,7 +142,8 @@ bool stage_layer(const StageContext& context, const BufferMap& map, int64_t laye
                    "runtime: a restore from the loader, but no Backup::loader is set");
         loader(layer, t, r.expert, std::span<std::byte>(dst, bytes));
       } else if (r.src_rank == rank) {
-        std::memcpy(dst, regions.backup.data + store.backup().offset(r.src_rank, layer, r.expert, t),
+        std::memcpy(dst,
+                    regions.backup.data + store.backup().offset(r.src_rank, layer, r.expert, t),
                     bytes);
       } else {
         restore_reads.push_back(

@@ -53,7 +53,9 @@ void Rebalancer::Impl::step_end_sync(std::optional<std::vector<int64_t>>& all_re
   try {
     if (proposed) check_agreed(check, proposed->placement);
     if (delay_hook_) delay_hook_(DelayPoint::kPlacement);
-    plan = make_plan(window, phy2log_, config_, spec_.expert_bytes(), group_.inputs(weights_, static_cast<bool>(config_.backup.loader)), gain,
+    const ElasticInputs elastic =
+        group_.inputs(weights_, static_cast<bool>(config_.backup.loader));
+    plan = make_plan(window, phy2log_, config_, spec_.expert_bytes(), elastic, gain,
                      proposed ? &proposed->placement : nullptr);
   } catch (...) {
     local = Failure::current();

@@ -6,7 +6,8 @@
 //   compute     placement, migration plan, schedule, tables, on the worker (worker.cc, compute.cc)
 //   stage       one layer at a time, reads of peers' live weights into staging (stage.cc),
 //               through the weight store: regions, peers, backups, buffer map (weight_store.cc)
-//   agree       one tiny all-reduce per step; its result acts lag steps later (agree.cc)
+//   agree       one tiny all-reduce per step; its result acts lag steps later (agree.cc, the
+//               step driver; the agreements and the rebalance in flight: async_protocol.cc)
 //   install     staging becomes live (WeightStore::install), tables and maps change, every rank
 //               at one step (install.cc)
 //   record      the rebalance's record, published when it ends (records.cc)

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "eplb/core/error.h"
+#include "unit/invalid_message.h"
 #include "placement/balanced.h"
 #include "eplb/placement/policy.h"
 
@@ -34,16 +35,7 @@ CostModel model(Params p) {
 }
 
 using ::testing::HasSubstr;
-
-template <typename F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const InvalidArgument& e) {
-    return e.what();
-  }
-  return "no error";
-}
+using eplb::test_util::invalid_message;
 
 TEST(CostModel, SlotTimeIsFixedPlusTokensWithAKnee) {
   CostModel m = model({.rank_us = 5, .slot_us = 10, .token_us = 1, .knee_tokens = 0});
@@ -58,17 +50,17 @@ TEST(CostModel, SlotTimeIsFixedPlusTokensWithAKnee) {
 }
 
 TEST(CostModel, BadParametersAreNamed) {
-  EXPECT_THAT(error_of([] { model({.slot_us = -1}).validate(); }),
+  EXPECT_THAT(invalid_message([] { model({.slot_us = -1}).validate(); }),
               HasSubstr("slot_us is -1"));
-  EXPECT_THAT(error_of([] { model({.token_us = std::nan("")}).validate(); }),
+  EXPECT_THAT(invalid_message([] { model({.token_us = std::nan("")}).validate(); }),
               HasSubstr("token_us is nan"));
-  EXPECT_THAT(error_of([] { model({.rank_us = 2e6}).validate(); }), HasSubstr("rank_us is"));
-  EXPECT_THAT(error_of([] { model({.slot_us = 0, .token_us = 0}).validate(); }),
+  EXPECT_THAT(invalid_message([] { model({.rank_us = 2e6}).validate(); }), HasSubstr("rank_us is"));
+  EXPECT_THAT(invalid_message([] { model({.slot_us = 0, .token_us = 0}).validate(); }),
               HasSubstr("are all 0"));
   for (const double noise : {-0.1, 1.5, std::nan("")}) {
     CostModel m = model({.slot_us = 1});
     m.noise = noise;
-    EXPECT_THAT(error_of([&] { m.validate(); }), HasSubstr("noise is")) << noise;
+    EXPECT_THAT(invalid_message([&] { m.validate(); }), HasSubstr("noise is")) << noise;
   }
 }
 
@@ -103,13 +95,14 @@ TEST(CostModel, FitNeverReturnsANegativeParameter) {
 
 TEST(CostModel, FitRefusesTooFewOrDegenerateSamples) {
   std::vector<CostSample> few(static_cast<size_t>(kMinCostSamples - 1), {1, 2, 3});
-  EXPECT_THAT(error_of([&] { fit_cost_model(few); }), HasSubstr("7 samples (need at least 8"));
+  EXPECT_THAT(invalid_message([&] { fit_cost_model(few); }),
+              HasSubstr("7 samples (need at least 8"));
   std::vector<CostSample> line;
   for (int i = 1; i <= 10; ++i) line.push_back({1.0 * i, 4.0 * i, 7.0 * i});
-  EXPECT_THAT(error_of([&] { fit_cost_model(line); }), HasSubstr("cannot tell the slots"));
+  EXPECT_THAT(invalid_message([&] { fit_cost_model(line); }), HasSubstr("cannot tell the slots"));
   std::vector<CostSample> bad(10, {1, 2, 3});
   bad[4] = {1, -2, 3};
-  EXPECT_THAT(error_of([&] { fit_cost_model(bad); }), HasSubstr("sample 4 is"));
+  EXPECT_THAT(invalid_message([&] { fit_cost_model(bad); }), HasSubstr("sample 4 is"));
 }
 
 // The noise a fit finds is the spread of one rank's time against the others' at the same step:
@@ -207,7 +200,7 @@ TEST(CostModel, KernelTableFitFindsTheKnee) {
   EXPECT_NEAR(m.token_us, 0, 1e-6);
   EXPECT_EQ(m.knee_tokens, 50);
   EXPECT_NEAR(m.token_us_above, 0.2, 1e-6);
-  EXPECT_THAT(error_of([] { fit_slot_table(std::vector<SlotTiming>(3, {1, 1})); }),
+  EXPECT_THAT(invalid_message([] { fit_slot_table(std::vector<SlotTiming>(3, {1, 1})); }),
               HasSubstr("3 rows"));
 }
 
@@ -222,9 +215,9 @@ TEST(CostModel, RooflineAndPresets) {
   EXPECT_NEAR(h100.slot_time_us(1), h100.slot_time_us(290), 1e-9);
   EXPECT_NEAR(h100.slot_time_us(600), 600 * h100.token_us_above, 1e-6);
   EXPECT_LT(cost_model_preset("h200-v3-decode").slot_us, h100.slot_us);
-  EXPECT_THAT(error_of([] { cost_model_preset("a100"); }),
+  EXPECT_THAT(invalid_message([] { cost_model_preset("a100"); }),
               HasSubstr("'a100' is not a preset (h100-v3-decode, h200-v3-decode, tokens)"));
-  EXPECT_THAT(error_of([] {
+  EXPECT_THAT(invalid_message([] {
                 roofline_cost_model({.hbm_bytes_per_s = 1e12, .peak_flops = 0,
                                      .expert_bytes = 1, .flops_per_token = 1});
               }),
@@ -250,22 +243,23 @@ TEST(CostModel, JsonRoundTripAndErrors) {
   EXPECT_EQ(fitted.noise, 0.07);
   EXPECT_EQ(fitted.heldout_error, -0.021);
   EXPECT_EQ(fitted.heldout_steps, 16);
-  EXPECT_THAT(error_of([] { cost_model_from_json(R"({"slot_us": 1, "noise": 3})"); }),
+  EXPECT_THAT(invalid_message([] { cost_model_from_json(R"({"slot_us": 1, "noise": 3})"); }),
               HasSubstr("noise is 3"));
-  EXPECT_THAT(error_of([] { cost_model_from_json(R"({"slot_us": 1, "heldout_steps": 1.5})"); }),
-              HasSubstr("\"heldout_steps\" is 1.5"));
+  EXPECT_THAT(
+      invalid_message([] { cost_model_from_json(R"({"slot_us": 1, "heldout_steps": 1.5})"); }),
+      HasSubstr("\"heldout_steps\" is 1.5"));
   EXPECT_EQ(cost_model_from_json(R"({"preset": "tokens"})").token_us, 1);
   const CostModel roof = cost_model_from_json(
       R"({"roofline": {"hbm_bytes_per_s": 1e12, "peak_flops": 1e15, "expert_bytes": 1e6,
           "flops_per_token": 2e6}})");
   EXPECT_NEAR(roof.slot_us, 1, 1e-12);
-  EXPECT_THAT(error_of([] { cost_model_from_json(R"({"slot": 1})", "m.json"); }),
+  EXPECT_THAT(invalid_message([] { cost_model_from_json(R"({"slot": 1})", "m.json"); }),
               HasSubstr("m.json: unknown field \"slot\""));
-  EXPECT_THAT(error_of([] { cost_model_from_json(R"({"slot_us": "fast"})"); }),
+  EXPECT_THAT(invalid_message([] { cost_model_from_json(R"({"slot_us": "fast"})"); }),
               HasSubstr("\"slot_us\" is \"fast\" (expected a number)"));
-  EXPECT_THAT(error_of([] { cost_model_from_json(R"({"slot_us": -3})"); }),
+  EXPECT_THAT(invalid_message([] { cost_model_from_json(R"({"slot_us": -3})"); }),
               HasSubstr("slot_us is -3"));
-  EXPECT_THAT(error_of([] {
+  EXPECT_THAT(invalid_message([] {
                 cost_model_from_json(R"({"roofline": {"hbm_bytes_per_s": 1e12}})", "r.json");
               }),
               HasSubstr("peak_flops is 0"));
@@ -301,7 +295,7 @@ TEST(BalancedCost, ReplicatesOnlyWhereItLowersTheModeledTime) {
     EXPECT_NE(p.phy2log[3 * g], p.phy2log[3 * g + 2]);
   }
   o.policy = Policy::kDeepseek;
-  EXPECT_THAT(error_of([&] { place(load, layout, o); }), HasSubstr("balanced policy only"));
+  EXPECT_THAT(invalid_message([&] { place(load, layout, o); }), HasSubstr("balanced policy only"));
 }
 
 }  // namespace

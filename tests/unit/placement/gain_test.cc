@@ -11,21 +11,13 @@
 #include <vector>
 
 #include "eplb/core/error.h"
+#include "unit/invalid_message.h"
 
 namespace eplb::placement {
 namespace {
 
 using ::testing::HasSubstr;
-
-template <typename F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const InvalidArgument& e) {
-    return e.what();
-  }
-  return "no error";
-}
+using eplb::test_util::invalid_message;
 
 CostModel linear(double rank_us, double slot_us, double token_us) {
   CostModel m;
@@ -74,10 +66,11 @@ TEST(ModeledStep, DenseLayersAndSlotsThatDoNotServeAreLeftOut) {
   // Rank 1 serves nothing: it takes no part (its rank_us is not paid).
   usable = {1, 1, 1, 1, 1, 1, 0, 0};
   EXPECT_DOUBLE_EQ(modeled_step_us(m, load, p, kLayout, usable), 75);
-  EXPECT_THAT(error_of([&] { modeled_step_us(m, load, p, kLayout, std::vector<uint8_t>(3)); }),
-              HasSubstr("usable has 3 entries, expected 8"));
+  EXPECT_THAT(
+      invalid_message([&] { modeled_step_us(m, load, p, kLayout, std::vector<uint8_t>(3)); }),
+      HasSubstr("usable has 3 entries, expected 8"));
   LoadMatrix wrong(1, 3);
-  EXPECT_THAT(error_of([&] { modeled_step_us(m, wrong, p, kLayout); }),
+  EXPECT_THAT(invalid_message([&] { modeled_step_us(m, wrong, p, kLayout); }),
               HasSubstr("do not fit together"));
 }
 
@@ -108,16 +101,18 @@ TEST(DecideRebalance, SkipsWhenTheGainDoesNotPayItsPrice) {
 TEST(DecideRebalance, BadInputIsNamed) {
   const double inf = std::numeric_limits<double>::infinity();
   for (const double g : {-1.0, std::nan(""), inf}) {
-    EXPECT_THAT(error_of([&] { decide_rebalance(1, 1, 1, {}, g); }), HasSubstr("min_gain is"))
+    EXPECT_THAT(invalid_message([&] { decide_rebalance(1, 1, 1, {}, g); }),
+                HasSubstr("min_gain is"))
         << g;
   }
-  EXPECT_THAT(error_of([] { check_min_gain(-0.5, "--min-gain"); }),
+  EXPECT_THAT(invalid_message([] { check_min_gain(-0.5, "--min-gain"); }),
               HasSubstr("--min-gain is -0.5 (must be a finite number >= 0"));
-  EXPECT_THAT(error_of([] { decide_rebalance(1, 1, 0, {}, 1); }), HasSubstr("steps is 0"));
-  EXPECT_THAT(error_of([] { decide_rebalance(-1, 1, 1, {}, 1); }), HasSubstr("current_us is -1"));
-  EXPECT_THAT(error_of([] { decide_rebalance(1, 1, 1, {.bytes = -5}, 1); }),
+  EXPECT_THAT(invalid_message([] { decide_rebalance(1, 1, 0, {}, 1); }), HasSubstr("steps is 0"));
+  EXPECT_THAT(invalid_message([] { decide_rebalance(-1, 1, 1, {}, 1); }),
+              HasSubstr("current_us is -1"));
+  EXPECT_THAT(invalid_message([] { decide_rebalance(1, 1, 1, {.bytes = -5}, 1); }),
               HasSubstr("bytes is -5"));
-  EXPECT_THAT(error_of([&] { decide_rebalance(1, 1, 1, {.bytes_per_s = inf}, 1); }),
+  EXPECT_THAT(invalid_message([&] { decide_rebalance(1, 1, 1, {.bytes_per_s = inf}, 1); }),
               HasSubstr("bytes_per_s is inf"));
 }
 

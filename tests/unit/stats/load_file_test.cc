@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "eplb/core/error.h"
+#include "unit/invalid_message.h"
 
 namespace eplb::stats {
 namespace {
@@ -22,20 +23,7 @@ namespace fs = std::filesystem;
 
 constexpr char kTracePath[] = EPLB_SOURCE_DIR "/data/flame-moe-290m/routing_top6.csv";
 
-// The message of the InvalidArgument that `fn` throws ("" and a test failure if it throws none).
-template <typename Fn>
-std::string invalid_message(Fn&& fn) {
-  try {
-    fn();
-  } catch (const InvalidArgument& e) {
-    return e.what();
-  } catch (const std::exception& e) {
-    ADD_FAILURE() << "threw something other than InvalidArgument: " << e.what();
-    return "";
-  }
-  ADD_FAILURE() << "did not throw";
-  return "";
-}
+using eplb::test_util::invalid_message;
 
 std::string parse_error(std::string_view content, std::string_view source = "f",
                         LoadFormat format = LoadFormat::kAuto, int64_t experts = 0) {

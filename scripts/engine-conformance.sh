@@ -40,6 +40,26 @@ case "$only" in ""|vllm|sglang) ;; *) echo "engine-conformance: --only $only is 
 
 "$root/scripts/install-deps.sh"
 
+# vLLM's test FILE in $work/DIR, run with vLLM's sources and `env ENV...` (settings, or -u
+# NAME to unset one), the test DESELECT left out ("": none), its output in $work/LOG.log; says
+# "vllm V FILE, LABEL: every test [but DESELECT] passed" or FAILED (and sets failed=1).
+vllm_pytest() {
+  local dir=$1 file=$2 label=$3 log=$4 deselect=$5
+  shift 5
+  local args=() scope="every test"
+  if [ -n "$deselect" ]; then
+    args=(--deselect "$file::$deselect")
+    scope="every test but $deselect"
+  fi
+  if (cd "$work/$dir" && env "$@" PYTHONPATH="$src" "$venv/bin/python" -m pytest -q \
+        -p no:cacheprovider "$file" "${args[@]}" 2>&1 | tee "$work/$log.log" | tail -n 3); then
+    echo "vllm $vllm_version $file, $label: $scope passed"
+  else
+    echo "vllm $vllm_version $file, $label: FAILED"
+    failed=1
+  fi
+}
+
 # The newest release of a package on the index, or nothing when the index cannot be reached.
 latest() {
   timeout 120 "$python" -m pip index versions "$1" 2>/dev/null | sed -n 's/^[^ ]* (\(.*\))$/\1/p' | head -n 1
@@ -105,18 +125,10 @@ PY
   cp "$src/tests/distributed/test_eplb_algo.py" "$work/vllm-tests/"
   cp "$root/scripts/conformance/vllm_conftest.py" "$work/vllm-tests/conftest.py"
   for mode in deepseek sticky balanced; do
-    deselect=()
-    [ "$mode" = deepseek ] || deselect=(--deselect test_eplb_algo.py::test_basic_rebalance)
-    if (cd "$work/vllm-tests" && EPLB_VLLM_POLICY=$mode PYTHONPATH="$src" \
-          "$venv/bin/python" -m pytest -q -p no:cacheprovider test_eplb_algo.py \
-          "${deselect[@]}" 2>&1 | tee "$work/vllm-$mode.log" | tail -n 3); then
-      scope="every test"
-      [ ${#deselect[@]} -eq 0 ] || scope="every test but test_basic_rebalance"
-      echo "vllm $vllm_version test_eplb_algo.py, EPLB_VLLM_POLICY=$mode: $scope passed"
-    else
-      echo "vllm $vllm_version test_eplb_algo.py, EPLB_VLLM_POLICY=$mode: FAILED"
-      failed=1
-    fi
+    deselect=""
+    [ "$mode" = deepseek ] || deselect=test_basic_rebalance
+    vllm_pytest vllm-tests test_eplb_algo.py "EPLB_VLLM_POLICY=$mode" "vllm-$mode" "$deselect" \
+      EPLB_VLLM_POLICY="$mode"
   done
 
   # The migration scheduler (vLLM 0.34 and later), with vLLM's own and with eplb's in its place.
@@ -126,24 +138,11 @@ PY
     cp "$scheduler_tests" "$work/vllm-scheduler-tests/"
     cp "$root/scripts/conformance/vllm_scheduler_conftest.py" \
       "$work/vllm-scheduler-tests/conftest.py"
-    for scheduler in vllm eplb; do
-      deselect=() setting=(env -u EPLB_VLLM_SCHEDULER) label="EPLB_VLLM_SCHEDULER unset"
-      if [ "$scheduler" = eplb ]; then
-        deselect=(--deselect
-          test_eplb_migration_scheduler.py::test_schedule_migration_batches_is_deterministic)
-        setting=(env EPLB_VLLM_SCHEDULER=eplb) label="EPLB_VLLM_SCHEDULER=eplb"
-      fi
-      if (cd "$work/vllm-scheduler-tests" && "${setting[@]}" PYTHONPATH="$src" \
-            "$venv/bin/python" -m pytest -q -p no:cacheprovider test_eplb_migration_scheduler.py \
-            "${deselect[@]}" 2>&1 | tee "$work/vllm-scheduler-$scheduler.log" | tail -n 3); then
-        scope="every test"
-        [ ${#deselect[@]} -eq 0 ] || scope="every test but test_schedule_migration_batches_is_deterministic"
-        echo "vllm $vllm_version test_eplb_migration_scheduler.py, $label: $scope passed"
-      else
-        echo "vllm $vllm_version test_eplb_migration_scheduler.py, $label: FAILED"
-        failed=1
-      fi
-    done
+    vllm_pytest vllm-scheduler-tests test_eplb_migration_scheduler.py \
+      "EPLB_VLLM_SCHEDULER unset" vllm-scheduler-vllm "" -u EPLB_VLLM_SCHEDULER
+    vllm_pytest vllm-scheduler-tests test_eplb_migration_scheduler.py \
+      "EPLB_VLLM_SCHEDULER=eplb" vllm-scheduler-eplb \
+      test_schedule_migration_batches_is_deterministic EPLB_VLLM_SCHEDULER=eplb
   else
     echo "vllm $vllm_version has no tests/distributed/test_eplb_migration_scheduler.py (it" \
          "predates the migration scheduler): eplb's drop-in for it was not checked"

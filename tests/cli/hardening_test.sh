@@ -111,11 +111,12 @@ expect_error forward-inf "--forward-ms inf must be a number" \
 # Options that size memory or time, estimated before any rank starts and refused naming the
 # option, the estimate and the limit (under a 12 GB address-space limit, so that a missing
 # check ends in the message, not in the machine's memory).
-# AddressSanitizer reserves terabytes of address space for its shadow at start-up, which no such
-# limit allows: a sanitized build leaves these cases to the plain build.
+# AddressSanitizer and ThreadSanitizer reserve terabytes of address space for their shadow at
+# start-up, which no such limit allows: such a build (EPLB_SANITIZE, set by tests/CMakeLists.txt)
+# leaves these cases to the plain build.
 limited=(bash -c 'ulimit -v 12000000; exec "$@"' limited)
-if ldd "$eplb" 2>/dev/null | grep -q libasan; then
-  echo "hardening: the address-space-limited cases are skipped under AddressSanitizer"
+if [[ ",${EPLB_SANITIZE:-}," =~ ,(address|thread|memory), ]]; then
+  echo "hardening: the address-space-limited cases are skipped under EPLB_SANITIZE=$EPLB_SANITIZE"
 else
 expect_error run-tokens-memory "--tokens-per-rank 100000000 .* needs at least [0-9.]+ GiB of memory, more than the [0-9.]+ GiB this process can have" \
   "${limited[@]}" "$eplb" run --tokens-per-rank 100000000 --steps 2 --ranks 2

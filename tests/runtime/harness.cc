@@ -493,6 +493,9 @@ RankResult run_rank(const Scenario& s, int rank, const std::string& rendezvous,
     const int64_t failed = std::count_if(history.begin(), history.end(), [](const auto& r) {
       return r.outcome == Outcome::kFailed;
     });
+    const int64_t skipped = std::count_if(history.begin(), history.end(), [](const auto& r) {
+      return r.outcome == Outcome::kSkipped;
+    });
     // Invariant 3: nothing allocated or connected since connect().
     if (transport.allocations() != allocations || transport.imports() != imports ||
         rb.bytes_held() != held) {
@@ -524,7 +527,10 @@ RankResult run_rank(const Scenario& s, int rank, const std::string& rendezvous,
     result.steps = step + 1;
     // The end: the same step on every rank, since the histories are the same.
     const bool expect_failure = s.fail_rank >= 0 || s.kill_rank >= 0 || s.drop_results_from >= 0;
-    if (completed >= s.completed && !expect_failure && !s.stop_mid_rebalance) break;
+    if (completed >= s.completed && skipped >= s.skipped && !expect_failure &&
+        !s.stop_mid_rebalance) {
+      break;
+    }
     if (expect_failure && failure_step < 0 && failed > 0) {
       failure_step = step;
     }

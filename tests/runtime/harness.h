@@ -45,9 +45,10 @@ struct Scenario {
   Carrier carrier = Carrier::kControl;
   int64_t drop_results_from = -1;  // kSharedMemory: results of steps >= this never come
 
-  // The loop ends at the first step at which `completed` rebalances have completed (the same
-  // step on every rank), or after max_steps.
+  // The loop ends at the first step at which `completed` rebalances have completed and
+  // `skipped` have been skipped (the same step on every rank), or after max_steps.
   int64_t completed = 4;
+  int64_t skipped = 0;
   int64_t max_steps = 5000;
 
   uint64_t seed = 1;

@@ -11,25 +11,14 @@
 #include <vector>
 
 #include "eplb/core/error.h"
+#include "unit/invalid_message.h"
 
 namespace eplb::stats {
 namespace {
 
 namespace fs = std::filesystem;
 
-template <typename Fn>
-std::string invalid_message(Fn&& fn) {
-  try {
-    fn();
-  } catch (const InvalidArgument& e) {
-    return e.what();
-  } catch (const std::exception& e) {
-    ADD_FAILURE() << "threw something other than InvalidArgument: " << e.what();
-    return "";
-  }
-  ADD_FAILURE() << "did not throw";
-  return "";
-}
+using eplb::test_util::invalid_message;
 
 std::string parse_error(std::string_view content, int64_t min_experts = 0) {
   return invalid_message([&] { parse_placement(content, min_experts, "p.json"); });

@@ -6,9 +6,9 @@
 set -u
 eplb=$1
 src=$2
-# The bundled trace (64 experts) rather than the default workload: these checks are of the
-# metrics, and must stay quick under the sanitizers.
-small=(--trace "$src/data/flame-moe-290m/routing_top6.csv")
+# The bundled trace (64 experts) and small experts rather than the default workload: these
+# checks are of the metrics, and must stay quick under the sanitizers (ThreadSanitizer too).
+small=(--trace "$src/data/flame-moe-290m/routing_top6.csv" --hidden 64 --intermediate 64)
 py=/usr/bin/python3
 . "$(dirname "$0")/lib.sh"
 trap 'kill $(jobs -p) 2>/dev/null; rm -rf "$tmp"' EXIT

@@ -37,7 +37,6 @@ class AsyncProtocol {
 
   // ---- The rebalance in flight (forward thread).
   Active* active() const { return active_.get(); }
-  const std::shared_ptr<Active>& active_shared() const { return active_; }
   // Hands `active` to the protocol; the worker has it already.
   void start(std::shared_ptr<Active> active) { active_ = std::move(active); }
   // Tells the worker that layer `installed` - 1 is installed everywhere (it stages the next).

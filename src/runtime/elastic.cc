@@ -326,7 +326,7 @@ void Rebalancer::Impl::exchange_membership(const Membership& membership, bool jo
                  seat_, list);
   }
   for (int64_t l = 0; l < spec_.layers; ++l) {
-    tables_[l] = build_tables(now, l, false);
+    tables_[l] = build_tables(now, l);
     write_maps(l);
   }
 }

@@ -13,9 +13,11 @@ namespace eplb::runtime {
 GroupState::GroupState(const Layout& layout, int64_t layers, bool joining)
     : ranks_(layout.ranks),
       physical_(layout.physical),
+      slots_per_rank_(layout.slots_per_rank()),
       members_(static_cast<size_t>(layout.ranks)),
       usable_(static_cast<size_t>(layers * layout.physical), joining ? 0 : 1) {
   for (int32_t g = 0; g < layout.ranks; ++g) members_[static_cast<size_t>(g)] = g;
+  compact_ = CompactSlots(members_, slots_per_rank_, ranks_);
 }
 
 std::span<const uint8_t> GroupState::usable_row(int64_t layer) const {
@@ -35,6 +37,7 @@ void GroupState::adopt(std::vector<int32_t> members, std::vector<uint8_t> usable
   EPLB_CHECK(std::is_sorted(members.begin(), members.end()), "members must be ascending");
   EPLB_CHECK_EQ(usable.size(), usable_.size(), "usable slots must be [layers][physical]");
   members_ = std::move(members);
+  compact_ = CompactSlots(members_, slots_per_rank_, ranks_);
   usable_ = std::move(usable);
   repair_pending_ = repair;
   repair_failed_ = false;

@@ -18,6 +18,7 @@
 
 #include "eplb/core/types.h"
 #include "eplb/runtime/record.h"
+#include "runtime/compact_slots.h"
 #include "runtime/compute.h"
 
 namespace eplb::runtime {
@@ -32,6 +33,9 @@ class GroupState {
 
   // ---- Members and usable slots (forward thread).
   const std::vector<int32_t>& members() const { return members_; }  // seats, ascending
+  // The engine's numbering of the members' slots (compact_slots.h), rebuilt with the members:
+  // record_pass() reads it every pass.
+  const CompactSlots& compact() const { return compact_; }
   bool all_members() const { return static_cast<int64_t>(members_.size()) == ranks_; }
   const std::vector<uint8_t>& usable() const { return usable_; }  // [layers][physical]
   std::span<const uint8_t> usable_row(int64_t layer) const;        // [physical]
@@ -79,7 +83,9 @@ class GroupState {
  private:
   int64_t ranks_;
   int64_t physical_;
+  int64_t slots_per_rank_;
   std::vector<int32_t> members_;  // seats of the group, ascending
+  CompactSlots compact_;          // of members_
   std::vector<uint8_t> usable_;   // [layers][physical]: the slot holds its expert's weights
   bool repair_pending_ = false;   // reconfigure() asks for a repair rebalance
   bool repair_failed_ = false;    // one failed since: retried at intervals only

@@ -99,7 +99,7 @@ class Rebalancer::Impl {
   void exchange_membership(const Membership& membership, bool joining);
   // Trigger and records (trigger.cc, records.cc).
   bool should_trigger() const;
-  CompactSlots compact_slots() const;
+  const CompactSlots& compact_slots() const;
   void open_record();
   void fill_plan_figures(const RebalancePlan& plan);
   void close_open(std::optional<Failure> raise);
@@ -128,8 +128,7 @@ class Rebalancer::Impl {
   std::vector<int64_t> await(std::future<CollectiveResult> future);
   // Install (install.cc).
   void install(RebalancePlan& plan, int64_t k);
-  routing::DispatchTables build_tables(const Placement& placement, int64_t layer,
-                                       bool after_install) const;
+  routing::DispatchTables build_tables(const Placement& placement, int64_t layer) const;
   void write_maps(int64_t layer) const;
 
   // Immutable after construction / connect(), or replaced by reconfigure() on the forward

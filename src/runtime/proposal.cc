@@ -111,9 +111,7 @@ std::optional<Failure> proposal_refused(const Active& active) {
 }
 
 // ---------------------------------------------------------------- the runtime's entry
-CompactSlots Rebalancer::Impl::compact_slots() const {
-  return CompactSlots(group_.members(), config_.layout.slots_per_rank(), config_.layout.ranks);
-}
+const CompactSlots& Rebalancer::Impl::compact_slots() const { return group_.compact(); }
 
 // Forward thread: checked now, taken by the next step_end()'s trigger (trigger.cc, sync.cc).
 void Rebalancer::Impl::propose(const Placement& placement) {

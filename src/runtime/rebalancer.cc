@@ -84,7 +84,7 @@ Rebalancer::Impl::Impl(Config config, WeightSpec spec, int seat, const Placement
       joining ? trivial_placement(spec_.layers, layout.experts, layout.physical) : *initial;
   phy2log_ = start.phy2log;
   tables_.reserve(static_cast<size_t>(spec_.layers));
-  for (int64_t l = 0; l < spec_.layers; ++l) tables_.push_back(build_tables(start, l, false));
+  for (int64_t l = 0; l < spec_.layers; ++l) tables_.push_back(build_tables(start, l));
   // Last, once everything is valid: nothing in the engine's registry from a refused config.
   // The monitor exists from here on, so collect_metrics() (any thread) never races its start.
   metrics_ = std::make_unique<RuntimeMetrics>(config_.registry, seat_, config_.metric_labels);
@@ -311,25 +311,17 @@ std::vector<prometheus::MetricFamily> Rebalancer::Impl::collect_metrics() const 
   return metrics_->registry()->Collect();
 }
 
-// The tables of `layer` of `placement` routing only to usable slots (usable now, or the
-// members' slots all, `after_install`).
-routing::DispatchTables Rebalancer::Impl::build_tables(const Placement& placement, int64_t layer,
-                                                       bool after_install) const {
+// The tables of `layer` of `placement` routing only to the slots usable now.
+routing::DispatchTables Rebalancer::Impl::build_tables(const Placement& placement,
+                                                       int64_t layer) const {
   const Layout& layout = config_.layout;
-  const bool all_members = group_.all_members();
   const std::span<const uint8_t> row = group_.usable_row(layer);
   const bool all_usable = std::all_of(row.begin(), row.end(), [](uint8_t u) { return u != 0; });
-  if (all_members && (after_install || all_usable)) {
+  if (group_.all_members() && all_usable) {
     return routing::build_dispatch_tables(placement, layer, layout);
   }
-  std::vector<uint8_t> usable(row.begin(), row.end());
-  if (after_install) {
-    const int64_t spr = layout.slots_per_rank();
-    for (int64_t p = 0; p < layout.physical; ++p) {
-      usable[p] = weights_.member(static_cast<int>(p / spr));
-    }
-  }
-  return routing::build_dispatch_tables(placement, layer, layout, {}, usable);
+  return routing::build_dispatch_tables(placement, layer, layout, {},
+                                        std::vector<uint8_t>(row.begin(), row.end()));
 }
 
 Rebalancer::Rebalancer(Config config, control::Communicator& communicator,

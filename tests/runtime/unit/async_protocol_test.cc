@@ -5,9 +5,11 @@
 
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <thread>
 #include <vector>
 
@@ -38,6 +40,19 @@ TEST(ExternalAgreement, AResultWaitsInItsSlotUntilTakenAndAStaleOneNeverHidesANe
 
 TEST(ExternalAgreement, TakeWaitsForAResultHandedInOnAnotherThread) {
   ExternalAgreement ring(1);
+  {
+    // Handed in only after the take has begun (and, but for a very slow start, waits): a take
+    // that did not wait would find nothing.
+    std::atomic<bool> taking{false};
+    std::thread late([&] {
+      while (!taking.load()) std::this_thread::yield();
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      ring.hand_in(0, 100);
+    });
+    taking.store(true);
+    EXPECT_EQ(ring.take(0, std::chrono::minutes(1)).value_or(-1), 100);
+    late.join();
+  }
   std::thread engine([&] {
     for (int64_t s = 0; s < 50; ++s) ring.hand_in(s, 100 + s);
   });
@@ -162,10 +177,18 @@ TEST(AsyncProtocol, TheWorkerIsHandedEachInstalledLayerAndCancelled) {
   auto active = std::make_shared<Active>();
   p.start(active);
   p.contribute(1, nullptr);
+  bool waiting = false;  // under active->mu
   std::thread worker([&] {  // as run_job waits between layers
     std::unique_lock<std::mutex> lock(active->mu);
+    waiting = true;
     active->cv.wait(lock, [&] { return active->installed >= 2 || active->cancel.load(); });
   });
+  // The worker holds the mutex until it waits: from then on only a notify wakes it (without
+  // one, the test hangs to its timeout).
+  for (;;) {
+    const std::lock_guard<std::mutex> lock(active->mu);
+    if (waiting) break;
+  }
   AsyncProtocol::hand_over(*active, 1);
   AsyncProtocol::hand_over(*active, 2);
   worker.join();
